@@ -1,0 +1,16 @@
+"""linattn: linear attention for PyTorch — operators, feature maps, models and tools."""
+
+from .feature_maps import FEATURE_MAPS, make_feature_map
+from .ops import linear_attention, linear_attention_step, softmax_attention
+from .positional import RotaryEmbedding
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "FEATURE_MAPS",
+    "RotaryEmbedding",
+    "linear_attention",
+    "linear_attention_step",
+    "make_feature_map",
+    "softmax_attention",
+]

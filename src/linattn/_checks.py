@@ -1,0 +1,91 @@
+"""Argument checks shared by the operators: each error names the argument, what was expected and
+what came, so a user never sees a bare broadcasting error from deep inside."""
+
+from __future__ import annotations
+
+import torch
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def check_tensor(name: str, x, ndim: int | None = None) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if ndim is not None and x.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dimensions (B, H, N, D), got shape {tuple(x.shape)}")
+
+
+def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """q: (B, H, Nq, Dq), k: (B, H, Nk, Dq), v: (B, H, Nk, E); same dtype and device."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        check_tensor(name, x, 4)
+        if x.dtype not in FLOAT_DTYPES:
+            raise TypeError(f"{name} must be a floating tensor, got dtype {x.dtype}")
+    for name, x in (("k", k), ("v", v)):
+        if x.dtype != q.dtype:
+            raise TypeError(f"{name}.dtype must equal q.dtype ({q.dtype}), got {x.dtype}")
+        if x.device != q.device:
+            raise ValueError(f"{name} must be on q's device ({q.device}), got {x.device}")
+        if x.shape[:2] != q.shape[:2]:
+            raise ValueError(
+                f"{name} batch and heads (B, H) must match q's {tuple(q.shape[:2])}, got {tuple(x.shape[:2])}"
+            )
+    if k.shape[2] != v.shape[2]:
+        raise ValueError(f"v must have the same sequence length as k ({k.shape[2]}), got {v.shape[2]}")
+    if k.shape[3] != q.shape[3]:
+        raise ValueError(f"k head dim must equal q's ({q.shape[3]}), got {k.shape[3]}")
+
+
+def check_positive_int(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+def check_key_padding_mask(mask, batch: int, length: int, device: torch.device) -> None:
+    """mask: (B, N) bool, True where the key is a real token that takes part in attention."""
+    if mask is None:
+        return
+    check_tensor("key_padding_mask", mask)
+    if mask.dtype != torch.bool:
+        raise TypeError(f"key_padding_mask must be a bool tensor (True = keep), got dtype {mask.dtype}")
+    if tuple(mask.shape) != (batch, length):
+        raise ValueError(f"key_padding_mask must have shape (B, N) = {(batch, length)}, got {tuple(mask.shape)}")
+    if mask.device != device:
+        raise ValueError(f"key_padding_mask must be on {device}, got {mask.device}")
+
+
+def check_positions(positions, batch: int, length: int, device: torch.device) -> None:
+    """positions: (N,) or (B, N) integer tensor of absolute token indices."""
+    if positions is None:
+        return
+    check_tensor("positions", positions)
+    if positions.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"positions must be an integer tensor, got dtype {positions.dtype}")
+    if tuple(positions.shape) not in ((length,), (batch, length)):
+        raise ValueError(
+            f"positions must have shape (N,) = ({length},) or (B, N) = {(batch, length)}, "
+            f"got {tuple(positions.shape)}"
+        )
+    if positions.device != device:
+        raise ValueError(f"positions must be on {device}, got {positions.device}")
+
+
+def check_state(state, batch: int, heads: int, feat: int, value: int, device: torch.device) -> None:
+    """state: (kv: (B, H, F, E), z: (B, H, F)), floating, on the inputs' device."""
+    if not (isinstance(state, (tuple, list)) and len(state) == 2):
+        raise TypeError(f"initial_state must be a tuple (kv, z), got {type(state).__name__}")
+    kv, z = state
+    check_tensor("initial_state[0] (kv)", kv)
+    check_tensor("initial_state[1] (z)", z)
+    if tuple(kv.shape) != (batch, heads, feat, value):
+        raise ValueError(
+            f"initial_state kv must have shape (B, H, F, E) = {(batch, heads, feat, value)}, got {tuple(kv.shape)}"
+            + (f" (F of the state {kv.shape[2]} != F of the features {feat})" if kv.dim() == 4 and kv.shape[2] != feat else "")
+        )
+    if tuple(z.shape) != (batch, heads, feat):
+        raise ValueError(f"initial_state z must have shape (B, H, F) = {(batch, heads, feat)}, got {tuple(z.shape)}")
+    for name, t in (("kv", kv), ("z", z)):
+        if not t.is_floating_point():
+            raise TypeError(f"initial_state {name} must be floating, got {t.dtype}")
+        if t.device != device:
+            raise ValueError(f"initial_state {name} must be on {device}, got {t.device}")

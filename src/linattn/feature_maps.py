@@ -1,0 +1,294 @@
+"""Feature maps φ for linear attention (DESIGN §5), one interface for all.
+
+A feature map is an nn.Module built for a head dim D with a known output dim `feature_dim` (F):
+
+    forward(x, *, is_query: bool, positions: Tensor | None = None) -> (…, N, F)
+
+x: (…, N, D). `positions` ((N,) or (B, N) absolute token indices) is used by maps with
+`needs_positions = True` (cosFormer). Randomness (FAVOR+, trigonometric features) lives in buffers,
+saved with the model, drawn from a seed, redrawn only on request or every `redraw_interval`
+training-mode calls, never in eval. `make_feature_map(name, head_dim, **options)` builds one by name
+from the plain dict FEATURE_MAPS.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .positional import broadcast_positions
+
+
+class FeatureMap(nn.Module):
+    """Base class: stores head_dim; subclasses set feature_dim and implement forward."""
+
+    needs_positions = False
+
+    def __init__(self, head_dim: int):
+        super().__init__()
+        if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim <= 0:
+            raise ValueError(f"head_dim must be a positive int, got {head_dim!r}")
+        self.head_dim = head_dim
+        self.feature_dim = head_dim
+
+    def _check(self, x: torch.Tensor) -> None:
+        if x.shape[-1] != self.head_dim:
+            raise ValueError(f"{type(self).__name__}(head_dim={self.head_dim}) got inputs of last dim {x.shape[-1]}")
+
+    def extra_repr(self) -> str:
+        return f"head_dim={self.head_dim}, feature_dim={self.feature_dim}"
+
+
+class EluPlusOne(FeatureMap):
+    """φ(x) = elu(x) + 1 (Katharopoulos et al. 2020). F = D; strictly positive."""
+
+    def forward(self, x, *, is_query: bool = True, positions=None):
+        self._check(x)
+        return F.elu(x) + 1
+
+
+class ReLUFeatureMap(FeatureMap):
+    """φ(x) = relu(x) + eps. F = D. With eps = 0 an all-negative key gives a zero row and a query
+    orthogonal to all keys a zero denominator; the operator's ε then keeps the output finite (0)."""
+
+    def __init__(self, head_dim: int, eps: float = 1e-6):
+        super().__init__(head_dim)
+        if eps < 0:
+            raise ValueError(f"eps must be >= 0, got {eps}")
+        self.eps = float(eps)
+
+    def forward(self, x, *, is_query: bool = True, positions=None):
+        self._check(x)
+        f = F.relu(x)
+        return f + self.eps if self.eps else f
+
+
+def orthogonal_gaussian(m: int, d: int, *, orthogonal: bool, generator: torch.Generator) -> torch.Tensor:
+    """ω: (m, d). Orthogonal: rows orthogonal within blocks of d (QR of a Gaussian d×d matrix), each
+    row's norm drawn from chi(d) (the norm of a d-dim Gaussian), so every row is marginally N(0, I)
+    (Performer, Choromanski et al. 2021, §4). Otherwise i.i.d. Gaussian rows."""
+    if not orthogonal:
+        return torch.randn(m, d, generator=generator, dtype=torch.float64)
+    blocks = []
+    for _ in range(math.ceil(m / d)):
+        g = torch.randn(d, d, generator=generator, dtype=torch.float64)
+        qmat, rmat = torch.linalg.qr(g)
+        qmat = qmat * torch.sign(torch.diagonal(rmat))  # Haar-uniform
+        blocks.append(qmat.T)
+    w = torch.cat(blocks)[:m]
+    norms = torch.randn(m, d, generator=generator, dtype=torch.float64).norm(dim=1)
+    return w * norms[:, None]
+
+
+class _RandomFeatures(FeatureMap):
+    """Shared machinery for random-feature maps: ω buffer, seeded redraws, redraw schedule."""
+
+    def __init__(self, head_dim: int, num_features: int | None, orthogonal: bool, seed: int, redraw_interval: int | None):
+        super().__init__(head_dim)
+        m = head_dim if num_features is None else num_features
+        if isinstance(m, bool) or not isinstance(m, int) or m <= 0:
+            raise ValueError(f"num_features must be a positive int, got {num_features!r}")
+        if redraw_interval is not None and (not isinstance(redraw_interval, int) or redraw_interval <= 0):
+            raise ValueError(f"redraw_interval must be a positive int or None, got {redraw_interval!r}")
+        self.num_features = m
+        self.orthogonal = orthogonal
+        self.seed = int(seed)
+        self.redraw_interval = redraw_interval
+        self.register_buffer("omega", torch.empty(m, head_dim))
+        self.register_buffer("draws", torch.zeros((), dtype=torch.long))
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+        self.redraw()
+        self.draws.zero_()
+
+    @torch.no_grad()
+    def redraw(self, generator: torch.Generator | None = None) -> None:
+        """Draw a new ω. Without a generator the k-th draw uses seed + k, so runs are reproducible."""
+        if generator is None:
+            generator = torch.Generator().manual_seed(self.seed + int(self.draws))
+        w = orthogonal_gaussian(self.num_features, self.head_dim, orthogonal=self.orthogonal, generator=generator)
+        self.omega.copy_(w.to(self.omega.dtype))
+        self.draws += 1
+
+    def _maybe_redraw(self, is_query: bool) -> None:
+        if self.training and self.redraw_interval is not None and is_query:
+            if int(self.calls) > 0 and int(self.calls) % self.redraw_interval == 0:
+                self.redraw()
+            self.calls += 1
+
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x scaled by D^(−1/4), in float32 at least: returns (x', ω x')."""
+        self._check(x)
+        dt = torch.float64 if x.dtype == torch.float64 else torch.float32
+        xs = x.to(dt) * self.head_dim ** -0.25
+        return xs, xs @ self.omega.to(dt).T
+
+    def extra_repr(self) -> str:
+        return (f"head_dim={self.head_dim}, num_features={self.num_features}, orthogonal={self.orthogonal}, "
+                f"seed={self.seed}, redraw_interval={self.redraw_interval}")
+
+
+class FavorPlus(_RandomFeatures):
+    """FAVOR+ positive random features (Performer, Choromanski et al. 2021):
+
+        φ(x) = exp(ω x − ‖x‖²/2) / √m,   x ← x·D^(−1/4),   E[φ(q)ᵀφ(k)] = exp(qᵀk/√D).
+
+    F = m. Stabilization (stabilize=True), exact in normalized attention and causal-safe: each
+    feature i is multiplied by e^{+‖ω_i‖²/2} on queries and e^{−‖ω_i‖²/2} on keys (the product is
+    unchanged), so a key's exponent is −‖x−ω_i‖²/2 ≤ 0 and cannot overflow, with no dependence on
+    other tokens; each query's exponents are then shifted by their own maximum, a per-query constant
+    that cancels between numerator and denominator. With normalize=False use stabilize=False.
+    Computed in float32 (float64 for float64 inputs), returned in that dtype.
+    """
+
+    def __init__(self, head_dim: int, num_features: int | None = None, *, orthogonal: bool = True, seed: int = 0,
+                 redraw_interval: int | None = None, stabilize: bool = True):
+        super().__init__(head_dim, num_features, orthogonal, seed, redraw_interval)
+        self.feature_dim = self.num_features
+        self.stabilize = stabilize
+
+    def forward(self, x, *, is_query: bool = True, positions=None):
+        self._maybe_redraw(is_query)
+        xs, wx = self._project(x)
+        expo = wx - 0.5 * (xs * xs).sum(-1, keepdim=True)
+        if self.stabilize:
+            half = 0.5 * (self.omega.to(wx.dtype) ** 2).sum(-1)
+            if is_query:
+                expo = expo + half
+                expo = expo - expo.amax(-1, keepdim=True).detach()
+            else:
+                expo = expo - half
+        return torch.exp(expo) / math.sqrt(self.num_features)
+
+
+class TrigRandomFeatures(_RandomFeatures):
+    """Trigonometric random features (Performer's baseline, Rahimi & Recht 2007):
+
+        φ(x) = exp(‖x‖²/2)/√m · [sin ωx, cos ωx],  x ← x·D^(−1/4),  E[φ(q)ᵀφ(k)] = exp(qᵀk/√D).
+
+    F = 2m. Features can be negative, so denominators can be near zero or negative: that is the
+    known weakness FAVOR+ fixes. With stabilize=True the query factor exp(‖q‖²/2), a per-query
+    constant, is dropped (exact in normalized attention).
+    """
+
+    def __init__(self, head_dim: int, num_features: int | None = None, *, orthogonal: bool = True, seed: int = 0,
+                 redraw_interval: int | None = None, stabilize: bool = True):
+        super().__init__(head_dim, num_features, orthogonal, seed, redraw_interval)
+        self.feature_dim = 2 * self.num_features
+        self.stabilize = stabilize
+
+    def forward(self, x, *, is_query: bool = True, positions=None):
+        self._maybe_redraw(is_query)
+        xs, wx = self._project(x)
+        f = torch.cat((torch.sin(wx), torch.cos(wx)), dim=-1) / math.sqrt(self.num_features)
+        if is_query and self.stabilize:
+            return f
+        return f * torch.exp(0.5 * (xs * xs).sum(-1, keepdim=True))
+
+
+class CosFormer(FeatureMap):
+    """cosFormer (Qin et al. 2022): relu features re-weighted by cos(π(i−j)/(2M)), split with
+    cos(a−b) = cos a cos b + sin a sin b into
+
+        φ(x_i) = [relu(x_i)·cos(πi/2M), relu(x_i)·sin(πi/2M)],   F = 2D,
+
+    so φ(q_i)ᵀφ(k_j) = relu(q_i)ᵀrelu(k_j)·cos(π(i−j)/2M). M (max_len) is fixed in advance so causal,
+    recurrent and sharded use agree; positions must lie in [0, M).
+    """
+
+    needs_positions = True
+
+    def __init__(self, head_dim: int, max_len: int = 2048):
+        super().__init__(head_dim)
+        if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len <= 0:
+            raise ValueError(f"max_len must be a positive int, got {max_len!r}")
+        self.max_len = max_len
+        self.feature_dim = 2 * head_dim
+
+    def forward(self, x, *, is_query: bool = True, positions=None):
+        self._check(x)
+        if positions is None:
+            positions = torch.arange(x.shape[-2], device=x.device)
+        if positions.numel() and (int(positions.max()) >= self.max_len or int(positions.min()) < 0):
+            raise ValueError(
+                f"cosFormer positions must lie in [0, max_len={self.max_len}), got range "
+                f"[{int(positions.min())}, {int(positions.max())}]"
+            )
+        dt = torch.float64 if x.dtype == torch.float64 else torch.float32
+        ang = broadcast_positions(positions, x.dim()).to(dt) * (math.pi / (2 * self.max_len))
+        r = F.relu(x)
+        return torch.cat((r * torch.cos(ang).to(x.dtype), r * torch.sin(ang).to(x.dtype)), dim=-1)
+
+    def extra_repr(self) -> str:
+        return f"head_dim={self.head_dim}, max_len={self.max_len}"
+
+
+class Taylor(FeatureMap):
+    """Second-order Taylor features (Based, Arora et al. 2024):
+
+        φ(x) = [1, x/D^(1/4), vec(x xᵀ)/(√2·√D)],   φ(q)ᵀφ(k) = 1 + s + s²/2,  s = qᵀk/√D,
+
+    the 2nd-order expansion of exp(s) (always positive: 1 + s + s²/2 > 0). F = 1 + D + D², so use a
+    small q/k dim (16 gives F = 273).
+    """
+
+    def __init__(self, head_dim: int):
+        super().__init__(head_dim)
+        self.feature_dim = 1 + head_dim + head_dim * head_dim
+
+    def forward(self, x, *, is_query: bool = True, positions=None):
+        self._check(x)
+        d = self.head_dim
+        ones = torch.ones(*x.shape[:-1], 1, dtype=x.dtype, device=x.device)
+        second = (x.unsqueeze(-1) * x.unsqueeze(-2)).flatten(-2) / math.sqrt(2 * d)
+        return torch.cat((ones, x / d ** 0.25, second), dim=-1)
+
+
+class Hedgehog(FeatureMap):
+    """Hedgehog (Zhang et al. 2024): φ(x) = [softmax(Wx), softmax(−Wx)] with W (m×D) learned, F = 2m.
+
+    W starts at the identity (m = D) or a scaled Gaussian; softmax over the feature axis makes the
+    weights spiky like softmax attention's. Trained end to end (or by distillation) with the model.
+    """
+
+    def __init__(self, head_dim: int, num_features: int | None = None, *, seed: int = 0):
+        super().__init__(head_dim)
+        m = head_dim if num_features is None else num_features
+        if isinstance(m, bool) or not isinstance(m, int) or m <= 0:
+            raise ValueError(f"num_features must be a positive int, got {num_features!r}")
+        self.num_features = m
+        self.feature_dim = 2 * m
+        if m == head_dim:
+            w = torch.eye(m)
+        else:
+            w = torch.randn(m, head_dim, generator=torch.Generator().manual_seed(seed)) / math.sqrt(head_dim)
+        self.weight = nn.Parameter(w)
+
+    def forward(self, x, *, is_query: bool = True, positions=None):
+        self._check(x)
+        y = x @ self.weight.to(x.dtype).T
+        return torch.cat((torch.softmax(y, dim=-1), torch.softmax(-y, dim=-1)), dim=-1)
+
+
+FEATURE_MAPS: dict[str, type[FeatureMap]] = {
+    "elu": EluPlusOne,
+    "relu": ReLUFeatureMap,
+    "favor": FavorPlus,
+    "trig": TrigRandomFeatures,
+    "cosformer": CosFormer,
+    "taylor": Taylor,
+    "hedgehog": Hedgehog,
+}
+
+
+def make_feature_map(name: str, head_dim: int, **options) -> FeatureMap:
+    """Builds a feature map by name (a key of FEATURE_MAPS) with its options, e.g.
+    make_feature_map("favor", 64, num_features=128, seed=0)."""
+    if name not in FEATURE_MAPS:
+        raise ValueError(f"unknown feature map {name!r}; choose one of {sorted(FEATURE_MAPS)}")
+    try:
+        return FEATURE_MAPS[name](head_dim, **options)
+    except TypeError as exc:
+        raise TypeError(f"bad options for feature map {name!r}: {exc}") from None

@@ -1,0 +1,179 @@
+"""The public linear-attention operators: parallel (causal chunked or non-causal) and recurrent step.
+
+Tensors are (B, H, N, D) as in F.scaled_dot_product_attention. With feature_map=None, q and k are
+already non-negative features of dim F; otherwise φ = feature_map is applied first (and F is its
+output dim). A state is (kv: (B, H, F, E), z: (B, H, F)) in float32 (float64 for float64 inputs).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .._checks import (
+    check_key_padding_mask,
+    check_positions,
+    check_positive_int,
+    check_qkv,
+    check_state,
+)
+from ._features import Featurizer
+from .chunked import ChunkedCausalLinearAttention, compute_dtype, state_dtype
+
+State = tuple[torch.Tensor, torch.Tensor]
+
+
+def _feature_dim(feature_map, head_dim: int) -> int:
+    return head_dim if feature_map is None else feature_map.feature_dim
+
+
+def _prepare(q, k, v, *, feature_map, scale, key_padding_mask, initial_state, positions, rope):
+    """Validates the arguments shared by every form and builds the featurizer."""
+    check_qkv(q, k, v)
+    b, h, n_k, d = k.shape
+    if q.shape[2] < 1 or n_k < 1:
+        raise ValueError(f"q and k must hold at least one token, got lengths {q.shape[2]} and {n_k}")
+    if feature_map is not None:
+        if not hasattr(feature_map, "feature_dim"):
+            raise TypeError(f"feature_map must be a linattn feature map (with .feature_dim), got {type(feature_map).__name__}")
+        if getattr(feature_map, "head_dim", d) != d:
+            raise ValueError(f"feature_map expects head dim {feature_map.head_dim}, q/k have {d}")
+    if scale is not None and not isinstance(scale, (int, float)):
+        raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
+    check_key_padding_mask(key_padding_mask, b, n_k, k.device)
+    check_positions(positions, b, n_k, k.device)
+    feat = _feature_dim(feature_map, d)
+    if rope is not None and rope.dim != feat:
+        raise ValueError(f"rope dim must equal the feature dim F={feat}, got {rope.dim}")
+    if initial_state is not None:
+        check_state(initial_state, b, h, feat, v.shape[-1], q.device)
+    needs_pos = rope is not None or getattr(feature_map, "needs_positions", False)
+    if positions is None and needs_pos:
+        if initial_state is not None:
+            raise ValueError(
+                "positions are required when resuming from initial_state with RoPE or a position-dependent "
+                "feature map (pass the global token indices)"
+            )
+        positions = torch.arange(n_k, device=k.device)
+    fz = Featurizer(feature_map, rope, None if scale is None else float(scale), positions, key_padding_mask)
+    if initial_state is None:
+        sdt = state_dtype(q.dtype)
+        initial_state = (
+            torch.zeros(b, h, feat, v.shape[-1], dtype=sdt, device=q.device),
+            torch.zeros(b, h, feat, dtype=sdt, device=q.device),
+        )
+    return fz, initial_state
+
+
+def linear_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool,
+    feature_map=None,
+    normalize: bool = True,
+    eps: float = 1e-6,
+    scale: float | None = None,
+    key_padding_mask: torch.Tensor | None = None,
+    initial_state: State | None = None,
+    return_state: bool = False,
+    chunk_size: int = 64,
+    positions: torch.Tensor | None = None,
+    rope=None,
+):
+    """Linear attention O_i = Σ_j φ(q_i)ᵀφ(k_j) v_j / (Σ_j φ(q_i)ᵀφ(k_j) + ε), j ≤ i when causal.
+
+    q, k: (B, H, N, D); v: (B, H, N, E) -> o: (B, H, N, E) in q's dtype.
+
+    feature_map: φ (a linattn.feature_maps module) or None when q, k are already features.
+    normalize: divide by the denominator (False: O_i = numerator only).
+    scale: multiplies q before φ (None: no scaling).
+    key_padding_mask: (B, N) bool, True where the key is real; a masked key leaves numerator and
+        denominator alike.
+    initial_state: (kv (B, H, F, E), z (B, H, F)) carried from an earlier call (causal: the tokens
+        before; non-causal: extra keys every query sees). Gradients flow into it.
+    return_state: also return the final state (kv, z); then the result is (o, (kv, z)).
+    chunk_size: rows per chunk of the causal chunked algorithm (any positive int; N need not be a
+        multiple).
+    positions: (N,) or (B, N) absolute token indices for RoPE / cosFormer (default arange(N); must
+        be given when resuming from a state with either).
+    rope: a linattn.positional.RotaryEmbedding of dim F, applied to the numerator features only.
+    """
+    check_positive_int("chunk_size", chunk_size)
+    if causal and q.dim() == 4 and k.dim() == 4 and q.shape[2] != k.shape[2]:
+        raise ValueError(f"causal linear attention needs q and k of equal length, got {q.shape[2]} and {k.shape[2]}")
+    fz, state = _prepare(q, k, v, feature_map=feature_map, scale=scale, key_padding_mask=key_padding_mask,
+                         initial_state=initial_state, positions=positions, rope=rope)
+    if causal:
+        o, kv, z = ChunkedCausalLinearAttention.apply(fz, chunk_size, normalize, float(eps), q, k, v, *state,
+                                                      *fz.parameters)
+    else:
+        o, (kv, z) = _noncausal(fz, q, k, v, state, normalize, eps)
+    return (o, (kv, z)) if return_state else o
+
+
+def _noncausal(fz: Featurizer, q, k, v, state, normalize, eps):
+    """O = φ(Q)(kv0 + φ(K)ᵀV) / (φ(Q)(z0 + φ(K)ᵀ1) + ε), O(N·F·E), plain autograd."""
+    cdt, sdt = compute_dtype(q.dtype), state_dtype(q.dtype)
+    n_q, n_k = q.shape[2], k.shape[2]
+    if fz.positions is not None and fz.positions.shape[-1] != n_q:
+        # positions describe the keys; queries of another length get their own arange only if unused
+        raise ValueError(f"positions cover {fz.positions.shape[-1]} keys but q has {n_q} tokens; use equal lengths")
+    qr, qd = fz(q, 0, n_q, True)
+    kr, kd = fz(k, 0, n_k, False)
+    kv = state[0].to(sdt) + (kr.to(cdt).transpose(-1, -2) @ v.to(cdt)).to(sdt)
+    z = state[1].to(sdt) + (kr if kd is None else kd).to(sdt).sum(-2)
+    u = qr.to(cdt) @ kv.to(cdt)
+    if normalize:
+        den = ((qr if qd is None else qd).to(sdt) * z[:, :, None, :]).sum(-1, keepdim=True)
+        o = (u / (den + eps)).to(q.dtype)
+    else:
+        o = u.to(q.dtype)
+    return o, (kv, z)
+
+
+def linear_attention_step(
+    state: State,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    feature_map=None,
+    normalize: bool = True,
+    eps: float = 1e-6,
+    scale: float | None = None,
+    key_padding_mask: torch.Tensor | None = None,
+    positions: torch.Tensor | None = None,
+    rope=None,
+):
+    """Recurrent form (DESIGN §4): returns (o, new_state); `state` is not modified.
+
+        kv ← kv + φ(k_t) v_tᵀ,   z ← z + φ(k_t),   o_t = φ(q_t)ᵀ kv / (φ(q_t)ᵀ z + ε)
+
+    q, k: (B, H, T, D), v: (B, H, T, E); T = 1 is the decoding fast path, T > 1 (a short block of
+    tokens) runs the causal chunked op from the state. state: (kv (B, H, F, E), z (B, H, F)), or None
+    to start from zeros. positions: (T,) or (B, T) global indices (required with RoPE / cosFormer).
+    """
+    if q.dim() == 4 and q.shape[2] != 1:
+        o, new_state = linear_attention(q, k, v, causal=True, feature_map=feature_map, normalize=normalize, eps=eps,
+                                        scale=scale, key_padding_mask=key_padding_mask, initial_state=state,
+                                        return_state=True, positions=positions, rope=rope)
+        return o, new_state
+    if state is not None and positions is None and (rope is not None or getattr(feature_map, "needs_positions", False)):
+        raise ValueError("positions (the global token index) are required for a step with RoPE or a position-dependent feature map")
+    fz, (kv, z) = _prepare(q, k, v, feature_map=feature_map, scale=scale, key_padding_mask=key_padding_mask,
+                           initial_state=state, positions=positions, rope=rope)
+    if k.shape[2] != 1:
+        raise ValueError(f"k must hold the same single token as q, got length {k.shape[2]}")
+    b, h, _, e = v.shape
+    sdt = kv.dtype
+    qr, qd = fz(q, 0, 1, True)
+    kr, kd = fz(k, 0, 1, False)
+    feat = kv.shape[2]
+    kv_new = torch.baddbmm(kv.reshape(b * h, feat, e), kr.reshape(b * h, feat, 1).to(sdt), v.reshape(b * h, 1, e).to(sdt))
+    z_new = z + (kr if kd is None else kd).reshape(b, h, feat).to(sdt)
+    num = torch.bmm(qr.reshape(b * h, 1, feat).to(sdt), kv_new).reshape(b, h, 1, e)
+    if normalize:
+        den = torch.bmm((qr if qd is None else qd).reshape(b * h, 1, feat).to(sdt), z_new.reshape(b * h, feat, 1))
+        num = num / (den.reshape(b, h, 1, 1) + eps)
+    return num.to(q.dtype), (kv_new.reshape(b, h, feat, e), z_new)

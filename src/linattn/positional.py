@@ -1,0 +1,50 @@
+"""Positions for linear attention.
+
+RoPE with linear attention (RoFormer §3.4.4): the rotation is applied to the *features* φ(q), φ(k)
+in the numerator only,
+
+    V'_i = Σ_j (R_i φ(q_i))ᵀ (R_j φ(k_j)) v_j / Σ_j φ(q_i)ᵀ φ(k_j),
+
+so the kv state accumulates rotated keys and z accumulates plain ones; the chunked and recurrent
+forms give the same numbers. Positions are absolute token indices, shape (N,) or (B, N).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def broadcast_positions(positions: torch.Tensor, ndim: int) -> torch.Tensor:
+    """(N,) -> (N, 1); (B, N) -> (B, 1, N, 1): broadcastable against (B, H, N, F) features."""
+    if positions.dim() == 1:
+        return positions[:, None]
+    return positions[:, None, :, None]
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding on the last dim (must be even), rotate-half convention.
+
+    rotate(x, positions): x (B, H, N, F), positions (N,) or (B, N) -> (B, H, N, F), pairs
+    (x_m, x_{m+F/2}) rotated by angle position·θ_m with θ_m = base^(−2m/F).
+    """
+
+    def __init__(self, dim: int, base: float = 10_000.0):
+        super().__init__()
+        if dim <= 0 or dim % 2:
+            raise ValueError(f"RotaryEmbedding dim must be a positive even int, got {dim}")
+        self.dim = dim
+        self.base = float(base)
+        inv_freq = base ** (-torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+
+    def rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.dim:
+            raise ValueError(f"RotaryEmbedding(dim={self.dim}) got features of dim {x.shape[-1]}")
+        ang = broadcast_positions(positions, x.dim()).to(torch.float32) * self.inv_freq.to(x.device)
+        cos, sin = ang.cos().to(x.dtype), ang.sin().to(x.dtype)
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+
+    def extra_repr(self) -> str:
+        return f"dim={self.dim}, base={self.base:g}"
