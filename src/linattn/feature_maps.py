@@ -72,13 +72,10 @@ def orthogonal_gaussian(m: int, d: int, *, orthogonal: bool, generator: torch.Ge
     (Performer, Choromanski et al. 2021, §4). Otherwise i.i.d. Gaussian rows."""
     if not orthogonal:
         return torch.randn(m, d, generator=generator, dtype=torch.float64)
-    blocks = []
-    for _ in range(math.ceil(m / d)):
-        g = torch.randn(d, d, generator=generator, dtype=torch.float64)
-        qmat, rmat = torch.linalg.qr(g)
-        qmat = qmat * torch.sign(torch.diagonal(rmat))  # Haar-uniform
-        blocks.append(qmat.T)
-    w = torch.cat(blocks)[:m]
+    g = torch.randn(math.ceil(m / d), d, d, generator=generator, dtype=torch.float64)
+    qmat, rmat = torch.linalg.qr(g)
+    qmat = qmat * torch.sign(torch.diagonal(rmat, dim1=-2, dim2=-1)).unsqueeze(-2)  # Haar-uniform
+    w = qmat.transpose(-1, -2).reshape(-1, d)[:m]
     norms = torch.randn(m, d, generator=generator, dtype=torch.float64).norm(dim=1)
     return w * norms[:, None]
 
@@ -101,11 +98,11 @@ class _RandomFeatures(FeatureMap):
         self.register_buffer("draws", torch.zeros((), dtype=torch.long))
         self.register_buffer("calls", torch.zeros((), dtype=torch.long))
         self.redraw()
-        self.draws.zero_()
 
     @torch.no_grad()
     def redraw(self, generator: torch.Generator | None = None) -> None:
-        """Draw a new ω. Without a generator the k-th draw uses seed + k, so runs are reproducible."""
+        """Draw a new ω. Without a generator the k-th draw (k = 0 at construction) uses seed + k, so
+        runs are reproducible; `draws` counts them and is saved with the buffers."""
         if generator is None:
             generator = torch.Generator().manual_seed(self.seed + int(self.draws))
         w = orthogonal_gaussian(self.num_features, self.head_dim, orthogonal=self.orthogonal, generator=generator)
@@ -138,9 +135,13 @@ class FavorPlus(_RandomFeatures):
     F = m. Stabilization (stabilize=True), exact in normalized attention and causal-safe: each
     feature i is multiplied by e^{+‖ω_i‖²/2} on queries and e^{−‖ω_i‖²/2} on keys (the product is
     unchanged), so a key's exponent is −‖x−ω_i‖²/2 ≤ 0 and cannot overflow, with no dependence on
-    other tokens; each query's exponents are then shifted by their own maximum, a per-query constant
-    that cancels between numerator and denominator. With normalize=False use stabilize=False.
-    Computed in float32 (float64 for float64 inputs), returned in that dtype.
+    other tokens. Keys are then multiplied by the fixed constant e^{c}, c = min(30, mean_i ‖ω_i‖²/2),
+    which brings typical keys back to O(1) so the denominators stay far above the operator's ε (a
+    constant shared by all keys cancels in the ratio; keys stay ≤ e^30). Each query's exponents are
+    shifted by their logsumexp, a per-query constant that also cancels and makes its features sum
+    to 1; the 1/√m factors are dropped for the same reason. Only ε sees these constants. With
+    normalize=False use stabilize=False. Computed in float32 (float64 for float64 inputs), returned
+    in that dtype.
     """
 
     def __init__(self, head_dim: int, num_features: int | None = None, *, orthogonal: bool = True, seed: int = 0,
@@ -157,9 +158,8 @@ class FavorPlus(_RandomFeatures):
             half = 0.5 * (self.omega.to(wx.dtype) ** 2).sum(-1)
             if is_query:
                 expo = expo + half
-                expo = expo - expo.amax(-1, keepdim=True).detach()
-            else:
-                expo = expo - half
+                return torch.exp(expo - torch.logsumexp(expo, dim=-1, keepdim=True).detach())
+            return torch.exp(expo - half + half.mean().clamp(max=30.0))
         return torch.exp(expo) / math.sqrt(self.num_features)
 
 

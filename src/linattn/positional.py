@@ -23,19 +23,21 @@ def broadcast_positions(positions: torch.Tensor, ndim: int) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotary position embedding on the last dim (must be even), rotate-half convention.
+    """Rotary position embedding on the last dim, rotate-half convention.
 
     rotate(x, positions): x (B, H, N, F), positions (N,) or (B, N) -> (B, H, N, F), pairs
-    (x_m, x_{m+F/2}) rotated by angle position·θ_m with θ_m = base^(−2m/F).
+    (x_m, x_{m+P}) with P = ⌊F/2⌋ rotated by angle position·θ_m, θ_m = base^(−m/P). With odd F
+    (e.g. Taylor features, F = 1 + D + D²) the last feature is left as it is.
     """
 
     def __init__(self, dim: int, base: float = 10_000.0):
         super().__init__()
-        if dim <= 0 or dim % 2:
-            raise ValueError(f"RotaryEmbedding dim must be a positive even int, got {dim}")
+        if isinstance(dim, bool) or not isinstance(dim, int) or dim < 2:
+            raise ValueError(f"RotaryEmbedding dim must be an int >= 2, got {dim!r}")
         self.dim = dim
         self.base = float(base)
-        inv_freq = base ** (-torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+        half = dim // 2
+        inv_freq = base ** (-torch.arange(half, dtype=torch.float64) / half)
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
 
     def rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -43,8 +45,9 @@ class RotaryEmbedding(nn.Module):
             raise ValueError(f"RotaryEmbedding(dim={self.dim}) got features of dim {x.shape[-1]}")
         ang = broadcast_positions(positions, x.dim()).to(torch.float32) * self.inv_freq.to(x.device)
         cos, sin = ang.cos().to(x.dtype), ang.sin().to(x.dtype)
-        x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+        half = self.dim // 2
+        x1, x2, rest = x[..., :half], x[..., half:2 * half], x[..., 2 * half:]
+        return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos, rest), dim=-1)
 
     def extra_repr(self) -> str:
         return f"dim={self.dim}, base={self.base:g}"

@@ -1,0 +1,30 @@
+import os
+
+import pytest
+import torch
+
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+def oracle(q, k, v, *, causal, feature_map=None, normalize=True, eps=1e-6, scale=None, key_padding_mask=None,
+           initial_state=None, positions=None, rope=None):
+    """Quadratic float64-friendly oracle for linattn.ops.linear_attention built from the definitions."""
+    from linattn.ops import reference
+
+    n = k.shape[2]
+    if positions is None:
+        positions = torch.arange(n)
+    qs = q if scale is None else q * scale
+    qf = qs if feature_map is None else feature_map(qs, is_query=True, positions=positions)
+    kf = k if feature_map is None else feature_map(k, is_query=False, positions=positions)
+    if rope is None:
+        return reference.kernel_attention(qf, kf, v, causal=causal, normalize=normalize, eps=eps,
+                                          key_padding_mask=key_padding_mask, initial_state=initial_state)
+    return reference.kernel_attention(rope.rotate(qf, positions), rope.rotate(kf, positions), v, causal=causal,
+                                      normalize=normalize, eps=eps, key_padding_mask=key_padding_mask,
+                                      initial_state=initial_state, qf_den=qf, kf_den=kf)
+
+
+@pytest.fixture
+def gen():
+    return torch.Generator().manual_seed(1234)

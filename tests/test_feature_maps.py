@@ -1,0 +1,184 @@
+"""Feature maps: definitions, the estimates they promise, randomness handling."""
+
+import math
+
+import pytest
+import torch
+
+from linattn.feature_maps import FEATURE_MAPS, FavorPlus, make_feature_map
+from linattn.ops import linear_attention, reference
+
+DT = torch.float64
+
+
+@pytest.mark.parametrize("name", sorted(FEATURE_MAPS))
+def test_output_dim_and_shape(name):
+    fm = make_feature_map(name, 8)
+    x = torch.randn(2, 3, 5, 8)
+    f = fm(x, is_query=True, positions=torch.arange(5))
+    assert f.shape == (2, 3, 5, fm.feature_dim)
+    assert torch.isfinite(f).all()
+
+
+@pytest.mark.parametrize("name", ["elu", "relu", "favor", "cosformer", "taylor", "hedgehog"])
+def test_positive_maps_give_non_negative_kernels(name):
+    fm = make_feature_map(name, 8, **({} if name != "relu" else {"eps": 0.0}))
+    q, k = torch.randn(1, 1, 50, 8) * 2, torch.randn(1, 1, 50, 8) * 2
+    kern = fm(q, is_query=True) @ fm(k, is_query=False).transpose(-1, -2)
+    assert (kern >= 0).all()
+
+
+def _favor_attention_error(m, orthogonal, seeds, d=16, n=128):
+    """Mean relative error of FAVOR+ non-causal attention against exact softmax (Performer Fig. 4 setting)."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = [torch.randn(1, 1, n, d, dtype=DT, generator=g) * 0.7 for _ in range(3)]
+    exact = reference.softmax_attention(q, k, v, causal=False)
+    errs = []
+    for s in seeds:
+        fm = FavorPlus(d, m, orthogonal=orthogonal, seed=s).double()
+        approx = linear_attention(q, k, v, causal=False, feature_map=fm)
+        errs.append(((approx - exact) ** 2).mean().item())
+    return sum(errs) / len(errs)
+
+
+def test_favor_estimate_improves_with_more_features():
+    errs = [_favor_attention_error(m, True, range(16)) for m in (8, 32, 128, 512)]
+    assert all(a > b for a, b in zip(errs, errs[1:])), errs
+    assert errs[-1] < errs[0] / 4, errs
+
+
+def test_favor_orthogonal_beats_iid_at_equal_features():
+    for m in (16, 32):
+        ortho = _favor_attention_error(m, True, range(30))
+        iid = _favor_attention_error(m, False, range(30))
+        assert ortho < iid, (m, ortho, iid)
+
+
+def test_favor_kernel_is_unbiased():
+    """With many features (an average over many orthogonal blocks), φ(q)ᵀφ(k) (unstabilized)
+    estimates exp(qᵀk/√d)."""
+    d = 4
+    g = torch.Generator().manual_seed(1)
+    q, k = torch.randn(3, d, dtype=DT, generator=g) * 0.5, torch.randn(3, d, dtype=DT, generator=g) * 0.5
+    for orthogonal in (True, False):
+        fm = FavorPlus(d, 200_000, orthogonal=orthogonal, seed=0, stabilize=False).double()
+        est = fm(q, is_query=True) @ fm(k, is_query=False).T
+        torch.testing.assert_close(est, reference.exp_kernel(q, k), rtol=2e-2, atol=0)
+
+
+def test_favor_stabilization_is_exact_in_normalized_attention():
+    d = 8
+    g = torch.Generator().manual_seed(2)
+    q, k, v = [torch.randn(1, 2, 40, d, dtype=DT, generator=g) for _ in range(3)]
+    a = linear_attention(q, k, v, causal=True, eps=0.0, feature_map=FavorPlus(d, 32, seed=3, stabilize=True).double())
+    b = linear_attention(q, k, v, causal=True, eps=0.0, feature_map=FavorPlus(d, 32, seed=3, stabilize=False).double())
+    torch.testing.assert_close(a, b)
+
+
+def test_favor_stabilized_keys_cannot_overflow():
+    fm = FavorPlus(16, 32, seed=0)
+    big = torch.randn(1, 1, 10, 16) * 60
+    assert torch.isfinite(fm(big, is_query=False)).all() and (fm(big, is_query=False) <= math.exp(30)).all()
+    assert torch.isfinite(fm(big, is_query=True)).all()
+
+
+def test_trig_features_estimate_the_softmax_kernel():
+    d = 4
+    g = torch.Generator().manual_seed(4)
+    q, k = torch.randn(3, d, dtype=DT, generator=g) * 0.5, torch.randn(3, d, dtype=DT, generator=g) * 0.5
+    fm = make_feature_map("trig", d, num_features=200_000, seed=0, stabilize=False).double()
+    est = fm(q, is_query=True) @ fm(k, is_query=False).T
+    torch.testing.assert_close(est, reference.exp_kernel(q, k), rtol=3e-2, atol=0)
+
+
+def test_random_features_are_seeded_saved_and_redrawn_only_on_request():
+    a, b = FavorPlus(8, 16, seed=5), FavorPlus(8, 16, seed=5)
+    assert torch.equal(a.omega, b.omega)
+    assert not torch.equal(a.omega, FavorPlus(8, 16, seed=6).omega)
+    assert "omega" in a.state_dict()
+    before = a.omega.clone()
+    x = torch.randn(1, 1, 4, 8)
+    a.eval()
+    for _ in range(5):
+        a(x, is_query=True)
+    assert torch.equal(a.omega, before)
+    a.redraw()
+    assert not torch.equal(a.omega, before)
+    b.redraw()
+    assert torch.equal(a.omega, b.omega)  # the k-th draw is reproducible
+
+
+def test_random_features_redraw_on_interval_in_training_only():
+    fm = FavorPlus(8, 16, seed=0, redraw_interval=3).train()
+    x = torch.randn(1, 1, 4, 8)
+    seen = []
+    for _ in range(7):
+        fm(x, is_query=True)
+        fm(x, is_query=False)
+        seen.append(fm.omega.clone())
+    changes = [i for i in range(1, 7) if not torch.equal(seen[i], seen[i - 1])]
+    assert changes == [3, 6]
+    fm.eval()
+    fm(x, is_query=True)
+    assert torch.equal(fm.omega, seen[-1])
+
+
+def test_orthogonal_blocks_and_chi_norms():
+    from linattn.feature_maps import orthogonal_gaussian
+
+    w = orthogonal_gaussian(24, 8, orthogonal=True, generator=torch.Generator().manual_seed(0))
+    for blk in w.split(8):
+        u = blk / blk.norm(dim=1, keepdim=True)
+        torch.testing.assert_close(u @ u.T, torch.eye(8, dtype=w.dtype), atol=1e-10, rtol=0)
+    norms = orthogonal_gaussian(4096, 8, orthogonal=True, generator=torch.Generator().manual_seed(1)).norm(dim=1)
+    assert abs((norms ** 2).mean().item() - 8) < 0.4  # chi(d)² has mean d
+
+
+def test_cosformer_equals_its_quadratic_definition():
+    d, n, max_len = 4, 12, 32
+    g = torch.Generator().manual_seed(5)
+    q, k, v = [torch.randn(1, 2, n, d, dtype=DT, generator=g) for _ in range(3)]
+    fm = make_feature_map("cosformer", d, max_len=max_len)
+    pos = torch.arange(n, dtype=DT)
+    weight = torch.cos(math.pi * (pos[:, None] - pos[None, :]) / (2 * max_len))
+    scores = (torch.relu(q) @ torch.relu(k).transpose(-1, -2)) * weight
+    for causal in (True, False):
+        s = scores.tril() if causal else scores
+        want = (s @ v) / (s.sum(-1, keepdim=True) + 1e-6)
+        got = linear_attention(q, k, v, causal=causal, feature_map=fm)
+        torch.testing.assert_close(got, want)
+
+
+def test_taylor_is_the_second_order_expansion_of_exp():
+    d = 16
+    fm = make_feature_map("taylor", d).double()
+    assert fm.feature_dim == 1 + d + d * d
+    g = torch.Generator().manual_seed(6)
+    q, k = torch.randn(20, d, dtype=DT, generator=g), torch.randn(20, d, dtype=DT, generator=g)
+    s = q @ k.T / math.sqrt(d)
+    kern = fm(q, is_query=True) @ fm(k, is_query=False).T
+    torch.testing.assert_close(kern, 1 + s + s ** 2 / 2)
+    # and it approximates exp(s) to second order: error shrinks like |s|³ as s -> 0
+    small = 1e-2
+    kern_small = fm(q * small, is_query=True) @ fm(k, is_query=False).T
+    s_small = s * small
+    assert ((kern_small - torch.exp(s_small)).abs() <= s_small.abs() ** 3 / 6 * 1.1 + 1e-15).all()
+
+
+def test_hedgehog_is_learnable_and_spiky():
+    fm = make_feature_map("hedgehog", 8)
+    x = torch.randn(1, 1, 5, 8)
+    f = fm(x, is_query=True)
+    torch.testing.assert_close(f[..., :8].sum(-1), torch.ones(1, 1, 5))
+    f.sum().backward() if False else (f[..., 0].sum()).backward()
+    assert fm.weight.grad is not None and fm.weight.grad.abs().sum() > 0
+
+
+def test_relu_eps_keeps_denominators_positive():
+    fm = make_feature_map("relu", 4, eps=1e-3)
+    q, k, v = -torch.rand(1, 1, 6, 4), -torch.rand(1, 1, 6, 4), torch.rand(1, 1, 6, 4)
+    o = linear_attention(q, k, v, causal=True, feature_map=fm, eps=1e-12)
+    assert torch.isfinite(o).all()
+    # all features equal eps: every query weighs the visible keys equally (a causal mean of v)
+    want = v.cumsum(2) / torch.arange(1, 7).view(1, 1, 6, 1)
+    torch.testing.assert_close(o, want, atol=1e-3, rtol=1e-3)

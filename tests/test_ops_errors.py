@@ -1,0 +1,119 @@
+"""Bad input gets a ValueError / TypeError that names the argument, the expected and the actual value."""
+
+import pytest
+import torch
+
+from linattn.feature_maps import make_feature_map
+from linattn.ops import linear_attention, linear_attention_step, softmax_attention
+from linattn.positional import RotaryEmbedding
+
+
+def qkv(b=1, h=2, n=8, d=4, e=4, dtype=torch.float32):
+    return torch.rand(b, h, n, d, dtype=dtype), torch.rand(b, h, n, d, dtype=dtype), torch.rand(b, h, n, e, dtype=dtype)
+
+
+def test_wrong_rank():
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match=r"q must have 4 dimensions.*got shape \(2, 8, 4\)"):
+        linear_attention(q[0], k, v, causal=True)
+
+
+def test_not_a_tensor():
+    q, k, v = qkv()
+    with pytest.raises(TypeError, match="v must be a torch.Tensor, got list"):
+        linear_attention(q, k, [1, 2], causal=True)
+
+
+def test_mismatched_batch_heads_and_lengths():
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match=r"k batch and heads.*\(1, 2\).*\(1, 3\)"):
+        linear_attention(q, torch.rand(1, 3, 8, 4), v, causal=True)
+    with pytest.raises(ValueError, match="v must have the same sequence length as k"):
+        linear_attention(q, k, torch.rand(1, 2, 7, 4), causal=False)
+    with pytest.raises(ValueError, match="causal linear attention needs q and k of equal length"):
+        linear_attention(q[:, :, :5], k, v, causal=True)
+    with pytest.raises(ValueError, match="k head dim must equal q's"):
+        linear_attention(q, torch.rand(1, 2, 8, 3), v, causal=True)
+
+
+def test_mismatched_dtype_and_device():
+    q, k, v = qkv()
+    with pytest.raises(TypeError, match=r"k.dtype must equal q.dtype \(torch.float32\), got torch.float64"):
+        linear_attention(q, k.double(), v, causal=True)
+    with pytest.raises(ValueError, match="v must be on q's device"):
+        linear_attention(q, k, v.to("meta"), causal=True)
+    with pytest.raises(TypeError, match="q must be a floating tensor"):
+        linear_attention(q.long(), k.long(), v.long(), causal=True)
+
+
+def test_state_feature_dim_mismatch():
+    q, k, v = qkv()
+    fm = make_feature_map("cosformer", 4, max_len=64)  # F = 8
+    bad = (torch.zeros(1, 2, 4, 4), torch.zeros(1, 2, 4))
+    with pytest.raises(ValueError, match=r"F of the state 4 != F of the features 8"):
+        linear_attention(q, k, v, causal=True, feature_map=fm, initial_state=bad, positions=torch.arange(8))
+    with pytest.raises(ValueError, match=r"z must have shape \(B, H, F\)"):
+        linear_attention(q, k, v, causal=True, initial_state=(torch.zeros(1, 2, 4, 4), torch.zeros(1, 2, 5)))
+    with pytest.raises(TypeError, match="initial_state must be a tuple"):
+        linear_attention(q, k, v, causal=True, initial_state=torch.zeros(3))
+
+
+@pytest.mark.parametrize("chunk", [0, -4, 2.5, True])
+def test_bad_chunk_size(chunk):
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match=f"chunk_size must be a positive int, got {chunk!r}"):
+        linear_attention(q, k, v, causal=True, chunk_size=chunk)
+
+
+def test_bad_mask():
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match=r"key_padding_mask must have shape \(B, N\) = \(1, 8\), got \(1, 7\)"):
+        linear_attention(q, k, v, causal=True, key_padding_mask=torch.ones(1, 7, dtype=torch.bool))
+    with pytest.raises(TypeError, match="key_padding_mask must be a bool tensor"):
+        linear_attention(q, k, v, causal=True, key_padding_mask=torch.ones(1, 8))
+    with pytest.raises(ValueError, match="key_padding_mask must have shape"):
+        softmax_attention(q, k, v, causal=True, key_padding_mask=torch.ones(2, 8, dtype=torch.bool))
+
+
+def test_cosformer_position_beyond_max_len():
+    q, k, v = qkv(n=8)
+    fm = make_feature_map("cosformer", 4, max_len=8)
+    linear_attention(q, k, v, causal=True, feature_map=fm)  # positions 0..7 fit
+    with pytest.raises(ValueError, match=r"positions must lie in \[0, max_len=8\), got range \[5, 12\]"):
+        linear_attention(q, k, v, causal=True, feature_map=fm, positions=torch.arange(5, 13))
+
+
+def test_positions_required_when_resuming_with_positional_features():
+    q, k, v = qkv()
+    fm = make_feature_map("cosformer", 4, max_len=64)
+    _, st = linear_attention(q, k, v, causal=True, feature_map=fm, return_state=True)
+    with pytest.raises(ValueError, match="positions are required"):
+        linear_attention(q, k, v, causal=True, feature_map=fm, initial_state=st)
+    with pytest.raises(ValueError, match="positions"):
+        linear_attention_step(st, q[:, :, :1], k[:, :, :1], v[:, :, :1], feature_map=fm)
+
+
+def test_bad_positions_shape_and_rope_dim():
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match=r"positions must have shape \(N,\)"):
+        linear_attention(q, k, v, causal=True, rope=RotaryEmbedding(4), positions=torch.arange(9))
+    with pytest.raises(ValueError, match="rope dim must equal the feature dim F=4, got 6"):
+        linear_attention(q, k, v, causal=True, rope=RotaryEmbedding(6))
+
+
+def test_feature_map_head_dim_mismatch_and_unknown_name():
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match="feature_map expects head dim 6, q/k have 4"):
+        linear_attention(q, k, v, causal=True, feature_map=make_feature_map("elu", 6))
+    with pytest.raises(ValueError, match="unknown feature map 'softplus'"):
+        make_feature_map("softplus", 4)
+    with pytest.raises(TypeError, match="bad options for feature map 'elu'"):
+        make_feature_map("elu", 4, num_features=3)
+    with pytest.raises(ValueError, match="num_features must be a positive int"):
+        make_feature_map("favor", 4, num_features=0)
+
+
+def test_empty_sequence():
+    q, k, v = qkv(n=0)
+    with pytest.raises(ValueError, match="at least one token"):
+        linear_attention(q, k, v, causal=True)
