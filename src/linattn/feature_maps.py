@@ -47,7 +47,7 @@ class EluPlusOne(FeatureMap):
 
     def forward(self, x, *, is_query: bool = True, positions=None):
         self._check(x)
-        return F.elu(x) + 1
+        return F.elu(x).add_(1)  # elu saves its input, so the in-place add is safe for autograd
 
 
 class ReLUFeatureMap(FeatureMap):

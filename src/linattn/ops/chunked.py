@@ -72,17 +72,24 @@ def _unchunk(x: torch.Tensor, b: int, h: int, n: int) -> torch.Tensor:
     return x.reshape(b, h, -1, x.shape[-1])[:, :, :n]
 
 
+def _strict_triangle(n: int, upper: bool, like: torch.Tensor) -> torch.Tensor:
+    """(n, n) strictly lower (or upper) triangular matrix of ones."""
+    ones = torch.ones(n, n, dtype=like.dtype, device=like.device)
+    return ones.triu(1) if upper else ones.tril(-1)
+
+
 def _exclusive_prefix(init: torch.Tensor, parts: torch.Tensor):
     """init (BH, *s), parts (BH, nc, *s) -> (before (BH, nc, *s), total (BH, *s)).
 
-    before[:, n] = init + Σ_{m<n} parts[:, m]; computed in init's dtype.
+    before[:, n] = init + Σ_{m<n} parts[:, m], computed in init's dtype as one matmul with a strictly
+    lower-triangular matrix (a strided cumsum over the chunk axis is several times slower on CPU).
     """
-    cs = parts.to(init.dtype).cumsum(1)
-    total = init + cs[:, -1]
-    before = torch.empty_like(cs)
-    before[:, 0] = init
-    torch.add(cs[:, :-1], init.unsqueeze(1), out=before[:, 1:])
-    return before, total
+    bh, nc = parts.shape[:2]
+    flat = parts.reshape(bh, nc, -1).to(init.dtype)
+    before = torch.matmul(_strict_triangle(nc, False, flat), flat)
+    before += init.reshape(bh, 1, -1)
+    total = before[:, -1] + flat[:, -1]
+    return before.view(parts.shape), total.view(init.shape)
 
 
 def _reverse_exclusive_prefix(after: torch.Tensor, parts: torch.Tensor):
@@ -90,11 +97,12 @@ def _reverse_exclusive_prefix(after: torch.Tensor, parts: torch.Tensor):
 
     after_n[:, n] = after + Σ_{m>n} parts[:, m]; before = after + Σ_m parts[:, m].
     """
-    parts = parts.to(after.dtype)
-    cs = parts.cumsum(1)
-    before = after + cs[:, -1]
-    after_n = before.unsqueeze(1) - cs
-    return after_n, before
+    bh, nc = parts.shape[:2]
+    flat = parts.reshape(bh, nc, -1).to(after.dtype)
+    after_n = torch.matmul(_strict_triangle(nc, True, flat), flat)
+    after_n += after.reshape(bh, 1, -1)
+    before = after_n[:, 0] + flat[:, 0]
+    return after_n.view(parts.shape), before.view(after.shape)
 
 
 class ChunkedCausalLinearAttention(torch.autograd.Function):
