@@ -165,15 +165,17 @@ def linear_attention_step(
                            initial_state=state, positions=positions, rope=rope)
     if k.shape[2] != 1:
         raise ValueError(f"k must hold the same single token as q, got length {k.shape[2]}")
-    b, h, _, e = v.shape
     sdt = kv.dtype
     qr, qd = fz(q, 0, 1, True)
     kr, kd = fz(k, 0, 1, False)
-    feat = kv.shape[2]
-    kv_new = torch.baddbmm(kv.reshape(b * h, feat, e), kr.reshape(b * h, feat, 1).to(sdt), v.reshape(b * h, 1, e).to(sdt))
-    z_new = z + (kr if kd is None else kd).reshape(b, h, feat).to(sdt)
-    num = torch.bmm(qr.reshape(b * h, 1, feat).to(sdt), kv_new).reshape(b, h, 1, e)
+    if kr.dtype != sdt:
+        qr, kr, v = qr.to(sdt), kr.to(sdt), v.to(sdt)
+        qd, kd = (None, None) if qd is None else (qd.to(sdt), kd.to(sdt))
+    # a handful of ops: on CPU one step is bound by operator dispatch, not arithmetic
+    kv_new = torch.addcmul(kv, kr.mT, v)  # (B, H, F, 1) * (B, H, 1, E) outer product
+    z_new = z + (kr if kd is None else kd).squeeze(-2)
+    num = torch.matmul(qr, kv_new)  # (B, H, 1, E)
     if normalize:
-        den = torch.bmm((qr if qd is None else qd).reshape(b * h, 1, feat).to(sdt), z_new.reshape(b * h, feat, 1))
-        num = num / (den.reshape(b, h, 1, 1) + eps)
-    return num.to(q.dtype), (kv_new.reshape(b, h, feat, e), z_new)
+        den = torch.matmul(qr if qd is None else qd, z_new.unsqueeze(-1))  # (B, H, 1, 1)
+        num = num.div_(den.add_(eps))
+    return num.to(q.dtype), (kv_new, z_new)
