@@ -1,0 +1,153 @@
+"""The `linattn` command line.
+
+Subcommands are the modules of the package `linattn.commands`: each module defines
+`add_parser(subparsers)`, which adds its subparser and sets `func=callable(args) -> int` on it
+(`parser.set_defaults(func=...)`). `main` discovers them with pkgutil (sorted by module name), so a
+new command is a new file, nothing else. Commands stay thin: their logic lives in the library.
+
+Shared options come from `add_common_options`; its argument types reject bad values with an
+argparse error that says what to pass instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import pkgutil
+
+import torch
+
+DEVICES = ("cpu", "cuda", "auto")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def device_arg(value: str) -> str:
+    """argparse type for --device: cpu, cuda (only when CUDA is available) or auto."""
+    value = value.strip().lower()
+    if value not in DEVICES:
+        raise argparse.ArgumentTypeError(f"unknown device {value!r}: pass one of {', '.join(DEVICES)}")
+    if value == "cuda" and not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError(
+            "CUDA is not available on this machine (torch "
+            f"{torch.__version__}, {'no CUDA build' if torch.version.cuda is None else 'no GPU visible'}): "
+            "pass --device cpu or --device auto"
+        )
+    return value
+
+
+def dtype_arg(value: str) -> str:
+    """argparse type for --dtype: a key of DTYPES (the name is kept; see `torch_dtype`)."""
+    value = value.strip().lower()
+    aliases = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
+    value = aliases.get(value, value)
+    if value not in DTYPES:
+        raise argparse.ArgumentTypeError(f"unknown dtype {value!r}: pass one of {', '.join(DTYPES)}")
+    return value
+
+
+def positive_int(value: str) -> int:
+    """argparse type: an integer > 0."""
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r} (pass e.g. 8)") from None
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {n} (pass e.g. 8)")
+    return n
+
+
+def positive_float(value: str) -> float:
+    """argparse type: a finite float > 0."""
+    try:
+        x = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {value!r} (pass e.g. 0.5)") from None
+    if not x > 0 or x == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {value!r} (pass e.g. 0.5)")
+    return x
+
+
+def int_list(value: str) -> list[int]:
+    """argparse type: comma-separated positive integers, e.g. 256,512,1024."""
+    out = []
+    for part in value.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        try:
+            n = int(part)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{part!r} is not an integer: pass comma-separated positive integers, e.g. 256,512,1024") from None
+        if n <= 0:
+            raise argparse.ArgumentTypeError(
+                f"lengths must be positive, got {n}: pass comma-separated positive integers, e.g. 256,512,1024")
+        out.append(n)
+    if not out:
+        raise argparse.ArgumentTypeError("empty list: pass comma-separated positive integers, e.g. 256,512,1024")
+    return out
+
+
+def add_common_options(parser: argparse.ArgumentParser, *, device: bool = True, dtype: bool = True, seed: bool = True,
+                       out: bool = True, default_dtype: str = "float32") -> None:
+    """Adds the options most commands share: --device, --dtype, --seed, --out."""
+    if device:
+        parser.add_argument("--device", type=device_arg, default="cpu", metavar="{cpu,cuda,auto}",
+                            help="where to run: cpu, cuda (needs a CUDA build and a GPU) or auto (cuda when "
+                                 "available, else cpu) (default: %(default)s)")
+    if dtype:
+        parser.add_argument("--dtype", type=dtype_arg, default=default_dtype, metavar="{float32,bfloat16,float16}",
+                            help="floating dtype of the tensors; states always accumulate in float32 "
+                                 "(default: %(default)s)")
+    if seed:
+        parser.add_argument("--seed", type=int, default=0, help="seed for every random draw (default: %(default)s)")
+    if out:
+        parser.add_argument("--out", metavar="DIR", default=None,
+                            help="output folder for the report (JSON, plots); created if missing "
+                                 "(default: ./reports/<command>-<timestamp>)")
+
+
+def resolve_device(name: str) -> torch.device:
+    """'auto' -> cuda if available else cpu; other names as given."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    return DTYPES[name]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The top-level parser with one subcommand per module of linattn.commands."""
+    from . import commands
+
+    parser = argparse.ArgumentParser(
+        prog="linattn",
+        description="Linear attention for PyTorch: benchmarks, training, evaluation and demos.",
+    )
+    from . import __version__
+
+    parser.add_argument("--version", action="version", version=f"linattn {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for info in sorted(pkgutil.iter_modules(commands.__path__), key=lambda m: m.name):
+        if info.name.startswith("_"):
+            continue
+        module = importlib.import_module(f"{commands.__name__}.{info.name}")
+        if hasattr(module, "add_parser"):
+            module.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `linattn` console script; returns the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    func = getattr(args, "func", None)
+    if func is None:
+        parser.error(f"command {args.command!r} needs a subcommand; see linattn {args.command} --help")
+    return int(func(args) or 0)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,161 @@
+"""The benchmark tools: memory tracker, FLOP count, crossover, and tiny end-to-end runs of
+`linattn bench ops|decode` and benchmarks/ops_core.py."""
+
+import gc
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from linattn.bench.flops import chunked_linear_flops
+from linattn.bench.memory import AllocationTracker, peak_memory
+from linattn.bench.ops import crossover
+from linattn.bench.timing import measure
+from linattn.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(autouse=True)
+def _keep_threads():
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)
+
+
+def _numbers(obj):
+    if isinstance(obj, dict):
+        for v in obj.values():
+            yield from _numbers(v)
+    elif isinstance(obj, list):
+        for v in obj:
+            yield from _numbers(v)
+    elif isinstance(obj, (int, float)) and not isinstance(obj, bool):
+        yield obj
+
+
+def _check_png(path: Path):
+    import matplotlib.image
+
+    assert path.read_bytes()[:8] == PNG_SIGNATURE
+    img = matplotlib.image.imread(path)
+    assert img.ndim == 3 and img.shape[0] > 100 and img.shape[1] > 100
+
+
+def _load_report(out: Path, kind: str) -> dict:
+    # json.loads rejects nothing by default; parse_constant catches NaN/Infinity sneaking in
+    def bad(name):
+        raise AssertionError(f"non-finite constant {name} in JSON")
+
+    data = json.loads((out / f"{kind}.json").read_text(), parse_constant=bad)
+    assert all(math.isfinite(x) for x in _numbers(data))
+    _check_png(out / f"{kind}.png")
+    assert (out / f"{kind}.txt").read_text().strip()
+    return data
+
+
+def test_tracker_counts_a_known_allocation():
+    with AllocationTracker() as tracker:
+        base = tracker.live
+        x = torch.empty(1 << 18, dtype=torch.float32)  # 1 MiB
+        assert tracker.live - base == 1 << 20
+        y = x.view(-1, 2)  # a view: no new storage
+        x.add_(1)  # in-place: no new storage
+        torch.mul(x, 2, out=x)  # out=: no new storage
+        assert tracker.live - base == 1 << 20
+        z = x * 2  # a new 1 MiB
+        assert tracker.live - base == 2 << 20
+        del x, y, z
+        gc.collect()
+        assert tracker.live == base
+        assert tracker.peak >= base + (2 << 20)
+
+
+def test_tracker_ignores_tensors_from_before_and_counts_backward():
+    q = torch.randn(1, 2, 256, 16, requires_grad=True)
+
+    def fwd_bwd():
+        o = torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+        return (o, *torch.autograd.grad(o.sum(), (q,)))
+
+    peak, (o, dq) = peak_memory(fwd_bwd)
+    assert peak >= o.nbytes + dq.nbytes  # output and gradient are counted, q is not
+
+
+def test_chunked_flops_formula():
+    n, f, e = 1024, 64, 32
+    assert chunked_linear_flops(2, 3, n, f, e, chunk=64) == 2 * 3 * 2 * n * (2 * f * e + 64 * f + 64 * e)
+
+
+def test_crossover_is_where_linear_stays_faster():
+    def rows(method, times):
+        return [{"method": method, "n": n, "fwd_bwd": {"median_s": t}} for n, t in times.items()]
+
+    soft = {256: 1.0, 512: 2.0, 1024: 4.0, 2048: 8.0}
+    res = rows("softmax", soft) + rows("chunked", {256: 0.5, 512: 3.0, 1024: 3.0, 2048: 4.0})
+    assert crossover(res) == {**crossover(res), "n": 1024, "from_first": False}
+    res = rows("softmax", soft) + rows("chunked", {n: t / 2 for n, t in soft.items()})
+    assert crossover(res)["n"] == 256 and crossover(res)["from_first"]
+    res = rows("softmax", soft) + rows("chunked", {n: t * 2 for n, t in soft.items()})
+    assert crossover(res)["n"] is None
+
+
+def test_measure_reports_median_and_iqr():
+    t = measure(lambda: torch.ones(64, 64) @ torch.ones(64, 64), min_run_time=0.01)
+    assert t.median > 0 and t.iqr >= 0 and t.blocks >= 1
+
+
+def test_bench_ops_tiny_run(tmp_path, capsys):
+    out = tmp_path / "ops"
+    argv = ["bench", "ops", "--lengths", "64,128", "--min-run-time", "0.01", "--threads", "1",
+            "--recurrent-max", "64", "--out", str(out)]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    for text in ("forward time", "forward+backward time", "peak memory", "crossover", str(out.resolve())):
+        assert text in printed
+    assert "not installed, skipped" in printed  # optional peers: the skip path
+    data = _load_report(out, "bench-ops")
+    assert data["machine"]["cpu"] and data["machine"]["torch"] == torch.__version__
+    assert data["args"]["lengths"] == [64, 128] and data["config"]["dtype"] == "float32"
+    keys = {m["key"] for m in data["methods"]}
+    assert {"chunked", "chunked_bf16", "noncausal", "recurrent", "quadratic", "softmax"} <= keys
+    by = {(r["method"], r["n"]): r for r in data["results"]}
+    for (key, n), r in by.items():
+        if key == "recurrent" and n == 128:
+            assert r["skipped"].startswith("N > 64") and r["fwd"] is None
+            continue
+        assert r["skipped"] is None, r
+        assert r["fwd"]["median_s"] > 0 and r["fwd_bwd"]["median_s"] > 0
+        assert r["memory"]["extra_bytes"] >= 0 and r["memory"]["output_and_grads_bytes"] > 0
+    assert by[("chunked", 128)]["fwd"]["gflops"] > 0 and by[("chunked", 128)]["fwd"]["pct_peak"] > 0
+    assert data["peaks"]["float32"]["gflops"] > 0 and data["peaks"]["bfloat16"]["gflops"] > 0
+
+
+def test_bench_decode_tiny_run(tmp_path, capsys):
+    out = tmp_path / "decode"
+    argv = ["bench", "decode", "--contexts", "32,64", "--min-run-time", "0.01", "--threads", "1",
+            "--heads", "2", "--out", str(out)]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "per-token decode latency" in printed and str(out.resolve()) in printed
+    data = _load_report(out, "bench-decode")
+    assert [r["ctx"] for r in data["results"]] == [32, 64]
+    for r in data["results"]:
+        for key in ("linear_step", "kv_cache", "no_cache"):
+            assert r[key]["median_s"] > 0
+        assert r["kv_cache_over_step"] > 0 and r["kv_cache_bytes"] == 4 * 2 * r["ctx"] * 128
+
+
+def test_ops_core_script_smoke(capsys):
+    spec = importlib.util.spec_from_file_location("ops_core", ROOT / "benchmarks" / "ops_core.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.main(["--lengths", "64,128", "--bf16-lengths", "128", "--cache", "64", "--min-run-time", "0.01",
+                     "--threads", "1"]) == 0
+    printed = capsys.readouterr().out
+    assert "core criteria" in printed
+    assert printed.count("PASS") + printed.count("FAIL") >= 9
