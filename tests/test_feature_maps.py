@@ -182,3 +182,11 @@ def test_relu_eps_keeps_denominators_positive():
     # all features equal eps: every query weighs the visible keys equally (a causal mean of v)
     want = v.cumsum(2) / torch.arange(1, 7).view(1, 1, 6, 1)
     torch.testing.assert_close(o, want, atol=1e-3, rtol=1e-3)
+
+
+def test_elu_plus_one_matches_torch_elu_with_gradients():
+    fm = make_feature_map("elu", 5).double()
+    x = torch.randn(3, 7, 5, dtype=DT, requires_grad=True)
+    x.data[0, 0, 0] = 0.0
+    torch.testing.assert_close(fm(x), torch.nn.functional.elu(x) + 1)
+    assert torch.autograd.gradcheck(lambda t: fm(t), (x,))
