@@ -1,0 +1,458 @@
+"""Attention layers, feed-forward networks, norms and the pre-norm block (DESIGN §6–8).
+
+Both attention layers share one interface, so the same module serves training and decoding:
+
+    forward(x, mask=None, cache=None, positions=None) -> (y, cache)
+
+x: (B, N, d_model); mask: (B, N) bool key-padding mask, True = real token; y: (B, N, d_model).
+With cache=None the whole sequence runs in parallel (chunked causal or non-causal) and the
+returned cache is None. With a cache (an empty one from `new_cache()` for the prefill, or the one
+returned by the previous call) the new tokens continue the cached context and the cache is
+updated in place and returned:
+
+    LinearAttention:  cache = (kv (B, H, F, E), z (B, H, F)) + position; O(1) per new token.
+    SoftmaxAttention: cache = growing K (B, H, T, D), V (B, H, T, E) (+ padding mask); O(T).
+
+Positions are absolute token indices counted from each sequence's first *real* token, so a
+left-padded prompt sees the same positions (RoPE, cosFormer) as the same prompt alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .feature_maps import make_feature_map
+from .ops import linear_attention, linear_attention_step, softmax_attention
+from .positional import RotaryEmbedding
+
+# --------------------------------------------------------------------------------------------
+# positions and caches
+
+
+def token_positions(n: int, mask: torch.Tensor | None = None, offset: int = 0, seen: torch.Tensor | None = None,
+                    device=None) -> torch.Tensor:
+    """Absolute positions of n new tokens.
+
+    Without padding (mask and seen None): arange(offset, offset + n), shape (n,).
+    With padding: (B, n), p_bj = seen_b + #{real tokens among the new ones up to j} − 1, clamped at 0,
+    where seen_b (B,) counts the real tokens before (default: offset for every row). Pads before a
+    sequence's first real token get position 0; they are masked out as keys anyway.
+    """
+    if mask is None and seen is None:
+        return torch.arange(offset, offset + n, device=device)
+    if seen is None:
+        seen = torch.full((mask.shape[0],), offset, dtype=torch.long, device=mask.device)
+    if mask is None:
+        return seen[:, None] + torch.arange(n, device=seen.device)
+    return (seen[:, None] + mask.long().cumsum(1) - 1).clamp_min(0)
+
+
+@dataclass
+class PositionCounter:
+    """How far a cached sequence has got: `length` tokens fed (pads included) and, once padding
+    was seen, `seen` (B,) long, the number of real tokens per row (the next position of each row)."""
+
+    length: int = 0
+    seen: torch.Tensor | None = None
+
+    def next_positions(self, n: int, mask: torch.Tensor | None, device) -> torch.Tensor:
+        return token_positions(n, mask, self.length, self.seen, device)
+
+    def advance(self, n: int, mask: torch.Tensor | None) -> None:
+        if mask is not None or self.seen is not None:
+            b = mask.shape[0] if mask is not None else self.seen.shape[0]
+            dev = mask.device if mask is not None else self.seen.device
+            seen = self.seen if self.seen is not None else torch.full((b,), self.length, dtype=torch.long, device=dev)
+            self.seen = seen + (mask.sum(1) if mask is not None else n)
+        self.length += n
+
+
+@dataclass
+class LinearAttentionCache(PositionCounter):
+    """Recurrent state of one LinearAttention layer: (kv (B, H, F, E), z (B, H, F)), float32
+    (float64 for float64 models), None before the first call. Its size does not depend on length."""
+
+    state: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.state is None else sum(t.numel() * t.element_size() for t in self.state)
+
+
+@dataclass
+class KVCache(PositionCounter):
+    """Keys and values of one SoftmaxAttention layer, in preallocated buffers of `capacity` tokens
+    that grow geometrically (amortized O(1) append, no O(T) copy per token): k (B, H, cap, D),
+    v (B, H, cap, E), mask (B, cap) bool or None (no padding so far). Valid entries: [:length]."""
+
+    k: torch.Tensor | None = None
+    v: torch.Tensor | None = None
+    mask: torch.Tensor | None = None
+
+    @property
+    def nbytes(self) -> int:
+        if self.k is None:
+            return 0
+        per_token = self.k[:, :, 0].numel() * self.k.element_size() + self.v[:, :, 0].numel() * self.v.element_size()
+        return self.length * per_token
+
+    def append(self, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None):
+        """Writes n new keys/values after the first `length` ones; returns views (K, V, mask) of all
+        length + n entries. Does not advance `length` (the layer does, after)."""
+        b, h, n, _ = k.shape
+        start, end = self.length, self.length + n
+        cap = 0 if self.k is None else self.k.shape[2]
+        if self.k is not None and (self.k.shape[:2] != (b, h) or self.k.dtype != k.dtype):
+            raise ValueError(f"KVCache holds keys of shape (B, H) = {tuple(self.k.shape[:2])} and dtype {self.k.dtype}, "
+                             f"got {(b, h)} and {k.dtype}")
+        if end > cap:
+            new_cap = max(end + end // 4 + 16, 2 * cap)
+            self.k = _grow(self.k, (b, h, new_cap, k.shape[-1]), start, k)
+            self.v = _grow(self.v, (b, h, new_cap, v.shape[-1]), start, v)
+            if self.mask is not None:
+                m = torch.ones(b, new_cap, dtype=torch.bool, device=k.device)
+                m[:, :start] = self.mask[:, :start]
+                self.mask = m
+        self.k[:, :, start:end] = k
+        self.v[:, :, start:end] = v
+        if mask is not None and self.mask is None:
+            self.mask = torch.ones(b, self.k.shape[2], dtype=torch.bool, device=k.device)
+        if self.mask is not None:
+            self.mask[:, start:end] = True if mask is None else mask
+        keep = None if self.mask is None else self.mask[:, :end]
+        return self.k[:, :, :end], self.v[:, :, :end], keep
+
+
+def _grow(buf: torch.Tensor | None, shape, keep: int, like: torch.Tensor) -> torch.Tensor:
+    new = torch.empty(shape, dtype=like.dtype, device=like.device)
+    if buf is not None and keep:
+        new[:, :, :keep] = buf[:, :, :keep]
+    return new
+
+
+# --------------------------------------------------------------------------------------------
+# attention layers
+
+
+def _check_heads(d_model: int, n_heads: int, qk_dim: int | None) -> tuple[int, int]:
+    for name, val in (("d_model", d_model), ("n_heads", n_heads)):
+        if isinstance(val, bool) or not isinstance(val, int) or val <= 0:
+            raise ValueError(f"{name} must be a positive int, got {val!r}")
+    if d_model % n_heads:
+        raise ValueError(f"d_model ({d_model}) must be divisible by n_heads ({n_heads})")
+    head_dim = d_model // n_heads
+    if qk_dim is None:
+        return head_dim, head_dim
+    if isinstance(qk_dim, bool) or not isinstance(qk_dim, int) or qk_dim <= 0:
+        raise ValueError(f"qk_dim must be a positive int or None, got {qk_dim!r}")
+    return head_dim, qk_dim
+
+
+def _check_dropout(p) -> float:
+    if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= p < 1.0:
+        raise ValueError(f"dropout must be a float in [0, 1), got {p!r}")
+    return float(p)
+
+
+class _Attention(nn.Module):
+    """Projections shared by both kinds: x (B, N, d) -> q, k (B, H, N, qk_dim), v (B, H, N, d/H),
+    one fused input matmul; output o (B, H, N, d/H) -> (B, N, d) through `out` and dropout."""
+
+    kind = ""
+
+    def __init__(self, d_model: int, n_heads: int, qk_dim: int | None, causal: bool, dropout: float, bias: bool):
+        super().__init__()
+        self.head_dim, self.qk_dim = _check_heads(d_model, n_heads, qk_dim)
+        self.d_model, self.n_heads, self.causal = d_model, n_heads, bool(causal)
+        self.dropout_p = _check_dropout(dropout)
+        self.qkv = nn.Linear(d_model, n_heads * (2 * self.qk_dim + self.head_dim), bias=bias)
+        self.out = nn.Linear(n_heads * self.head_dim, d_model, bias=bias)
+        self.dropout = nn.Dropout(self.dropout_p)
+        #: set by LinearTransformerLM.set_sequence_parallel_group; used when no cache is given.
+        self.sequence_parallel_group = None
+
+    def _project(self, x: torch.Tensor):
+        if x.dim() != 3 or x.shape[-1] != self.d_model:
+            raise ValueError(f"x must have shape (B, N, d_model={self.d_model}), got {tuple(x.shape)}")
+        b, n, _ = x.shape
+        hq = self.n_heads * self.qk_dim
+        q, k, v = self.qkv(x).split((hq, hq, self.n_heads * self.head_dim), dim=-1)
+        q = q.view(b, n, self.n_heads, self.qk_dim).transpose(1, 2)
+        k = k.view(b, n, self.n_heads, self.qk_dim).transpose(1, 2)
+        v = v.view(b, n, self.n_heads, self.head_dim).transpose(1, 2)
+        return q, k, v
+
+    def _merge(self, o: torch.Tensor) -> torch.Tensor:
+        b, _, n, _ = o.shape
+        y = self.out(o.transpose(1, 2).reshape(b, n, self.n_heads * self.head_dim))
+        return self.dropout(y) if self.dropout_p and self.training else y
+
+    @staticmethod
+    def _check_mask(mask, x):
+        if mask is None:
+            return
+        if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or tuple(mask.shape) != tuple(x.shape[:2]):
+            got = f"{tuple(mask.shape)} {mask.dtype}" if isinstance(mask, torch.Tensor) else type(mask).__name__
+            raise ValueError(f"mask must be a bool tensor of shape (B, N) = {tuple(x.shape[:2])} (True = real token), "
+                             f"got {got}")
+
+
+class LinearAttention(_Attention):
+    """Multi-head linear attention (Katharopoulos et al. 2020) with a feature map φ:
+
+        y_i = W_o · concat_h [ Σ_j (R_i φ(q_i))ᵀ (R_j φ(k_j)) v_j / (Σ_j φ(q_i)ᵀ φ(k_j) + ε) ],  j ≤ i if causal,
+
+    R_i the RoPE rotation of the *features* (numerator only, DESIGN §6) when rope=True, identity
+    otherwise. q, k: (B, H, N, qk_dim) (default qk_dim = d_model / n_heads; use a small one, e.g. 16,
+    for Taylor features, F = 1 + D + D²), v: (B, H, N, d_model / n_heads). One φ per layer, shared
+    by the heads. Dropout applies to the output projection (there is no attention matrix to drop).
+
+    Training: forward(x, mask) runs the chunked causal (or non-causal) operator.
+    Decoding: forward(x, cache=layer.new_cache()) for the prefill, then forward(x_t, cache=cache)
+    per token, O(F·E) per head whatever the context length.
+    """
+
+    kind = "linear"
+
+    def __init__(self, d_model: int, n_heads: int, *, feature_map="elu", feature_map_options: dict | None = None,
+                 causal: bool = True, rope: bool = False, rope_base: float = 10_000.0, qk_dim: int | None = None,
+                 normalize: bool = True, eps: float = 1e-6, dropout: float = 0.0, bias: bool = False,
+                 chunk_size: int = 64):
+        super().__init__(d_model, n_heads, qk_dim, causal, dropout, bias)
+        if isinstance(feature_map, str):
+            self.feature_map = make_feature_map(feature_map, self.qk_dim, **(feature_map_options or {}))
+        elif isinstance(feature_map, nn.Module) and hasattr(feature_map, "feature_dim"):
+            if feature_map_options:
+                raise ValueError("feature_map_options only apply when feature_map is a name")
+            if getattr(feature_map, "head_dim", self.qk_dim) != self.qk_dim:
+                raise ValueError(f"feature_map head_dim {feature_map.head_dim} != qk_dim {self.qk_dim}")
+            self.feature_map = feature_map
+        else:
+            raise ValueError(f"feature_map must be a name or a linattn feature map module, got {feature_map!r}")
+        self.rope = RotaryEmbedding(self.feature_map.feature_dim, rope_base) if rope else None
+        self.normalize, self.eps, self.chunk_size = bool(normalize), float(eps), chunk_size
+        self._needs_positions = rope or getattr(self.feature_map, "needs_positions", False)
+
+    def new_cache(self) -> LinearAttentionCache:
+        return LinearAttentionCache()
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None, cache: LinearAttentionCache | None = None,
+                positions: torch.Tensor | None = None):
+        """x (B, N, d), mask (B, N) bool or None, positions (N,) or (B, N) or None (derived from the
+        mask and the cache). Returns (y (B, N, d), cache)."""
+        self._check_mask(mask, x)
+        q, k, v = self._project(x)
+        n = x.shape[1]
+        if positions is None and self._needs_positions and (cache is not None or mask is not None):
+            positions = (cache.next_positions(n, mask, x.device) if cache is not None
+                         else token_positions(n, mask, device=x.device))
+        opts = dict(feature_map=self.feature_map, normalize=self.normalize, eps=self.eps, rope=self.rope)
+        if cache is None:
+            if self.sequence_parallel_group is not None:
+                if mask is not None:
+                    raise ValueError("sequence parallelism does not take a padding mask")
+                from linattn.distributed import sequence_parallel_linear_attention
+
+                if positions is not None:  # global indices of this shard (default: the shard's offset + arange)
+                    opts["positions"] = positions
+                o = sequence_parallel_linear_attention(q, k, v, group=self.sequence_parallel_group, causal=self.causal,
+                                                       scale=None, chunk_size=self.chunk_size, **opts)
+            else:
+                o = linear_attention(q, k, v, causal=self.causal, key_padding_mask=mask, positions=positions,
+                                     chunk_size=self.chunk_size, **opts)
+            return self._merge(o), None
+        if not self.causal:
+            raise ValueError("a cache (recurrent decoding) needs a causal LinearAttention")
+        if n == 1:
+            o, state = linear_attention_step(cache.state, q, k, v, key_padding_mask=mask, positions=positions, **opts)
+        else:
+            o, state = linear_attention(q, k, v, causal=True, key_padding_mask=mask, positions=positions,
+                                        initial_state=cache.state, return_state=True, chunk_size=self.chunk_size,
+                                        **opts)
+        cache.state = state
+        cache.advance(n, mask)
+        return self._merge(o), cache
+
+    def extra_repr(self) -> str:
+        return (f"d_model={self.d_model}, n_heads={self.n_heads}, qk_dim={self.qk_dim}, causal={self.causal}, "
+                f"rope={self.rope is not None}, normalize={self.normalize}")
+
+
+class SoftmaxAttention(_Attention):
+    """Multi-head softmax attention with the same interface as LinearAttention:
+
+        y_i = W_o · concat_h [ Σ_j softmax_j(q̂_iᵀ k̂_j / √qk_dim) v_j ],  j ≤ i if causal,
+
+    q̂, k̂ = RoPE-rotated q, k (standard RoPE on the head dim) when rope=True. Dropout applies to the
+    attention weights (training only) and to the output projection. Decoding keeps a KV cache.
+    """
+
+    kind = "softmax"
+
+    def __init__(self, d_model: int, n_heads: int, *, causal: bool = True, rope: bool = False,
+                 rope_base: float = 10_000.0, qk_dim: int | None = None, dropout: float = 0.0, bias: bool = False):
+        super().__init__(d_model, n_heads, qk_dim, causal, dropout, bias)
+        self.rope = RotaryEmbedding(self.qk_dim, rope_base) if rope else None
+
+    def new_cache(self) -> KVCache:
+        return KVCache()
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None, cache: KVCache | None = None,
+                positions: torch.Tensor | None = None):
+        """x (B, N, d), mask (B, N) bool or None, positions (N,) or (B, N) or None. Returns (y, cache)."""
+        self._check_mask(mask, x)
+        q, k, v = self._project(x)
+        n = x.shape[1]
+        if self.rope is not None:
+            if positions is None:
+                positions = (cache.next_positions(n, mask, x.device) if cache is not None
+                             else token_positions(n, mask, device=x.device))
+            q, k = self.rope.rotate(q, positions), self.rope.rotate(k, positions)
+        p = self.dropout_p if self.training else 0.0
+        if cache is not None:
+            if not self.causal:
+                raise ValueError("a cache (recurrent decoding) needs a causal SoftmaxAttention")
+            k, v, key_mask = cache.append(k, v, mask)
+            cache.advance(n, mask)
+            mask = key_mask
+        elif self.sequence_parallel_group is not None:
+            if mask is not None:
+                raise ValueError("sequence parallelism does not take a padding mask")
+            from linattn.distributed import sequence_parallel_softmax_attention
+
+            o = sequence_parallel_softmax_attention(q, k, v, group=self.sequence_parallel_group, causal=self.causal,
+                                                    scale=None)
+            return self._merge(o), None
+        if mask is None:
+            # a single new query sees every cached key: no mask to build
+            o = softmax_attention(q, k, v, causal=self.causal and n > 1, dropout_p=p)
+        else:
+            o = _padded_softmax_attention(q, k, v, mask, self.causal, p)
+        return self._merge(o), cache
+
+    def extra_repr(self) -> str:
+        return (f"d_model={self.d_model}, n_heads={self.n_heads}, qk_dim={self.qk_dim}, causal={self.causal}, "
+                f"rope={self.rope is not None}")
+
+
+def _padded_softmax_attention(q, k, v, key_mask, causal: bool, dropout_p: float):
+    """softmax attention with a key-padding mask (B, Nk) whose last Nq entries describe the queries.
+
+    A padded query whose every visible key is padding (left padding + causal) would give a row of
+    −∞ and NaN; such query rows (padding anyway) are let see every key instead, so all values stay
+    finite and real tokens are unaffected.
+    """
+    n_q, n_k = q.shape[2], k.shape[2]
+    allowed = key_mask[:, None, None, :]
+    if causal:
+        allowed = allowed & torch.ones(n_q, n_k, dtype=torch.bool, device=q.device).tril(n_k - n_q)
+    allowed = allowed | ~key_mask[:, None, -n_q:, None]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, dropout_p=dropout_p)
+
+
+# --------------------------------------------------------------------------------------------
+# norms, feed-forward, block
+
+
+class RMSNorm(nn.Module):
+    """y = x / √(mean(x²) + eps) · g, computed in float32, returned in x's dtype. x (…, d)."""
+
+    def __init__(self, d: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = float(eps)
+        self.weight = nn.Parameter(torch.ones(d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype in (torch.float16, torch.bfloat16):
+            y = F.rms_norm(x.float(), self.weight.shape, None, self.eps)
+            return y.to(x.dtype) * self.weight.to(x.dtype)
+        return F.rms_norm(x, self.weight.shape, self.weight.to(x.dtype), self.eps)  # one fused op (decoding)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps:g}"
+
+
+NORMS = ("rmsnorm", "layernorm")
+ACTIVATIONS = ("gelu", "swiglu")
+
+
+def make_norm(kind: str, d: int, eps: float = 1e-5) -> nn.Module:
+    """'rmsnorm' -> RMSNorm(d), 'layernorm' -> nn.LayerNorm(d)."""
+    if kind == "rmsnorm":
+        return RMSNorm(d, eps)
+    if kind == "layernorm":
+        return nn.LayerNorm(d, eps=eps)
+    raise ValueError(f"norm must be one of {NORMS}, got {kind!r}")
+
+
+class FeedForward(nn.Module):
+    """Position-wise FFN, x (…, d) -> (…, d):
+
+        gelu:   W_down · gelu(W_up x)
+        swiglu: W_down · (silu(W_gate x) ⊙ W_up x)     (Shazeer 2020; W_gate, W_up fused in `up`)
+    """
+
+    def __init__(self, d_model: int, d_ff: int, activation: str = "swiglu", dropout: float = 0.0, bias: bool = False):
+        super().__init__()
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+        if isinstance(d_ff, bool) or not isinstance(d_ff, int) or d_ff <= 0:
+            raise ValueError(f"d_ff must be a positive int, got {d_ff!r}")
+        self.activation = activation
+        self.up = nn.Linear(d_model, d_ff * (2 if activation == "swiglu" else 1), bias=bias)
+        self.down = nn.Linear(d_ff, d_model, bias=bias)
+        self.dropout = nn.Dropout(_check_dropout(dropout))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.up(x)
+        if self.activation == "swiglu":
+            gate, up = h.chunk(2, dim=-1)
+            h = F.silu(gate) * up
+        else:
+            h = F.gelu(h)
+        y = self.down(h)
+        return self.dropout(y) if self.dropout.p and self.training else y
+
+
+class Block(nn.Module):
+    """Pre-norm Transformer block (DESIGN §8):
+
+        x ← x + Attn(Norm₁(x)),   x ← x + FFN(Norm₂(x)).
+
+    forward(x (B, N, d), mask, cache, positions) -> (x, cache), the attention's cache passed through.
+    """
+
+    def __init__(self, attn: _Attention, d_ff: int, *, activation: str = "swiglu", norm: str = "rmsnorm",
+                 norm_eps: float = 1e-5, dropout: float = 0.0, bias: bool = False):
+        super().__init__()
+        d = attn.d_model
+        self.norm1 = make_norm(norm, d, norm_eps)
+        self.attn = attn
+        self.norm2 = make_norm(norm, d, norm_eps)
+        self.ffn = FeedForward(d, d_ff, activation, dropout, bias)
+
+    def forward(self, x, mask=None, cache=None, positions=None):
+        a, cache = self.attn(self.norm1(x), mask, cache, positions)
+        x = x + a
+        x = x + self.ffn(self.norm2(x))
+        return x, cache
+
+
+__all__ = [
+    "ACTIVATIONS",
+    "NORMS",
+    "Block",
+    "FeedForward",
+    "KVCache",
+    "LinearAttention",
+    "LinearAttentionCache",
+    "PositionCounter",
+    "RMSNorm",
+    "SoftmaxAttention",
+    "make_norm",
+    "token_positions",
+]

@@ -1,0 +1,441 @@
+"""Models: one config, a decoder-only LM and a bidirectional encoder (DESIGN §8).
+
+    ids (B, N) ─ tok_emb (+ pos_emb) ─ dropout ─ Block × n_layers ─ Norm ─ head
+
+Each Block is pre-norm, `x ← x + Attn(Norm(x)); x ← x + FFN(Norm(x))`, and its attention kind
+(linear or softmax) is chosen per layer by `ModelConfig.attention`, so a hybrid such as
+["linear", "linear", "linear", "softmax"] (repeated over the layers) is a config value.
+
+The LM decodes recurrently: `forward(ids, cache=model.new_cache())` prefills (chunked parallel
+path) and returns the per-layer caches; each further call with that cache costs O(1) per token in
+linear layers (state update) and O(context) in softmax layers (KV cache). See linattn.generation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from .checkpoint import PretrainedMixin
+from .feature_maps import FEATURE_MAPS, make_feature_map
+from .layers import (
+    ACTIVATIONS,
+    NORMS,
+    Block,
+    LinearAttention,
+    PositionCounter,
+    SoftmaxAttention,
+    make_norm,
+    token_positions,
+)
+from .positional import RotaryEmbedding
+
+ATTENTION_KINDS = ("linear", "softmax")
+POSITIONS = ("rope", "learned", "none")
+POOLINGS = ("mean", "first")
+
+
+def _positive_int(name, value, allow_none=False):
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive int{' or None' if allow_none else ''}, got {value!r}")
+
+
+def _choice(name, value, choices):
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+
+
+@dataclass
+class ModelConfig:
+    """Everything that defines a model; round-trips through JSON (to_json / from_json).
+
+    attention: per-layer kinds, a list of "linear" / "softmax" of length n_layers, or a shorter
+        pattern repeated to fill the layers (n_layers must be a multiple of its length); a string
+        is one kind ("linear") or a comma-separated pattern ("linear,linear,linear,softmax").
+    feature_map / feature_map_options: φ of the linear layers and its options (JSON values), see
+        linattn.feature_maps. A "seed" option (FAVOR+, trig, Hedgehog) is offset per layer so layers
+        draw different projections; cosFormer's max_len defaults to `max_len`.
+    qk_dim: per-head q/k dim (default d_model / n_heads); values always have d_model / n_heads.
+    positions: "rope" (on φ features in linear layers, DESIGN §6; on q/k in softmax layers),
+        "learned" (absolute embeddings, at most max_len positions) or "none".
+    d_ff: FFN hidden width (default 4·d_model). num_classes / pooling: the encoder's head.
+    seed: seeds the weight initialization (and, by default, the random feature maps).
+    """
+
+    vocab_size: int = 256
+    d_model: int = 256
+    n_layers: int = 4
+    n_heads: int = 8
+    d_ff: int | None = None
+    attention: list = field(default_factory=lambda: ["linear"])
+    feature_map: str = "elu"
+    feature_map_options: dict = field(default_factory=dict)
+    qk_dim: int | None = None
+    positions: str = "rope"
+    rope_base: float = 10_000.0
+    max_len: int = 2048
+    dropout: float = 0.0
+    tie_embeddings: bool = True
+    norm: str = "rmsnorm"
+    norm_eps: float = 1e-5
+    activation: str = "swiglu"
+    bias: bool = False
+    num_classes: int | None = None
+    pooling: str = "mean"
+    seed: int = 0
+
+    def __post_init__(self):
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "max_len"):
+            _positive_int(name, getattr(self, name))
+        for name in ("d_ff", "qk_dim", "num_classes"):
+            _positive_int(name, getattr(self, name), allow_none=True)
+        if self.d_model % self.n_heads:
+            raise ValueError(f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})")
+        if isinstance(self.attention, str):
+            self.attention = [a.strip() for a in self.attention.split(",")]
+        if not isinstance(self.attention, (list, tuple)) or not self.attention:
+            raise ValueError(f"attention must be a non-empty list of kinds or a pattern string, got {self.attention!r}")
+        self.attention = list(self.attention)
+        for kind in self.attention:
+            _choice("attention", kind, ATTENTION_KINDS)
+        if self.n_layers % len(self.attention):
+            raise ValueError(f"attention pattern of length {len(self.attention)} does not divide "
+                             f"n_layers={self.n_layers}")
+        _choice("feature_map", self.feature_map, tuple(sorted(FEATURE_MAPS)))
+        _choice("positions", self.positions, POSITIONS)
+        _choice("norm", self.norm, NORMS)
+        _choice("activation", self.activation, ACTIVATIONS)
+        _choice("pooling", self.pooling, POOLINGS)
+        if isinstance(self.dropout, bool) or not isinstance(self.dropout, (int, float)) or not 0 <= self.dropout < 1:
+            raise ValueError(f"dropout must be a float in [0, 1), got {self.dropout!r}")
+        for name in ("rope_base", "norm_eps"):
+            val = getattr(self, name)
+            if isinstance(val, bool) or not isinstance(val, (int, float)) or not val > 0:
+                raise ValueError(f"{name} must be a positive float, got {val!r}")
+        for name in ("tie_embeddings", "bias"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an int, got {self.seed!r}")
+        if not isinstance(self.feature_map_options, dict):
+            raise ValueError(f"feature_map_options must be a dict, got {type(self.feature_map_options).__name__}")
+        try:
+            self.feature_map_options = json.loads(json.dumps(self.feature_map_options))
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"feature_map_options must hold JSON values: {exc}") from None
+        if "linear" in self.attention:  # build φ (and RoPE on its features) once to check the options
+            try:
+                fm = make_feature_map(self.feature_map, self.head_qk_dim, **self.feature_map_options_for(0))
+                if self.positions == "rope":
+                    RotaryEmbedding(fm.feature_dim, self.rope_base)
+            except (TypeError, ValueError) as exc:
+                raise ValueError(f"feature_map={self.feature_map!r} with feature_map_options="
+                                 f"{self.feature_map_options} and positions={self.positions!r}: {exc}") from None
+
+    # ---- derived values
+    @property
+    def head_qk_dim(self) -> int:
+        return self.qk_dim or self.d_model // self.n_heads
+
+    @property
+    def ffn_dim(self) -> int:
+        """d_ff, or by default 4·d_model for GELU and the parameter-matched 8/3·d_model (rounded up
+        to a multiple of 32) for SwiGLU, whose three matrices then hold as many weights as GELU's two."""
+        if self.d_ff is not None:
+            return self.d_ff
+        if self.activation == "swiglu":
+            return -(-8 * self.d_model // 96) * 32  # ⌈8·d/3 / 32⌉·32
+        return 4 * self.d_model
+
+    @property
+    def layer_kinds(self) -> list[str]:
+        """The attention kind of every layer: the pattern repeated to n_layers."""
+        return self.attention * (self.n_layers // len(self.attention))
+
+    def feature_map_options_for(self, layer: int) -> dict:
+        opts = dict(self.feature_map_options)
+        if self.feature_map in ("favor", "trig", "hedgehog"):
+            opts["seed"] = int(opts.get("seed", self.seed)) + 1_000_003 * layer
+        if self.feature_map == "cosformer":
+            opts.setdefault("max_len", self.max_len)
+        return opts
+
+    @property
+    def max_positions(self) -> int | None:
+        """Positions a model of this config can take (None: unbounded)."""
+        limits = []
+        if self.positions == "learned":
+            limits.append(self.max_len)
+        if self.feature_map == "cosformer" and "linear" in self.attention:
+            limits.append(int(self.feature_map_options_for(0)["max_len"]))
+        return min(limits) if limits else None
+
+    # ---- serialization
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ModelConfig":
+        if not isinstance(d, dict):
+            raise ValueError(f"a model config must be a dict, got {type(d).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown model config fields {unknown}; known fields are {sorted(known)}")
+        return cls(**d)
+
+    def to_json(self, indent: int | None = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "ModelConfig":
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"model config is not valid JSON: {exc}") from None
+        return cls.from_dict(d)
+
+    def diff(self, other: "ModelConfig") -> dict:
+        """{field: (self's value, other's value)} for every field that differs."""
+        a, b = self.to_dict(), other.to_dict()
+        return {k: (a[k], b[k]) for k in a if a[k] != b[k]}
+
+
+@dataclass
+class ModelCache(PositionCounter):
+    """Per-layer decoding caches (LinearAttentionCache or KVCache, one per block) and the position
+    counter of the model (used by learned position embeddings). Updated in place by forward."""
+
+    layers: list = field(default_factory=list)
+
+    @property
+    def nbytes(self) -> list[int]:
+        return [c.nbytes for c in self.layers]
+
+
+def _shard_offset(n: int, group, device) -> int:
+    """Global index of this rank's first token: the sum of the shard lengths of the ranks before it."""
+    import torch.distributed as dist
+
+    lengths = [torch.zeros(1, dtype=torch.long, device=device) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(lengths, torch.tensor([n], dtype=torch.long, device=device), group=group)
+    return int(sum(int(t) for t in lengths[: dist.get_rank(group)]))
+
+
+@contextlib.contextmanager
+def _no_redraw(module: nn.Module):
+    """Suspends the redraw schedule of random feature maps (FAVOR+, trig) inside `module`, so that
+    the recomputation of activation checkpointing sees the ω its forward used."""
+    paused = [m for m in module.modules() if getattr(m, "redraw_interval", None) is not None]
+    saved = [m.redraw_interval for m in paused]
+    for m in paused:
+        m.redraw_interval = None
+    try:
+        yield
+    finally:
+        for m, r in zip(paused, saved):
+            m.redraw_interval = r
+
+
+class _Transformer(PretrainedMixin, nn.Module):
+    """Embeddings, blocks and final norm shared by the LM and the encoder."""
+
+    causal = True
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        if not isinstance(config, ModelConfig):
+            raise TypeError(f"config must be a ModelConfig, got {type(config).__name__}")
+        c = self.config = config
+        self.tok_emb = nn.Embedding(c.vocab_size, c.d_model)
+        self.pos_emb = nn.Embedding(c.max_len, c.d_model) if c.positions == "learned" else None
+        self.drop = nn.Dropout(c.dropout)
+        self.blocks = nn.ModuleList(self._block(i, kind) for i, kind in enumerate(c.layer_kinds))
+        self.norm = make_norm(c.norm, c.d_model, c.norm_eps)
+        self.activation_checkpointing = False
+        self.sequence_parallel_group = None
+
+    def _block(self, i: int, kind: str) -> Block:
+        c = self.config
+        common = dict(causal=self.causal, rope=c.positions == "rope", rope_base=c.rope_base, qk_dim=c.qk_dim,
+                      dropout=c.dropout, bias=c.bias)
+        if kind == "linear":
+            attn = LinearAttention(c.d_model, c.n_heads, feature_map=c.feature_map,
+                                   feature_map_options=c.feature_map_options_for(i), **common)
+        else:
+            attn = SoftmaxAttention(c.d_model, c.n_heads, **common)
+        return Block(attn, c.ffn_dim, activation=c.activation, norm=c.norm, norm_eps=c.norm_eps, dropout=c.dropout,
+                     bias=c.bias)
+
+    @torch.no_grad()
+    def _init_weights(self) -> None:
+        """GPT-2 style, seeded by config.seed: N(0, 0.02) for linear and embedding weights, residual
+        output projections scaled by 1/√(2·n_layers), zero biases; norms at 1; φ keeps its own."""
+        g = torch.Generator().manual_seed(self.config.seed)
+        resid = 0.02 / math.sqrt(2 * self.config.n_layers)
+        for name, mod in self.named_modules():
+            if isinstance(mod, (nn.Linear, nn.Embedding)):
+                std = resid if name.endswith((".attn.out", ".ffn.down")) else 0.02
+                mod.weight.copy_(torch.randn(mod.weight.shape, generator=g) * std)
+                if getattr(mod, "bias", None) is not None:
+                    mod.bias.zero_()
+
+    def set_activation_checkpointing(self, enabled: bool = True) -> None:
+        """Recompute each block's activations in the backward (torch.utils.checkpoint) in training."""
+        self.activation_checkpointing = bool(enabled)
+
+    def set_sequence_parallel_group(self, group) -> None:
+        """Run every attention layer sequence-parallel over `group` (a torch.distributed process
+        group; None: local) when no cache is used. Each rank then passes its contiguous shard of
+        every sequence, in rank order, and gets the logits of its shard (positions are global)."""
+        self.sequence_parallel_group = group
+        for block in self.blocks:
+            block.attn.sequence_parallel_group = group
+
+    def _check_ids(self, ids, mask):
+        if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.dtype not in (torch.int32, torch.int64):
+            got = f"{tuple(ids.shape)} {ids.dtype}" if isinstance(ids, torch.Tensor) else type(ids).__name__
+            raise ValueError(f"ids must be an integer tensor of shape (B, N), got {got}")
+        if mask is not None and (not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool
+                                 or mask.shape != ids.shape):
+            raise ValueError(f"mask must be a bool tensor of ids' shape {tuple(ids.shape)} (True = real token)")
+
+    def _trunk(self, ids, mask=None, cache: ModelCache | None = None):
+        """ids (B, N) -> hidden (B, N, d) after the final norm; advances the cache."""
+        self._check_ids(ids, mask)
+        n = ids.shape[1]
+        positions = None
+        if cache is not None:
+            positions = cache.next_positions(n, mask, ids.device)
+        elif self.sequence_parallel_group is not None:
+            if mask is not None:
+                raise ValueError("sequence parallelism does not take a padding mask")
+            offset = _shard_offset(n, self.sequence_parallel_group, ids.device)
+            positions = torch.arange(offset, offset + n, device=ids.device)  # global positions of this shard
+        elif mask is not None or self.pos_emb is not None:
+            positions = token_positions(n, mask, device=ids.device)
+        x = self.tok_emb(ids)
+        if self.pos_emb is not None:
+            if not torch.compiler.is_compiling() and int(positions.max()) >= self.config.max_len:
+                raise ValueError(f"position {int(positions.max())} is beyond max_len={self.config.max_len}")
+            x = x + self.pos_emb(positions)
+        if self.drop.p and self.training:
+            x = self.drop(x)
+        for i, block in enumerate(self.blocks):
+            if cache is None and self.activation_checkpointing and self.training:
+                x, _ = checkpoint(block, x, mask, None, positions, use_reentrant=False,
+                                  context_fn=lambda b=block: (contextlib.nullcontext(), _no_redraw(b)))
+            else:
+                x, _ = block(x, mask, None if cache is None else cache.layers[i], positions)
+        if cache is not None:
+            cache.advance(n, mask)
+        return self.norm(x)
+
+
+class LinearTransformerLM(_Transformer):
+    """Decoder-only language model with linear (and optionally softmax) attention layers.
+
+    forward(ids (B, N), mask=None, cache=None, last_only=False) -> (logits (B, N, V), cache)
+    With last_only, logits are (B, 1, V) for the last position only (generation).
+    """
+
+    causal = True
+
+    def __init__(self, config: ModelConfig):
+        super().__init__(config)
+        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        self._init_weights()
+        if config.tie_embeddings:
+            self.lm_head.weight = self.tok_emb.weight
+
+    def new_cache(self) -> ModelCache:
+        """An empty cache: pass it to forward for the prefill, then the returned one per step."""
+        return ModelCache(layers=[block.attn.new_cache() for block in self.blocks])
+
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor | None = None, cache: ModelCache | None = None,
+                last_only: bool = False):
+        h = self._trunk(ids, mask, cache)
+        if last_only:
+            h = h[:, -1:]
+        return self.lm_head(h), cache
+
+    def loss(self, ids: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Mean next-token cross-entropy over real targets: predict ids[:, 1:] from ids[:, :-1]."""
+        logits, _ = self(ids[:, :-1], None if mask is None else mask[:, :-1])
+        targets = ids[:, 1:]
+        if mask is not None:
+            targets = targets.masked_fill(~(mask[:, 1:] & mask[:, :-1]), -100)
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1), ignore_index=-100)
+
+    def generate(self, prompt_ids, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
+                 top_p: float | None = None, seed: int | None = None, stop_tokens=None, *, mask=None):
+        """Generated token ids per prompt (list of lists); see linattn.generation.generate."""
+        from .generation import generate
+
+        return generate(self, prompt_ids, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                        seed=seed, stop_tokens=stop_tokens, mask=mask)
+
+    def stream(self, prompt_ids, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
+               top_p: float | None = None, seed: int | None = None, stop_tokens=None, *, mask=None):
+        """Iterator over steps, each a list (one entry per prompt) of the new token id or None once
+        that prompt has stopped; see linattn.generation.stream."""
+        from .generation import stream
+
+        return stream(self, prompt_ids, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                      seed=seed, stop_tokens=stop_tokens, mask=mask)
+
+
+class LinearTransformerEncoder(_Transformer):
+    """Bidirectional encoder with a classification head (e.g. ListOps).
+
+    encode(ids (B, N), mask) -> hidden (B, N, d); forward(ids, mask) -> logits (B, num_classes) from
+    the mean of the real tokens' hidden states (pooling="mean") or the first real token ("first").
+    With a mask, positions count real tokens only, so left- or right-padding leaves the output as is.
+    """
+
+    causal = False
+
+    def __init__(self, config: ModelConfig):
+        if config.num_classes is None:
+            raise ValueError("num_classes must be set in the config of a LinearTransformerEncoder")
+        super().__init__(config)
+        self.head = nn.Linear(config.d_model, config.num_classes)
+        self._init_weights()
+
+    def encode(self, ids: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        return self._trunk(ids, mask)
+
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        if self.sequence_parallel_group is not None:
+            raise ValueError("the pooled head needs the whole sequence: under sequence parallelism call encode() "
+                             "and pool across the ranks")
+        h = self.encode(ids, mask)
+        if self.config.pooling == "first":
+            first = torch.zeros_like(ids[:, 0]) if mask is None else mask.long().argmax(1)  # first real token
+            pooled = h[torch.arange(ids.shape[0], device=ids.device), first]
+        elif mask is None:
+            pooled = h.mean(1)
+        else:
+            m = mask.to(h.dtype).unsqueeze(-1)
+            pooled = (h * m).sum(1) / m.sum(1).clamp_min(1)
+        return self.head(pooled)
+
+
+__all__ = [
+    "ATTENTION_KINDS",
+    "POSITIONS",
+    "LinearTransformerEncoder",
+    "LinearTransformerLM",
+    "ModelCache",
+    "ModelConfig",
+]
