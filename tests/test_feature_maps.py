@@ -8,6 +8,8 @@ import torch
 from linattn.feature_maps import FEATURE_MAPS, FavorPlus, make_feature_map
 from linattn.ops import linear_attention, reference
 
+from .conftest import oracle
+
 DT = torch.float64
 
 
@@ -110,17 +112,37 @@ def test_random_features_are_seeded_saved_and_redrawn_only_on_request():
 
 def test_random_features_redraw_on_interval_in_training_only():
     fm = FavorPlus(8, 16, seed=0, redraw_interval=3).train()
-    x = torch.randn(1, 1, 4, 8)
+    q, k, v = torch.randn(3, 1, 2, 700, 8).unbind(0)
     seen = []
     for _ in range(7):
-        fm(x, is_query=True)
-        fm(x, is_query=False)
+        # one redraw tick per operator call, however many blocks the op walks and including its backward
+        q.requires_grad_()
+        linear_attention(q, k, v, causal=True, feature_map=fm, chunk_size=16).sum().backward()
         seen.append(fm.omega.clone())
     changes = [i for i in range(1, 7) if not torch.equal(seen[i], seen[i - 1])]
     assert changes == [3, 6]
     fm.eval()
-    fm(x, is_query=True)
+    linear_attention(q, k, v, causal=True, feature_map=fm)
     assert torch.equal(fm.omega, seen[-1])
+
+
+def test_no_redraw_between_forward_and_backward(monkeypatch):
+    """The backward recomputes φ with the ω the forward used (several blocks, redraw every call)."""
+    import linattn.ops.chunked as chunked
+
+    monkeypatch.setattr(chunked, "BLOCK_ELEMENTS", 256)
+    fm = FavorPlus(4, 8, seed=0, redraw_interval=1).double().train()
+    fm.advance_schedule()  # the next call would redraw
+    q, k, v = [torch.randn(1, 2, 40, 4, dtype=DT, requires_grad=True) for _ in range(3)]
+    o = linear_attention(q, k, v, causal=True, feature_map=fm, chunk_size=4)
+    omega = fm.omega.clone()
+    got = torch.autograd.grad(o.sum(), (q, k, v))
+    assert torch.equal(fm.omega, omega)
+    fm.eval()
+    ro, _ = oracle(q, k, v, causal=True, feature_map=fm)
+    want = torch.autograd.grad(ro.sum(), (q, k, v))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
 
 
 def test_orthogonal_blocks_and_chi_norms():

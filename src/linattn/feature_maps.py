@@ -6,8 +6,9 @@ A feature map is an nn.Module built for a head dim D with a known output dim `fe
 
 x: (…, N, D). `positions` ((N,) or (B, N) absolute token indices) is used by maps with
 `needs_positions = True` (cosFormer). Randomness (FAVOR+, trigonometric features) lives in buffers,
-saved with the model, drawn from a seed, redrawn only on request or every `redraw_interval`
-training-mode calls, never in eval. `make_feature_map(name, head_dim, **options)` builds one by name
+saved with the model, drawn from a seed, redrawn only on request (`redraw()`) or every
+`redraw_interval` training-mode operator calls (`advance_schedule()`, which the operators call once
+per call), never in eval and never between a forward and its backward. `make_feature_map(name, head_dim, **options)` builds one by name
 from the plain dict FEATURE_MAPS.
 """
 
@@ -34,6 +35,10 @@ class FeatureMap(nn.Module):
             raise ValueError(f"head_dim must be a positive int, got {head_dim!r}")
         self.head_dim = head_dim
         self.feature_dim = head_dim
+
+    def advance_schedule(self) -> None:
+        """Counts one operator call; maps with a redraw schedule redraw here (training mode only).
+        The operators call it once per call, never while recomputing features in a backward."""
 
     def _check(self, x: torch.Tensor) -> None:
         if x.shape[-1] != self.head_dim:
@@ -129,8 +134,9 @@ class _RandomFeatures(FeatureMap):
         self.omega.copy_(w.to(self.omega.dtype))
         self.draws += 1
 
-    def _maybe_redraw(self, is_query: bool) -> None:
-        if self.training and self.redraw_interval is not None and is_query:
+    def advance_schedule(self) -> None:
+        """In training mode, counts one call and redraws ω before every redraw_interval-th call."""
+        if self.training and self.redraw_interval is not None:
             if int(self.calls) > 0 and int(self.calls) % self.redraw_interval == 0:
                 self.redraw()
             self.calls += 1
@@ -171,7 +177,6 @@ class FavorPlus(_RandomFeatures):
         self.stabilize = stabilize
 
     def forward(self, x, *, is_query: bool = True, positions=None):
-        self._maybe_redraw(is_query)
         xs, wx = self._project(x)
         expo = wx - 0.5 * (xs * xs).sum(-1, keepdim=True)
         if self.stabilize:
@@ -200,7 +205,6 @@ class TrigRandomFeatures(_RandomFeatures):
         self.stabilize = stabilize
 
     def forward(self, x, *, is_query: bool = True, positions=None):
-        self._maybe_redraw(is_query)
         xs, wx = self._project(x)
         f = torch.cat((torch.sin(wx), torch.cos(wx)), dim=-1) / math.sqrt(self.num_features)
         if is_query and self.stabilize:

@@ -40,11 +40,16 @@ class RotaryEmbedding(nn.Module):
         inv_freq = base ** (-torch.arange(half, dtype=torch.float64) / half)
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
 
-    def rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def angles(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) of position·θ_m, broadcastable against (B, H, N, ⌊F/2⌋), in `dtype`."""
+        ang = broadcast_positions(positions, 4).to(torch.float32) * self.inv_freq.to(positions.device)
+        return ang.cos().to(dtype), ang.sin().to(dtype)
+
+    def rotate(self, x: torch.Tensor, positions: torch.Tensor | None = None, *, angles=None) -> torch.Tensor:
+        """x (B, H, N, F) rotated at `positions` ((N,) or (B, N)), or with precomputed `angles`."""
         if x.shape[-1] != self.dim:
             raise ValueError(f"RotaryEmbedding(dim={self.dim}) got features of dim {x.shape[-1]}")
-        ang = broadcast_positions(positions, x.dim()).to(torch.float32) * self.inv_freq.to(x.device)
-        cos, sin = ang.cos().to(x.dtype), ang.sin().to(x.dtype)
+        cos, sin = self.angles(positions, x.dtype) if angles is None else angles
         half = self.dim // 2
         x1, x2, rest = x[..., :half], x[..., half:2 * half], x[..., 2 * half:]
         return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos, rest), dim=-1)

@@ -24,6 +24,7 @@ class Featurizer:
     scale: float | None = None  # multiplies q before φ
     positions: torch.Tensor | None = None  # (N,) or (B, N) absolute indices
     key_padding_mask: torch.Tensor | None = None  # (B, N) bool, True = keep
+    _angles: tuple | None = None  # RoPE (start, end, dtype, cos, sin), shared by q and k of a slice
 
     def __call__(self, x: torch.Tensor, start: int, end: int, is_query: bool):
         pos = None if self.positions is None else self.positions[..., start:end]
@@ -34,7 +35,9 @@ class Featurizer:
             f = f * self.key_padding_mask[:, None, start:end, None].to(f.dtype)
         if self.rope is None:
             return f, None
-        return self.rope.rotate(f, pos), f
+        if self._angles is None or self._angles[:3] != (start, end, f.dtype):
+            self._angles = (start, end, f.dtype, *self.rope.angles(pos, f.dtype))
+        return self.rope.rotate(f, angles=self._angles[3:]), f
 
     @property
     def parameters(self) -> tuple:

@@ -55,6 +55,8 @@ def _prepare(q, k, v, *, feature_map, scale, key_padding_mask, initial_state, po
             )
         positions = torch.arange(n_k, device=k.device)
     fz = Featurizer(feature_map, rope, None if scale is None else float(scale), positions, key_padding_mask)
+    if feature_map is not None and hasattr(feature_map, "advance_schedule"):
+        feature_map.advance_schedule()
     if initial_state is None:
         sdt = state_dtype(q.dtype)
         initial_state = (
