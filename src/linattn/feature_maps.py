@@ -55,8 +55,12 @@ class _EluPlusOneFunction(torch.autograd.Function):
     CPU); saves only its output."""
 
     @staticmethod
+    def compute(x):
+        return x.clamp(max=0).exp_().add_(x.clamp(min=0))
+
+    @staticmethod
     def forward(ctx, x):
-        y = x.clamp(max=0).exp_().add_(x.clamp(min=0))
+        y = _EluPlusOneFunction.compute(x)
         ctx.save_for_backward(y)
         return y
 
@@ -72,7 +76,9 @@ class EluPlusOne(FeatureMap):
 
     def forward(self, x, *, is_query: bool = True, positions=None):
         self._check(x)
-        return _EluPlusOneFunction.apply(x)
+        if x.requires_grad and torch.is_grad_enabled():
+            return _EluPlusOneFunction.apply(x)
+        return _EluPlusOneFunction.compute(x)  # no autograd bookkeeping when decoding
 
 
 class ReLUFeatureMap(FeatureMap):
