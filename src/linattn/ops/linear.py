@@ -55,8 +55,6 @@ def _prepare(q, k, v, *, feature_map, scale, key_padding_mask, initial_state, po
             )
         positions = torch.arange(n_k, device=k.device)
     fz = Featurizer(feature_map, rope, None if scale is None else float(scale), positions, key_padding_mask)
-    if feature_map is not None and hasattr(feature_map, "advance_schedule"):
-        feature_map.advance_schedule()
     if initial_state is None:
         sdt = state_dtype(q.dtype)
         initial_state = (
@@ -64,6 +62,13 @@ def _prepare(q, k, v, *, feature_map, scale, key_padding_mask, initial_state, po
             torch.zeros(b, h, feat, dtype=sdt, device=q.device),
         )
     return fz, initial_state
+
+
+def advance_schedule(feature_map) -> None:
+    """One operator call for φ's redraw schedule (FAVOR+ / trig with redraw_interval, training
+    mode). Every public operator calls it exactly once, before any feature is computed."""
+    if feature_map is not None and hasattr(feature_map, "advance_schedule"):
+        feature_map.advance_schedule()
 
 
 def linear_attention(
@@ -101,6 +106,15 @@ def linear_attention(
         be given when resuming from a state with either).
     rope: a linattn.positional.RotaryEmbedding of dim F, applied to the numerator features only.
     """
+    advance_schedule(feature_map)
+    return _linear_attention(q, k, v, causal=causal, feature_map=feature_map, normalize=normalize, eps=eps,
+                             scale=scale, key_padding_mask=key_padding_mask, initial_state=initial_state,
+                             return_state=return_state, chunk_size=chunk_size, positions=positions, rope=rope)
+
+
+def _linear_attention(q, k, v, *, causal, feature_map, normalize, eps, scale, key_padding_mask, initial_state,
+                      return_state, chunk_size, positions, rope):
+    """linear_attention without advancing φ's redraw schedule (for callers that already did)."""
     check_positive_int("chunk_size", chunk_size)
     if causal and q.dim() == 4 and k.dim() == 4 and q.shape[2] != k.shape[2]:
         raise ValueError(f"causal linear attention needs q and k of equal length, got {q.shape[2]} and {k.shape[2]}")
@@ -156,10 +170,11 @@ def linear_attention_step(
     tokens) runs the causal chunked op from the state. state: (kv (B, H, F, E), z (B, H, F)), or None
     to start from zeros. positions: (T,) or (B, T) global indices (required with RoPE / cosFormer).
     """
+    advance_schedule(feature_map)
     if q.dim() == 4 and q.shape[2] != 1:
-        o, new_state = linear_attention(q, k, v, causal=True, feature_map=feature_map, normalize=normalize, eps=eps,
-                                        scale=scale, key_padding_mask=key_padding_mask, initial_state=state,
-                                        return_state=True, positions=positions, rope=rope)
+        o, new_state = _linear_attention(q, k, v, causal=True, feature_map=feature_map, normalize=normalize, eps=eps,
+                                         scale=scale, key_padding_mask=key_padding_mask, initial_state=state,
+                                         return_state=True, positions=positions, rope=rope, chunk_size=64)
         return o, new_state
     if state is not None and positions is None and (rope is not None or getattr(feature_map, "needs_positions", False)):
         raise ValueError("positions (the global token index) are required for a step with RoPE or a position-dependent feature map")

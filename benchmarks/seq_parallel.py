@@ -1,0 +1,157 @@
+"""Sequence parallelism on CPU: wall time and per-rank peak memory of one causal linear-attention
+layer, forward + backward, on 1 rank vs 2 ranks (gloo, spawned processes).
+
+    .venv/bin/python benchmarks/seq_parallel.py [--sizes 15 16 17] [--reps 2] [--json out.json]
+
+B = 1, H = 8, D = E = 64, elu+1, chunk 64, fp32. Every configuration runs in fresh processes, so the
+peak resident set (VmHWM from /proc/self/status, reset with /proc/self/clear_refs before the
+inputs are allocated) is that configuration's alone. "peak − base" is the peak over the RSS of the
+process after imports and process-group set-up: inputs, activations, gradients and temporaries.
+
+Thread settings (stated so the comparison is fair): the machine has 2 cores.
+  1 rank × 2 threads — the single-process op using the whole machine (the baseline for speed-up);
+  1 rank × 1 thread  — the same work per core as one rank of the 2-rank run;
+  2 ranks × 1 thread — sequence parallel, one core each.
+Time: one warm-up iteration, then the median of --reps iterations, each bracketed by barriers (the
+slowest rank's wall time), and the CPU time of each rank's own process over the same iteration (a
+load-independent measure of the work per rank; on a machine shared with other jobs the wall times
+of the 2-thread and 2-rank rows suffer most from the contention).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+import torch.multiprocessing as mp
+
+B, H, D = 1, 8, 64
+
+
+def _status(field: str) -> int:
+    """A VmXXX field of /proc/self/status in bytes."""
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def _reset_peak() -> None:
+    with open("/proc/self/clear_refs", "w") as fh:
+        fh.write("5")  # resets VmHWM to the current RSS
+
+
+def _run(rank: int, world: int, n: int, threads: int, reps: int, init: str, out_dir: str) -> None:
+    torch.set_num_threads(threads)
+    from linattn import distributed as dist_la
+    from linattn.feature_maps import make_feature_map
+    from linattn.ops import linear_attention
+
+    barrier = lambda: None  # noqa: E731
+    if world > 1:
+        dist_la.init_distributed("gloo", init_method=init, rank=rank, world_size=world, timeout_s=1800)
+        barrier = torch.distributed.barrier
+    fmap = make_feature_map("elu", D)
+    s, t = dist_la.shard_bounds(n, rank, world)
+    base = _status("VmRSS")
+    _reset_peak()
+    g = torch.Generator().manual_seed(rank)
+    q, k, v = (torch.randn(B, H, t - s, D, generator=g).requires_grad_() for _ in range(3))
+    do = torch.randn(B, H, t - s, D, generator=g)
+
+    def step():
+        for x in (q, k, v):
+            x.grad = None
+        if world > 1:
+            o = dist_la.sequence_parallel_linear_attention(q, k, v, feature_map=fmap, chunk_size=64)
+        else:
+            o = linear_attention(q, k, v, causal=True, feature_map=fmap, chunk_size=64)
+        o.backward(do)
+
+    times, cpu = [], []
+    for i in range(reps + 1):
+        barrier()
+        t0, c0 = time.perf_counter(), time.process_time()
+        step()
+        c1 = time.process_time()
+        barrier()
+        if i:
+            times.append(time.perf_counter() - t0)
+            cpu.append(c1 - c0)
+    dist_la.comm_stats.reset()
+    if world > 1:
+        step()
+    result = dict(rank=rank, world=world, n=n, threads=threads, time_s=statistics.median(times),
+                  cpu_s=statistics.median(cpu),
+                  peak_rss=_status("VmHWM"), base_rss=base, comm_bytes=dist_la.comm_stats.total)
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as fh:
+        json.dump(result, fh)
+    if world > 1:
+        torch.distributed.destroy_process_group()
+
+
+def measure(n: int, world: int, threads: int, reps: int) -> list[dict]:
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.start_processes(_run, args=(world, n, threads, reps, f"file://{tmp}/rendezvous", tmp), nprocs=world,
+                           join=True, start_method="spawn")
+        return [json.load(open(os.path.join(tmp, f"rank{r}.json"))) for r in range(world)]
+
+
+def render(rows: list[dict]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"Sequence-parallel causal linear attention, fwd+bwd, B={B} H={H} D=E={D}, elu+1, fp32, "
+                        f"gloo, {os.cpu_count()} CPU cores")
+    for col in ("N", "ranks × threads", "wall (s)", "wall vs 1×1", "CPU s / rank", "peak RSS / rank (MiB)",
+                "peak − base / rank (MiB)", "memory vs 1 rank", "bytes exchanged / rank (fwd+bwd)"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        one = next(x for x in rows if x["n"] == r["n"] and x["world"] == 1 and x["threads"] == 1)
+        ref = next(x for x in rows if x["n"] == r["n"] and x["world"] == 1 and x["threads"] == 2)
+        table.add_row(f"2^{r['n'].bit_length() - 1}", f"{r['world']} × {r['threads']}", f"{r['time_s']:.2f}",
+                      f"{one['time_s'] / r['time_s']:.2f}×", f"{r['cpu_s']:.2f}", f"{r['peak_mib']:.0f}",
+                      f"{r['work_mib']:.0f}", f"{r['work_mib'] / ref['work_mib']:.2f}",
+                      f"{r['comm_bytes']:,}" if r["world"] > 1 else "—")
+    Console(width=200).print(table)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--sizes", type=int, nargs="+", default=[15, 16, 17], help="log2 of the sequence lengths")
+    p.add_argument("--reps", type=int, default=2)
+    p.add_argument("--json", help="also write the raw results here")
+    p.add_argument("--render", metavar="JSON", help="only print the table of an earlier --json file")
+    args = p.parse_args(argv)
+    if args.render:
+        with open(args.render) as fh:
+            render(json.load(fh))
+        return
+    configs = [(1, 2), (1, 1), (2, 1)]  # (ranks, threads per rank)
+    rows = []
+    for e in args.sizes:
+        n = 2**e
+        for world, threads in configs:
+            res = measure(n, world, threads, args.reps)
+            rows.append(dict(n=n, world=world, threads=threads, time_s=max(r["time_s"] for r in res),
+                             cpu_s=max(r["cpu_s"] for r in res),
+                             peak_mib=max(r["peak_rss"] for r in res) / 2**20,
+                             work_mib=max(r["peak_rss"] - r["base_rss"] for r in res) / 2**20,
+                             comm_bytes=res[0]["comm_bytes"]))
+            print(f"N=2^{e} ranks={world} threads={threads}: {rows[-1]['time_s']:.2f} s "
+                  f"(CPU {rows[-1]['cpu_s']:.2f} s), peak-base {rows[-1]['work_mib']:.0f} MiB", file=sys.stderr)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(rows, fh, indent=1)
+    render(rows)
+
+
+if __name__ == "__main__":
+    main()
