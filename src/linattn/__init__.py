@@ -1,6 +1,10 @@
-"""linattn: linear attention for PyTorch — operators, feature maps, models and tools."""
+"""linattn: linear attention for PyTorch — operators, feature maps, models and tools.
+
+    from linattn import linear_attention, make_feature_map, ModelConfig, LinearTransformerLM
+"""
 
 from .feature_maps import FEATURE_MAPS, make_feature_map
+from .models import LinearTransformerEncoder, LinearTransformerLM, ModelConfig
 from .ops import linear_attention, linear_attention_step, softmax_attention
 from .positional import RotaryEmbedding
 
@@ -8,6 +12,9 @@ __version__ = "0.1.0"
 
 __all__ = [
     "FEATURE_MAPS",
+    "LinearTransformerEncoder",
+    "LinearTransformerLM",
+    "ModelConfig",
     "RotaryEmbedding",
     "linear_attention",
     "linear_attention_step",
