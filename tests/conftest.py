@@ -25,6 +25,24 @@ def oracle(q, k, v, *, causal, feature_map=None, normalize=True, eps=1e-6, scale
                                       initial_state=initial_state, qf_den=qf, kf_den=kf)
 
 
+def spread(module, seed=0, scale=0.3):
+    """Re-draws every parameter (norm gains around 1) so that attention patterns are far from uniform."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype) * scale + (1.0 if "norm" in name else 0.0))
+    return module
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny tensors: one thread avoids OpenMP hand-off costs on a shared 2-core machine."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture
 def gen():
     return torch.Generator().manual_seed(1234)

@@ -20,23 +20,16 @@ from linattn.layers import (
     token_positions,
 )
 
+from .conftest import spread
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # tiny tensors: one thread avoids OpenMP hand-off costs on a shared 2-core machine
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
+
+@pytest.fixture(autouse=True)
+def _one_thread(one_thread):
     yield
-    torch.set_num_threads(n)
 
 
 def _spread(module, seed=0, scale=0.4):
-    """Re-draws every parameter (norm gains around 1) so that attention patterns are far from uniform."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in module.named_parameters():
-            p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype) * scale + (1.0 if "norm" in name else 0.0))
-    return module
+    return spread(module, seed, scale)
 
 
 def _qk_dim(fm):

@@ -13,21 +13,16 @@ from linattn.feature_maps import FEATURE_MAPS
 from linattn.layers import KVCache, LinearAttentionCache
 from linattn.models import LinearTransformerEncoder, LinearTransformerLM, ModelConfig
 
+from .conftest import spread
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
+
+@pytest.fixture(autouse=True)
+def _one_thread(one_thread):
     yield
-    torch.set_num_threads(n)
 
 
 def _spread(module, seed=0, scale=0.3):
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in module.named_parameters():
-            p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype) * scale + (1.0 if "norm" in name else 0.0))
-    return module
+    return spread(module, seed, scale)
 
 
 def tiny(**kw):
