@@ -25,6 +25,27 @@ def oracle(q, k, v, *, causal, feature_map=None, normalize=True, eps=1e-6, scale
                                       initial_state=initial_state, qf_den=qf, kf_den=kf)
 
 
+def numbers(obj):
+    """Every int/float inside nested dicts and lists (for checking that reports hold finite numbers)."""
+    if isinstance(obj, dict):
+        for v in obj.values():
+            yield from numbers(v)
+    elif isinstance(obj, list):
+        for v in obj:
+            yield from numbers(v)
+    elif isinstance(obj, (int, float)) and not isinstance(obj, bool):
+        yield obj
+
+
+def check_png(path):
+    """The file is a real PNG image of a plausible size."""
+    import matplotlib.image
+
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", path
+    img = matplotlib.image.imread(path)
+    assert img.ndim == 3 and img.shape[0] > 100 and img.shape[1] > 100, path
+
+
 def spread(module, seed=0, scale=0.3):
     """Re-draws every parameter (norm gains around 1) so that attention patterns are far from uniform."""
     g = torch.Generator().manual_seed(seed)

@@ -16,8 +16,9 @@ from linattn.bench.ops import crossover
 from linattn.bench.timing import measure
 from linattn.cli import main
 
+from .conftest import check_png, numbers
+
 ROOT = Path(__file__).resolve().parents[1]
-PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.fixture(autouse=True)
@@ -27,33 +28,14 @@ def _keep_threads():
     torch.set_num_threads(n)
 
 
-def _numbers(obj):
-    if isinstance(obj, dict):
-        for v in obj.values():
-            yield from _numbers(v)
-    elif isinstance(obj, list):
-        for v in obj:
-            yield from _numbers(v)
-    elif isinstance(obj, (int, float)) and not isinstance(obj, bool):
-        yield obj
-
-
-def _check_png(path: Path):
-    import matplotlib.image
-
-    assert path.read_bytes()[:8] == PNG_SIGNATURE
-    img = matplotlib.image.imread(path)
-    assert img.ndim == 3 and img.shape[0] > 100 and img.shape[1] > 100
-
-
 def _load_report(out: Path, kind: str) -> dict:
     # json.loads rejects nothing by default; parse_constant catches NaN/Infinity sneaking in
     def bad(name):
         raise AssertionError(f"non-finite constant {name} in JSON")
 
     data = json.loads((out / f"{kind}.json").read_text(), parse_constant=bad)
-    assert all(math.isfinite(x) for x in _numbers(data))
-    _check_png(out / f"{kind}.png")
+    assert all(math.isfinite(x) for x in numbers(data))
+    check_png(out / f"{kind}.png")
     assert (out / f"{kind}.txt").read_text().strip()
     return data
 

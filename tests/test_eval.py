@@ -1,0 +1,131 @@
+"""linattn.evaluation and `linattn eval`: kinds build, a tiny grid runs and reports, literature checks."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from linattn.cli import main as cli_main
+from linattn.evaluation import (
+    ATTENTION_KINDS,
+    PRESETS,
+    _train_config,
+    kind_model,
+    literature_notes,
+    render_markdown,
+    run_eval,
+    summarize,
+    write_report,
+)
+from linattn.models import ModelConfig
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_every_kind_and_task_of_the_presets_makes_a_valid_config(preset):
+    p = PRESETS[preset]
+    for task in p.tasks:
+        for kind in ATTENTION_KINDS:
+            cfg = _train_config(p, task, kind, 0, None, "cpu")
+            mc = cfg.model_config()
+            if kind == "softmax":
+                assert mc.layer_kinds == ["softmax"] * mc.n_layers
+            elif kind == "hybrid":
+                assert mc.layer_kinds[-1] == "softmax" and mc.layer_kinds.count("softmax") == max(1, mc.n_layers // 4)
+            else:
+                assert set(mc.layer_kinds) == {"linear"} and mc.feature_map == kind
+    assert kind_model("taylor", p.model, p.kind_options)["qk_dim"] == 16
+
+
+def test_kind_model_hybrid_pattern_and_errors():
+    assert kind_model("hybrid", {"n_layers": 8})["attention"] == ["linear", "linear", "linear", "softmax"]
+    assert kind_model("hybrid", {"n_layers": 2})["attention"] == ["linear", "softmax"]
+    ModelConfig.from_dict({**kind_model("hybrid", {"n_layers": 8, "d_model": 16, "n_heads": 2})})
+    with pytest.raises(ValueError, match="unknown attention kind"):
+        kind_model("mamba", {})
+
+
+def test_quick_subset_runs_and_writes_report(tmp_path):
+    report = run_eval("quick", kinds=["softmax", "elu"], tasks=["mqar", "copy"], steps=4, progress=False)
+    assert len(report["runs"]) == 4 and all(r["status"] == "completed" for r in report["runs"])
+    s = report["summary"]
+    assert set(s) == {"mqar", "copy"} and set(s["copy"]["elu"]) == {"loss", "accuracy"}
+    assert 0 <= s["mqar"]["softmax"]["accuracy"]["mean"] <= 1 and s["mqar"]["softmax"]["accuracy"]["spread"] is None
+    checks = {n["check"]: n["verdict"] for n in report["notes"]}
+    assert set(checks) == {"MQAR (32, 2)", "copy"}
+    paths = write_report(report, tmp_path)
+    md = paths["markdown"].read_text()
+    assert "| softmax |" in md and "| elu+1 |" in md and "Notes: comparison with the literature" in md
+    assert json.loads(paths["json"].read_text())["summary"]["copy"]["softmax"]["loss"]["n"] == 1
+    assert paths["png"].stat().st_size > 1000
+
+
+def test_cli_eval_two_seeds_listops_bytes(tmp_path, capsys):
+    rc = cli_main(["eval", "--kinds", "softmax,taylor", "--tasks", "listops,bytes", "--seeds", "0,1", "--steps", "2",
+                   "--quiet", "--out", str(tmp_path)])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "Taylor (Based)" in out and "byte-LM bpb" in out
+    report = json.loads((tmp_path / "eval.json").read_text())
+    bpb = report["summary"]["bytes"]["taylor"]["bpb"]
+    assert bpb["n"] == 2 and bpb["spread"] is not None and 0 < bpb["mean"] < 9
+    assert (tmp_path / "eval.md").is_file() and (tmp_path / "eval.png").is_file() and (tmp_path / "eval.txt").is_file()
+
+
+def test_cli_eval_rejects_unknown_names(capsys):
+    assert cli_main(["eval", "--kinds", "softmax,lstm", "--quiet", "--out", "/tmp/unused-linattn-eval"]) == 2
+    assert "unknown attention kind 'lstm'" in capsys.readouterr().err
+
+
+def _fake_report(acc: dict, copy_loss: dict) -> dict:
+    kinds = list(acc)
+    runs = []
+    for k in kinds:
+        runs.append({"task": "mqar", "kind": k, "seed": 0, "status": "completed", "metrics": {"accuracy": acc[k]}})
+        runs.append({"task": "copy", "kind": k, "seed": 0, "status": "completed",
+                     "metrics": {"loss": copy_loss[k], "accuracy": 0.9}})
+    report = {"preset": "test", "preset_description": "fake", "kinds": kinds, "tasks": ["mqar", "copy"], "seeds": [0],
+              "elapsed_s": 1.0, "model": {}, "kind_options": {}, "machine": {}, "runs": runs, "steps_override": None,
+              "task_specs": {"mqar": {"task": "mqar", "label": "MQAR", "options": {}, "train": {},
+                                      "metrics": ["accuracy"]},
+                             "copy": {"task": "copy", "label": "copy", "options": {}, "train": {},
+                                      "metrics": ["loss", "accuracy"]}}}
+    report["summary"] = summarize(report)
+    report["notes"] = literature_notes(report)
+    return report
+
+
+def test_literature_notes_verdicts():
+    agree = _fake_report({"softmax": 1.0, "taylor": 0.97, "elu": 0.2, "favor": 0.15, "cosformer": 0.3},
+                         {"softmax": 0.01, "taylor": 0.02, "elu": 0.03, "favor": 0.04, "cosformer": 0.02})
+    verdicts = {n["check"]: n["verdict"] for n in agree["notes"]}
+    assert verdicts == {"MQAR": "agrees", "copy": "agrees"}
+    disagree = _fake_report({"softmax": 0.3, "taylor": 0.9, "elu": 0.5, "favor": 0.1, "cosformer": 0.1},
+                            {"softmax": 0.01, "taylor": 0.02, "elu": 1.5, "favor": 2.0, "cosformer": 0.03})
+    notes = {n["check"]: n for n in disagree["notes"]}
+    assert notes["MQAR"]["verdict"] == "disagrees" and "elu+1 ≥ softmax" in notes["MQAR"]["detail"]
+    assert notes["copy"]["verdict"] == "partly agrees" and "do not: elu+1 1.500, FAVOR+ 2.000" in notes["copy"]["detail"]
+    partly = _fake_report({"softmax": 0.6, "taylor": 0.5, "elu": 0.2, "favor": 0.1, "cosformer": 0.1},
+                          {k: 0.1 for k in ("softmax", "taylor", "elu", "favor", "cosformer")})
+    n = {x["check"]: x for x in partly["notes"]}["MQAR"]
+    assert n["verdict"] == "partly agrees" and "undertrained" in n["detail"]
+    md = render_markdown(disagree)
+    assert "DISAGREES" in md and "| softmax | 0.300 |" in md
+
+
+def test_summary_mean_and_spread():
+    report = _fake_report({"softmax": 1.0, "elu": 0.2}, {"softmax": 0.1, "elu": 0.2})
+    report["runs"].append({"task": "mqar", "kind": "elu", "seed": 1, "status": "completed", "metrics": {"accuracy": 0.4}})
+    report["runs"].append({"task": "mqar", "kind": "elu", "seed": 2, "status": "diverged", "metrics": None})
+    st = summarize(report)["mqar"]["elu"]["accuracy"]
+    assert st["n"] == 2 and st["mean"] == pytest.approx(0.3) and st["spread"] == pytest.approx(math.sqrt(0.02))
