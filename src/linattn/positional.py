@@ -41,18 +41,24 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
 
     def angles(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """(cos, sin) of position·θ_m, broadcastable against (B, H, N, ⌊F/2⌋), in `dtype`."""
+        """(c, s), each broadcastable against (B, H, N, F) in `dtype`: c = [cos, cos, 1], s = [−sin, sin, 0]
+        of position·θ_m (the trailing 1 / 0 only for odd F), so rotate(x) = x·c + swap(x)·s."""
         ang = broadcast_positions(positions, 4).to(torch.float32) * self.inv_freq.to(positions.device)
-        return ang.cos().to(dtype), ang.sin().to(dtype)
+        cos, sin = ang.cos(), ang.sin()
+        c, s = [cos, cos], [-sin, sin]
+        if self.dim % 2:
+            c.append(torch.ones_like(cos[..., :1]))
+            s.append(torch.zeros_like(sin[..., :1]))
+        return torch.cat(c, -1).to(dtype), torch.cat(s, -1).to(dtype)
 
     def rotate(self, x: torch.Tensor, positions: torch.Tensor | None = None, *, angles=None) -> torch.Tensor:
         """x (B, H, N, F) rotated at `positions` ((N,) or (B, N)), or with precomputed `angles`."""
         if x.shape[-1] != self.dim:
             raise ValueError(f"RotaryEmbedding(dim={self.dim}) got features of dim {x.shape[-1]}")
-        cos, sin = self.angles(positions, x.dtype) if angles is None else angles
+        c, s = self.angles(positions, x.dtype) if angles is None else angles
         half = self.dim // 2
-        x1, x2, rest = x[..., :half], x[..., half:2 * half], x[..., 2 * half:]
-        return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos, rest), dim=-1)
+        swapped = torch.cat((x[..., half:2 * half], x[..., :half], x[..., 2 * half:]), dim=-1)
+        return torch.addcmul(x * c, swapped, s)
 
     def extra_repr(self) -> str:
         return f"dim={self.dim}, base={self.base:g}"
