@@ -114,7 +114,8 @@ def test_literature_notes_verdicts():
                             {"softmax": 0.01, "taylor": 0.02, "elu": 1.5, "favor": 2.0, "cosformer": 0.03})
     notes = {n["check"]: n for n in disagree["notes"]}
     assert notes["MQAR"]["verdict"] == "disagrees" and "elu+1 ≥ softmax" in notes["MQAR"]["detail"]
-    assert notes["copy"]["verdict"] == "partly agrees" and "do not: elu+1 1.500, FAVOR+ 2.000" in notes["copy"]["detail"]
+    assert notes["copy"]["verdict"] == "partly agrees"
+    assert "do not: elu+1 1.500, FAVOR+ 2.000" in notes["copy"]["detail"]
     partly = _fake_report({"softmax": 0.6, "taylor": 0.5, "elu": 0.2, "favor": 0.1, "cosformer": 0.1},
                           {k: 0.1 for k in ("softmax", "taylor", "elu", "favor", "cosformer")})
     n = {x["check"]: x for x in partly["notes"]}["MQAR"]
@@ -125,7 +126,8 @@ def test_literature_notes_verdicts():
 
 def test_summary_mean_and_spread():
     report = _fake_report({"softmax": 1.0, "elu": 0.2}, {"softmax": 0.1, "elu": 0.2})
-    report["runs"].append({"task": "mqar", "kind": "elu", "seed": 1, "status": "completed", "metrics": {"accuracy": 0.4}})
+    report["runs"].append({"task": "mqar", "kind": "elu", "seed": 1, "status": "completed",
+                           "metrics": {"accuracy": 0.4}})
     report["runs"].append({"task": "mqar", "kind": "elu", "seed": 2, "status": "diverged", "metrics": None})
     st = summarize(report)["mqar"]["elu"]["accuracy"]
     assert st["n"] == 2 and st["mean"] == pytest.approx(0.3) and st["spread"] == pytest.approx(math.sqrt(0.02))

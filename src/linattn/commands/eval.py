@@ -1,0 +1,96 @@
+"""`linattn eval`: attention kinds × tasks in one table. Thin: options -> linattn.evaluation -> report folder."""
+
+from __future__ import annotations
+
+import argparse
+import io
+import sys
+
+from ..cli import add_common_options, positive_int
+
+
+def _names(value: str) -> list[str]:
+    out = [v.strip() for v in value.split(",") if v.strip()]
+    if not out:
+        raise argparse.ArgumentTypeError("empty list: pass comma-separated names, e.g. softmax,elu")
+    return out
+
+
+def _seeds(value: str) -> list[int]:
+    try:
+        out = [int(v) for v in value.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, e.g. 0,1,2, got {value!r}") from None
+    if not out:
+        raise argparse.ArgumentTypeError("empty list: pass comma-separated integers, e.g. 0,1,2")
+    return out
+
+
+def add_parser(subparsers) -> None:
+    from ..evaluation import ATTENTION_KINDS, PRESETS
+
+    tasks = sorted({t.name for p in PRESETS.values() for t in p.tasks})
+    p = subparsers.add_parser(
+        "eval", help="train and compare attention kinds on copy, MQAR, ListOps and byte-LM in one table",
+        description="Trains one small model per attention kind × task × seed (fixed seeds) and prints one table of "
+                    "mean ± sd over seeds, with notes comparing the results to the literature (MQAR: softmax and "
+                    "Taylor solve it, elu+1 / FAVOR+ / cosFormer do not; copy: linear attention reaches softmax's "
+                    "loss). Writes eval.md, eval.json and eval.png to --out.",
+        epilog="presets: " + "; ".join(f"{n}: {pr.description}" for n, pr in PRESETS.items()))
+    p.add_argument("--preset", choices=sorted(PRESETS), default="quick",
+                   help="sizes and budgets (default: %(default)s)")
+    p.add_argument("--kinds", type=_names, default=None, metavar="K[,K...]",
+                   help="attention kinds (default: all): " + ",".join(ATTENTION_KINDS))
+    p.add_argument("--tasks", type=_names, default=None, metavar="T[,T...]",
+                   help="tasks (default: all of the preset); 'mqar' selects every MQAR setting: " + ",".join(tasks))
+    p.add_argument("--seeds", type=_seeds, default=None, metavar="S[,S...]", help="seeds (default: the preset's)")
+    p.add_argument("--steps", type=positive_int, default=None,
+                   help="override every task's training steps (smoke tests)")
+    p.add_argument("--threads", type=positive_int, default=None, metavar="T", help="torch intra-op threads")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_common_options(p, dtype=False, seed=False)
+    p.set_defaults(func=run_eval_command)
+
+
+def run_eval_command(args) -> int:
+    import torch
+    from rich.console import Console
+
+    from ..evaluation import run_eval, table_rows, write_report
+    from ..report import make_console, make_table, output_dir
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    console = make_console()
+    status = 0
+    try:
+        report = run_eval(args.preset, kinds=args.kinds, tasks=args.tasks, seeds=args.seeds, steps=args.steps,
+                          device=args.device, progress=not args.quiet, console=console)
+    except ValueError as exc:
+        print(f"linattn eval: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt as exc:
+        report = exc.args[0] if exc.args and isinstance(exc.args[0], dict) else None
+        if report is None:
+            print("linattn eval: interrupted", file=sys.stderr)
+            return 130
+        console.print("[yellow]interrupted: writing the partial report[/]")
+        status = 130
+    out = output_dir("eval", args.out)
+    header, rows = table_rows(report)
+    caption = f"mean ± sd over seeds {report['seeds']}; preset {report['preset']}; {report['elapsed_s']:.0f} s"
+    table = make_table(f"linattn eval ({report['preset']})", header, rows, caption=caption)
+
+    def show(con):
+        con.print(table)
+        for n in report["notes"]:
+            colour = {"agrees": "green", "partly agrees": "yellow", "disagrees": "red"}.get(n["verdict"], "dim")
+            con.print(f"[{colour}]{n['check']}: {n['verdict']}[/] — {n['detail']}")
+
+    show(console)
+    text = Console(file=io.StringIO(), width=200, record=True)
+    show(text)
+    (out / "eval.txt").write_text(text.export_text(), encoding="utf-8")
+    write_report(report, out)
+    console.print(f"report: {out.resolve()} (eval.md, eval.json, eval.png, eval.txt)")
+    return status
