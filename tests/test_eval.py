@@ -114,6 +114,10 @@ def test_literature_notes_verdicts():
                             {"softmax": 0.01, "taylor": 0.02, "elu": 1.5, "favor": 2.0, "cosformer": 0.03})
     notes = {n["check"]: n for n in disagree["notes"]}
     assert notes["MQAR"]["verdict"] == "disagrees" and "elu+1 ≥ softmax" in notes["MQAR"]["detail"]
+    close = _fake_report({"softmax": 1.0, "taylor": 0.29, "elu": 0.28, "favor": 0.1, "cosformer": 0.1},
+                         {k: 0.1 for k in ("softmax", "taylor", "elu", "favor", "cosformer")})
+    n = {x["check"]: x for x in close["notes"]}["MQAR"]
+    assert n["verdict"] == "disagrees" and "elu+1 within 0.1 of Taylor (Based)" in n["detail"]
     assert notes["copy"]["verdict"] == "partly agrees"
     assert "do not: elu+1 1.500, FAVOR+ 2.000" in notes["copy"]["detail"]
     partly = _fake_report({"softmax": 0.6, "taylor": 0.5, "elu": 0.2, "favor": 0.1, "cosformer": 0.1},

@@ -123,7 +123,8 @@ PRESETS: dict[str, Preset] = {
     # plateau (~25% at 4 pairs) for 3000 steps; at 1e-3 it solved (32, 4) in ~600 steps. With a 256-token
     # vocabulary none of softmax / elu+1 / Taylor left the plateau at (64, 4) within 1000 steps.
     # Measured (seed 0, 1000 steps, `--tasks mqar-32 --kinds softmax,elu,taylor`): softmax 0.999, elu+1 0.28,
-    # Taylor 0.29 (still on the ln 4 plateau: Taylor needs more steps here than softmax).
+    # Taylor 0.29, still on the ln 4 plateau, as it was after 1750 steps at lr 1e-3 and 3e-3 (0.30, 0.28): unlike
+    # the literature, our Taylor-only model does not learn MQAR at this budget (see the notes of a run).
     # Cost (measured on the shared 2-core CPU, 1 thread): ~0.05-0.15 s per step for most kinds, ~10x that for
     # Taylor (F = 273); the whole preset is estimated at 1.5-2 h per seed there, less on an idle machine.
     "paper": Preset(
@@ -306,12 +307,14 @@ EXPECTATIONS = {
 }
 SOLVED_ACC = 0.9   # "solves MQAR"
 FAILED_ACC = 0.5   # "fails MQAR" (the paper's failures are ~0.17-0.3)
+ORDER_MARGIN = 0.1  # the ordering holds when every "solver" beats every "failer" by at least this much accuracy
 
 
 def literature_notes(report: dict) -> list[dict]:
     """One note per check: {"check", "expected", "verdict" ("agrees" | "partly agrees" | "disagrees" |
-    "not run"), "detail"}. Verdicts use SOLVED_ACC / FAILED_ACC for MQAR and, for copy, a loss within
-    max(0.05, 25%) of softmax's."""
+    "not run"), "detail"}. MQAR: the ordering holds when softmax and Taylor beat elu+1, FAVOR+ and
+    cosFormer by ORDER_MARGIN accuracy; "agrees" needs also SOLVED_ACC / FAILED_ACC. Copy: a linear
+    kind reaches softmax when its loss is within max(0.05, 25%) of softmax's."""
     notes = []
     kinds = report["kinds"]
     mqar_tasks = [t for t in report["tasks"] if report["task_specs"][t]["task"] == "mqar"]
@@ -329,7 +332,7 @@ def literature_notes(report: dict) -> list[dict]:
                           "detail": "some runs produced no metrics (diverged or interrupted)"})
             continue
         desc = ", ".join(f"{KIND_LABELS[k]} {acc[k]:.2f}" for k in solve + fail)
-        ordering = min(acc[k] for k in solve) > max(acc[k] for k in fail)
+        ordering = min(acc[k] for k in solve) - max(acc[k] for k in fail) >= ORDER_MARGIN
         solved = all(acc[k] >= SOLVED_ACC for k in solve)
         failed = all(acc[k] < FAILED_ACC for k in fail)
         if ordering and solved and failed:
@@ -344,7 +347,8 @@ def literature_notes(report: dict) -> list[dict]:
                                f"{FAILED_ACC:.0%} (the task is easy at this size?)")
             verdict, detail = "partly agrees", f"the ordering holds but {'; '.join(missing)}; accuracy: {desc}"
         else:
-            bad = [f"{KIND_LABELS[f]} ≥ {KIND_LABELS[s]}" for s in solve for f in fail if acc[f] >= acc[s]]
+            bad = [f"{KIND_LABELS[f]} {'≥' if acc[f] >= acc[s] else 'within ' + format(ORDER_MARGIN, 'g') + ' of'} "
+                   f"{KIND_LABELS[s]}" for s in solve for f in fail if acc[s] - acc[f] < ORDER_MARGIN]
             verdict, detail = "disagrees", f"ordering broken ({', '.join(bad)}); accuracy: {desc}"
         notes.append({"check": label, "expected": EXPECTATIONS["mqar"], "verdict": verdict, "detail": detail})
     for t in [t for t in report["tasks"] if report["task_specs"][t]["task"] == "copy"]:
