@@ -3,6 +3,8 @@ what came, so a user never sees a bare broadcasting error from deep inside."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -89,3 +91,14 @@ def check_state(state, batch: int, heads: int, feat: int, value: int, device: to
             raise TypeError(f"initial_state {name} must be floating, got {t.dtype}")
         if t.device != device:
             raise ValueError(f"initial_state {name} must be on {device}, got {t.device}")
+
+
+def dataclass_from_dict(cls, d, what: str):
+    """cls(**d) for a dataclass, refusing a non-dict and unknown keys with a message naming them."""
+    if not isinstance(d, dict):
+        raise ValueError(f"a {what} must be a dict (a table/object), got {type(d).__name__}")
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(d) - known)
+    if unknown:
+        raise ValueError(f"unknown {what} fields {unknown}; known fields are {sorted(known)}")
+    return cls(**d)

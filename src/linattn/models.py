@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from ._checks import dataclass_from_dict
 from .checkpoint import PretrainedMixin
 from .feature_maps import FEATURE_MAPS, make_feature_map
 from .layers import (
@@ -186,13 +187,7 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "ModelConfig":
-        if not isinstance(d, dict):
-            raise ValueError(f"a model config must be a dict, got {type(d).__name__}")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ValueError(f"unknown model config fields {unknown}; known fields are {sorted(known)}")
-        return cls(**d)
+        return dataclass_from_dict(cls, d, "model config")
 
     def to_json(self, indent: int | None = 2) -> str:
         return json.dumps(self.to_dict(), indent=indent, sort_keys=True)

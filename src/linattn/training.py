@@ -67,6 +67,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ._checks import dataclass_from_dict
 from . import data as D
 from .checkpoint import CONFIG_NAME, WEIGHTS_NAME, CheckpointError, load_state, read_config, save_pretrained
 from .models import LinearTransformerEncoder, LinearTransformerLM, ModelConfig
@@ -306,13 +307,7 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "TrainConfig":
-        if not isinstance(d, dict):
-            raise ValueError(f"a training config must be a table/object, got {type(d).__name__}")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ValueError(f"unknown training config fields {unknown}; known fields are {sorted(known)}")
-        return cls(**d)
+        return dataclass_from_dict(cls, d, "training config")
 
     @classmethod
     def from_file(cls, path) -> "TrainConfig":
