@@ -56,15 +56,27 @@ def positive_int(value: str) -> int:
     return n
 
 
-def positive_float(value: str) -> float:
-    """argparse type: a finite float > 0."""
-    try:
-        x = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {value!r} (pass e.g. 0.5)") from None
-    if not x > 0 or x == float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {value!r} (pass e.g. 0.5)")
-    return x
+def float_in(low: float, high: float = float("inf"), *, low_inclusive: bool = False, example: str = "0.5"):
+    """argparse type factory: a finite float in (low, high] ([low, high] with low_inclusive)."""
+    if high == float("inf"):
+        what = f"a number >= {low:g}" if low_inclusive else ("a positive number" if low == 0 else f"a number > {low:g}")
+    else:
+        what = f"a number in {'[' if low_inclusive else '('}{low:g}, {high:g}]"
+
+    def parse(value: str) -> float:
+        try:
+            x = float(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {value!r} (pass e.g. {example})") from None
+        if not ((x >= low if low_inclusive else x > low) and x <= high and x != float("inf")):
+            raise argparse.ArgumentTypeError(f"expected {what}, got {value!r} (pass e.g. {example})")
+        return x
+
+    return parse
+
+
+#: argparse type: a finite float > 0.
+positive_float = float_in(0.0)
 
 
 def int_list(value: str) -> list[int]:

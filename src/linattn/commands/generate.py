@@ -15,27 +15,11 @@ import codecs
 import sys
 from pathlib import Path
 
-from ..cli import add_common_options, positive_int, resolve_device, torch_dtype
+from ..cli import add_common_options, float_in, positive_int, resolve_device, torch_dtype
 
 
-def _nonneg_float(value: str) -> float:
-    try:
-        x = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {value!r} (pass e.g. 0.8; 0 = greedy)") from None
-    if not x >= 0 or x == float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {value!r} (pass e.g. 0.8; 0 = greedy)")
-    return x
-
-
-def _top_p(value: str) -> float:
-    try:
-        x = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {value!r} (pass e.g. 0.9)") from None
-    if not 0 < x <= 1:
-        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {value!r} (pass e.g. 0.9)")
-    return x
+_nonneg_float = float_in(0.0, low_inclusive=True, example="0.8; 0 = greedy")
+_top_p = float_in(0.0, 1.0, example="0.9")
 
 
 def add_parser(subparsers) -> None:
