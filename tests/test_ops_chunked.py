@@ -124,7 +124,7 @@ def test_gradcheck_tiny():
     assert torch.autograd.gradcheck(f, (q, k, v, *state))
 
 
-def test_gradcheck_hedgehog_parameters():
+def test_hedgehog_parameter_gradient_matches_finite_differences():
     fm = make_feature_map("hedgehog", 3, num_features=2).double()
     q, k, v = _inputs(1, 1, 6, 3, 2, positive=False, seed=9)
 
