@@ -13,12 +13,9 @@ from linattn.checkpoint import CheckpointError, load_pretrained
 from linattn.models import LinearTransformerEncoder, LinearTransformerLM, ModelConfig
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
+@pytest.fixture(autouse=True)
+def _single_thread(one_thread):
     yield
-    torch.set_num_threads(n)
 
 
 def cfg(**kw):

@@ -24,11 +24,8 @@ from linattn.models import ModelConfig
 
 
 @pytest.fixture(autouse=True)
-def one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _single_thread(one_thread):
     yield
-    torch.set_num_threads(old)
 
 
 @pytest.mark.parametrize("preset", sorted(PRESETS))

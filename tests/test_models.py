@@ -3,7 +3,6 @@
 
 import json
 import os
-import socket
 
 import pytest
 import torch
@@ -330,12 +329,6 @@ def test_torch_compile():
 # multi-process: DDP and sequence parallelism (gloo, 2 processes)
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _batches():
     g = torch.Generator().manual_seed(11)
     return [torch.randint(0, 40, (2, 10), generator=g) for _ in range(2)]
@@ -372,13 +365,14 @@ def _check_sequence_parallel(rank):
     torch.testing.assert_close(out, full[:, a:b], rtol=1e-9, atol=1e-9)
 
 
-def _worker(rank, port, world, outdir):
+def _worker(rank, world, outdir):
     import traceback
 
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    # a file rendezvous: no TCP port to race for with other test processes
+    dist.init_process_group("gloo", init_method=f"file://{outdir}/rendezvous", rank=rank, world_size=world)
     results = {}
     try:
         for name, check in (("ddp", _check_ddp), ("sequence_parallel", _check_sequence_parallel)):
@@ -397,7 +391,7 @@ def _worker(rank, port, world, outdir):
 def two_process_results(tmp_path_factory):
     """Spawns 2 gloo processes once (start-up dominates the cost) and runs every multi-process check."""
     outdir = str(tmp_path_factory.mktemp("mp"))
-    torch.multiprocessing.spawn(_worker, args=(_free_port(), 2, outdir), nprocs=2, join=True)
+    torch.multiprocessing.spawn(_worker, args=(2, outdir), nprocs=2, join=True)
     out = []
     for r in range(2):
         with open(os.path.join(outdir, f"rank{r}.json")) as f:

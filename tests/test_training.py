@@ -32,12 +32,8 @@ TINY_MODEL = {"d_model": 16, "n_layers": 2, "n_heads": 2, "d_ff": 32}
 
 
 @pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models on a shared CPU run fastest (and most reproducibly) on one thread."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _single_thread(one_thread):
     yield
-    torch.set_num_threads(old)
 
 
 @pytest.fixture(scope="module")

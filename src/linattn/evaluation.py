@@ -23,7 +23,6 @@ to two hours; see PRESETS for the exact sizes).
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import statistics
 import time
@@ -490,7 +489,3 @@ def write_report(report: dict, out_dir) -> dict:
     write_json(paths["json"], report)
     plot_eval(report, paths["png"])
     return paths
-
-
-def preset_dict(preset: Preset) -> dict:
-    return dataclasses.asdict(preset)

@@ -46,9 +46,6 @@ class AllocationTracker(TorchDispatchMode):
         self.peak = max(self.peak, self.live)
         weakref.finalize(storage, self._free, nbytes)
 
-    def reset_peak(self) -> None:
-        self.peak = self.live
-
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         inputs = {id(t.untyped_storage()) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}

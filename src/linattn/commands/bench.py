@@ -98,14 +98,17 @@ def _finish(kind: str, res: dict, args, device, out, console: Console, render, p
     return 0
 
 
+def _setup(args, kind: str):
+    """Threads, device, output folder and console shared by the bench commands."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    return resolve_device(args.device), output_dir(kind, args.out), make_console()
+
+
 def run_ops_command(args) -> int:
     from ..bench.ops import OpsConfig, plot_ops, render_ops, run_ops
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    device = resolve_device(args.device)
-    out = output_dir("bench-ops", args.out)
-    console = make_console()
+    device, out, console = _setup(args, "bench-ops")
     cfg = OpsConfig(lengths=args.lengths, shape=_shape(args), dtype=torch_dtype(args.dtype), device=str(device),
                     seed=args.seed, min_run_time=args.min_run_time, recurrent_max=args.recurrent_max,
                     quadratic_max=args.quadratic_max, memory=not args.no_memory, peers=not args.no_peers)
@@ -115,11 +118,7 @@ def run_ops_command(args) -> int:
 def run_decode_command(args) -> int:
     from ..bench.decode import DecodeConfig, plot_decode, render_decode, run_decode
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    device = resolve_device(args.device)
-    out = output_dir("bench-decode", args.out)
-    console = make_console()
+    device, out, console = _setup(args, "bench-decode")
     cfg = DecodeConfig(contexts=args.contexts, shape=_shape(args), dtype=torch_dtype(args.dtype), device=str(device),
                        seed=args.seed, min_run_time=args.min_run_time, no_cache_max=args.no_cache_max)
     return _finish("bench-decode", run_decode(cfg, console), args, device, out, console, render_decode, plot_decode)
@@ -191,11 +190,7 @@ def _at_least_two(value: str) -> int:
 def run_generate_command(args) -> int:
     from ..bench.generate import GenerateConfig, plot_generate, render_generate, run_generate
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    device = resolve_device(args.device)
-    out = output_dir("bench-generate", args.out)
-    console = make_console()
+    device, out, console = _setup(args, "bench-generate")
     cfg = GenerateConfig(datasets=args.datasets, batches=args.batches, scale=args.scale, layers=args.layers,
                          tokens=args.tokens, dtype=torch_dtype(args.dtype), device=str(device), seed=args.seed,
                          min_run_time=args.min_run_time, probes=args.probes, full_no_cache_max=args.full_no_cache_max)
