@@ -202,13 +202,39 @@ def _train_config(preset: Preset, task: EvalTask, kind: str, seed: int, steps: i
                        **fields)
 
 
+def _run_one(task: EvalTask, kind: str, seed: int, cfg) -> dict:
+    """Trains one (task, kind, seed) and returns its entry of report["runs"]."""
+    t0 = time.perf_counter()
+    res = train(cfg, progress=False)
+    return {"task": task.name, "kind": kind, "seed": seed, "status": res.status, "steps": res.step,
+            "elapsed_s": time.perf_counter() - t0, "tokens_per_s": res.tokens_per_s,
+            "parameters": sum(q.numel() for q in res.model.parameters()),
+            "first_loss": res.losses[0] if res.losses else None,
+            "last_loss": res.losses[-1] if res.losses else None,
+            "metrics": ({m: res.final.get(m) for m in task.metrics} if res.final else None),
+            "message": res.message if res.status != "completed" else ""}
+
+
+def _init_worker(threads: int) -> None:
+    import signal
+
+    import torch
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and cancels the pool
+    torch.set_num_threads(threads)
+
+
 def run_eval(preset: str | Preset = "quick", *, kinds=None, tasks=None, seeds=None, steps: int | None = None,
-             device: str = "cpu", progress: bool = True, console=None) -> dict:
+             device: str = "cpu", progress: bool = True, console=None, jobs: int = 1,
+             threads_per_job: int | None = None) -> dict:
     """Runs every (task, kind, seed) of the preset (or the selected subset) and returns the report
     dict: preset, machine, runs (one per training run, with metrics), summary (per task and kind:
     mean, spread, n per metric) and notes (the literature checks). `steps` overrides every task's
-    step count (for smoke tests). A Ctrl-C stops at the next step and raises KeyboardInterrupt with
-    the partial report as its argument."""
+    step count (for smoke tests). `jobs` > 1 trains that many runs at once in worker processes
+    (spawned, `threads_per_job` torch threads each, default the current count / jobs); every run is
+    seeded, so the results do not depend on `jobs` (up to the float rounding of a different thread
+    count). A Ctrl-C stops the runs and raises
+    KeyboardInterrupt with the partial report as its argument."""
     from .report import machine_info, timestamp
 
     if isinstance(preset, str) and preset not in PRESETS:
@@ -222,6 +248,9 @@ def run_eval(preset: str | Preset = "quick", *, kinds=None, tasks=None, seeds=No
         raise ValueError("seeds must not be empty")
     if steps is not None and (not isinstance(steps, int) or isinstance(steps, bool) or steps < 1):
         raise ValueError(f"steps must be a positive int, got {steps!r}")
+    for name, value in (("jobs", jobs), ("threads_per_job", threads_per_job)):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
     # build (and so validate) every config before the first run
     plan = [(task_map[t], k, s, _train_config(p, task_map[t], k, s, steps, device))
             for t in task_names for k in kinds for s in seeds]
@@ -243,23 +272,18 @@ def run_eval(preset: str | Preset = "quick", *, kinds=None, tasks=None, seeds=No
         bar.start()
     t_all = time.perf_counter()
     try:
-        for task, kind, seed, cfg in plan:
-            if bar is not None:
-                bar.update(bar_task, description=f"{task.name} · {kind} · seed {seed}")
-            t0 = time.perf_counter()
-            res = train(cfg, progress=False)
-            run = {"task": task.name, "kind": kind, "seed": seed, "status": res.status, "steps": res.step,
-                   "elapsed_s": time.perf_counter() - t0, "tokens_per_s": res.tokens_per_s,
-                   "parameters": sum(q.numel() for q in res.model.parameters()),
-                   "first_loss": res.losses[0] if res.losses else None,
-                   "last_loss": res.losses[-1] if res.losses else None,
-                   "metrics": ({m: res.final.get(m) for m in task.metrics} if res.final else None),
-                   "message": res.message if res.status != "completed" else ""}
-            report["runs"].append(run)
-            if bar is not None:
-                bar.advance(bar_task)
-            if res.status == "interrupted":
-                raise KeyboardInterrupt(report)
+        if jobs == 1:
+            for task, kind, seed, cfg in plan:
+                if bar is not None:
+                    bar.update(bar_task, description=f"{task.name} · {kind} · seed {seed}")
+                run = _run_one(task, kind, seed, cfg)
+                report["runs"].append(run)
+                if bar is not None:
+                    bar.advance(bar_task)
+                if run["status"] == "interrupted":
+                    raise KeyboardInterrupt(report)
+        else:
+            _run_pool(plan, report, jobs, threads_per_job, bar, bar_task if bar is not None else None)
     finally:
         if bar is not None:
             bar.stop()
@@ -267,6 +291,35 @@ def run_eval(preset: str | Preset = "quick", *, kinds=None, tasks=None, seeds=No
         report["summary"] = summarize(report)
         report["notes"] = literature_notes(report)
     return report
+
+
+def _run_pool(plan, report, jobs, threads_per_job, bar, bar_task) -> None:
+    """Runs `plan` in `jobs` spawned processes; appends the runs to report["runs"] in plan order."""
+    import multiprocessing
+    from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+
+    import torch
+
+    threads = threads_per_job or max(1, torch.get_num_threads() // jobs)
+    done: dict = {}
+    pool = ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn"),
+                               initializer=_init_worker, initargs=(threads,))
+    try:
+        pending = {pool.submit(_run_one, *item): i for i, item in enumerate(plan)}
+        if bar is not None:
+            bar.update(bar_task, description=f"{len(plan)} runs on {jobs} processes × {threads} threads")
+        while pending:
+            finished, _ = wait(pending, return_when=FIRST_COMPLETED)
+            for fut in finished:
+                done[pending.pop(fut)] = fut.result()
+                if bar is not None:
+                    bar.advance(bar_task)
+    except KeyboardInterrupt:
+        pool.shutdown(wait=True, cancel_futures=True)
+        report["runs"].extend(done[i] for i in sorted(done))
+        raise KeyboardInterrupt(report) from None
+    pool.shutdown(wait=True)
+    report["runs"].extend(done[i] for i in sorted(done))
 
 
 def _stats(values: list) -> dict:

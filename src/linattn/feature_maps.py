@@ -270,10 +270,35 @@ class Taylor(FeatureMap):
 
     def forward(self, x, *, is_query: bool = True, positions=None):
         self._check(x)
-        d = self.head_dim
-        ones = torch.ones(*x.shape[:-1], 1, dtype=x.dtype, device=x.device)
-        second = (x.unsqueeze(-1) * x.unsqueeze(-2)).flatten(-2) / math.sqrt(2 * d)
-        return torch.cat((ones, x / d ** 0.25, second), dim=-1)
+        return _TaylorFunction.apply(x)
+
+
+class _TaylorFunction(torch.autograd.Function):
+    """φ(x) = [1, a·x, b·vec(x xᵀ)] with a = D^(-1/4), b = 1/√(2D), written into one (…, F) buffer.
+
+    Backward, with g = [g0, g1, G2] split like φ and G2 viewed as (…, D, D):
+        dx = a·g1 + b·(G2 + G2ᵀ) x,
+    one batched matvec instead of autograd's full-size zero tensors for each slice of a cat."""
+
+    @staticmethod
+    def forward(ctx, x):
+        d = x.shape[-1]
+        out = x.new_empty(*x.shape[:-1], 1 + d + d * d)
+        out[..., 0] = 1
+        torch.mul(x, d ** -0.25, out=out[..., 1:1 + d])
+        torch.mul(x.unsqueeze(-1), x.unsqueeze(-2), out=out[..., 1 + d:].unflatten(-1, (d, d)))
+        out[..., 1 + d:] *= (2 * d) ** -0.5
+        ctx.save_for_backward(x)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        d = x.shape[-1]
+        g2 = grad[..., 1 + d:].unflatten(-1, (d, d))
+        sym = g2 + g2.transpose(-1, -2)
+        dx = torch.matmul(sym, x.unsqueeze(-1)).squeeze(-1).mul_((2 * d) ** -0.5)
+        return dx.add_(grad[..., 1:1 + d], alpha=d ** -0.25)
 
 
 class Hedgehog(FeatureMap):

@@ -22,6 +22,37 @@ def broadcast_positions(positions: torch.Tensor, ndim: int) -> torch.Tensor:
     return positions[:, None, :, None]
 
 
+def _rotate(x: torch.Tensor, c: torch.Tensor, s: torch.Tensor, transpose: bool) -> torch.Tensor:
+    """x·c + swap(x)·s, where swap exchanges the halves [0, P) and [P, 2P) (P = ⌊F/2⌋) of the last
+    dim; with transpose, x·c + swap(x·s) (the adjoint map). Written into one buffer with no cat."""
+    p = x.shape[-1] // 2
+    out = x * c
+    if transpose:
+        out[..., :p].addcmul_(x[..., p:2 * p], s[..., p:2 * p])
+        out[..., p:2 * p].addcmul_(x[..., :p], s[..., :p])
+    else:
+        out[..., :p].addcmul_(x[..., p:2 * p], s[..., :p])
+        out[..., p:2 * p].addcmul_(x[..., :p], s[..., p:2 * p])
+    return out
+
+
+class _Rotate(torch.autograd.Function):
+    """rotate(x) = x·c + swap(x)·s with constant angles (c, s); the gradient is the adjoint map,
+    x ↦ x·c + swap(x·s), itself an _Rotate (so double backward works). Autograd through a cat of
+    slices would allocate a zero tensor of x's size per slice."""
+
+    @staticmethod
+    def forward(ctx, x, c, s, transpose):
+        ctx.save_for_backward(c, s)
+        ctx.transpose = transpose
+        return _rotate(x, c, s, transpose)
+
+    @staticmethod
+    def backward(ctx, grad):
+        c, s = ctx.saved_tensors
+        return _Rotate.apply(grad, c, s, not ctx.transpose), None, None, None
+
+
 class RotaryEmbedding(nn.Module):
     """Rotary position embedding on the last dim, rotate-half convention.
 
@@ -56,9 +87,7 @@ class RotaryEmbedding(nn.Module):
         if x.shape[-1] != self.dim:
             raise ValueError(f"RotaryEmbedding(dim={self.dim}) got features of dim {x.shape[-1]}")
         c, s = self.angles(positions, x.dtype) if angles is None else angles
-        half = self.dim // 2
-        swapped = torch.cat((x[..., half:2 * half], x[..., :half], x[..., 2 * half:]), dim=-1)
-        return torch.addcmul(x * c, swapped, s)
+        return _Rotate.apply(x, c, s, False)
 
     def extra_repr(self) -> str:
         return f"dim={self.dim}, base={self.base:g}"

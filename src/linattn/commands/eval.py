@@ -46,7 +46,11 @@ def add_parser(subparsers) -> None:
     p.add_argument("--seeds", type=_seeds, default=None, metavar="S[,S...]", help="seeds (default: the preset's)")
     p.add_argument("--steps", type=positive_int, default=None,
                    help="override every task's training steps (smoke tests)")
-    p.add_argument("--threads", type=positive_int, default=None, metavar="T", help="torch intra-op threads")
+    p.add_argument("--threads", type=positive_int, default=None, metavar="T",
+                   help="torch intra-op threads (per process with --jobs)")
+    p.add_argument("--jobs", type=positive_int, default=1, metavar="J",
+                   help="train J runs at once in separate processes (e.g. one per core with --threads 1); "
+                        "results do not depend on it (default: %(default)s)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     add_common_options(p, dtype=False, seed=False)
     p.set_defaults(func=run_eval_command)
@@ -59,13 +63,14 @@ def run_eval_command(args) -> int:
     from ..evaluation import run_eval, table_rows, write_report
     from ..report import make_console, make_table, output_dir
 
-    if args.threads:
+    if args.threads and args.jobs == 1:
         torch.set_num_threads(args.threads)
     console = make_console()
     status = 0
     try:
         report = run_eval(args.preset, kinds=args.kinds, tasks=args.tasks, seeds=args.seeds, steps=args.steps,
-                          device=args.device, progress=not args.quiet, console=console)
+                          device=args.device, progress=not args.quiet, console=console, jobs=args.jobs,
+                          threads_per_job=args.threads)
     except ValueError as exc:
         print(f"linattn eval: error: {exc}", file=sys.stderr)
         return 2
