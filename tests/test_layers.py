@@ -119,6 +119,22 @@ def test_left_padding_equals_unpadded(kind):
     torch.testing.assert_close(y[:, 3:], alone, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("rope", [False, True])
+@pytest.mark.parametrize("fm", ["elu", "taylor", "favor"])
+def test_linear_decoding_with_padding_mask_equals_parallel(fm, rope):
+    """Token-by-token decoding with a (B, 1) padding mask per step (the one-token paths: q and k
+    featurized together for symmetric φ, the op-level step otherwise) equals one masked parallel pass."""
+    torch.manual_seed(6)
+    layer = _linear_layer(fm, rope)
+    x = torch.randn(2, 7, 16, dtype=torch.float64)
+    mask = torch.tensor([[False, False, True, True, False, True, True], [True] * 7])
+    full, _ = layer(x, mask=mask)
+    cache = layer.new_cache()
+    steps = [layer(x[:, t:t + 1], mask=mask[:, t:t + 1], cache=cache)[0] for t in range(7)]
+    real = mask[:, :, None].expand_as(full)
+    torch.testing.assert_close(torch.cat(steps, 1)[real], full[real], rtol=1e-10, atol=1e-12)
+
+
 def test_linear_padding_mask_removes_key_from_denominator():
     """Right padding in a non-causal layer: the pad keys leave numerator and denominator."""
     torch.manual_seed(4)

@@ -28,6 +28,8 @@ class FeatureMap(nn.Module):
     """Base class: stores head_dim; subclasses set feature_dim and implement forward."""
 
     needs_positions = False
+    #: φ treats queries and keys alike (is_query unused), so both can be featurized in one call.
+    symmetric = False
 
     def __init__(self, head_dim: int):
         super().__init__()
@@ -74,6 +76,8 @@ class _EluPlusOneFunction(torch.autograd.Function):
 class EluPlusOne(FeatureMap):
     """φ(x) = elu(x) + 1 (Katharopoulos et al. 2020). F = D; strictly positive."""
 
+    symmetric = True
+
     def forward(self, x, *, is_query: bool = True, positions=None):
         self._check(x)
         if x.requires_grad and torch.is_grad_enabled():
@@ -84,6 +88,8 @@ class EluPlusOne(FeatureMap):
 class ReLUFeatureMap(FeatureMap):
     """φ(x) = relu(x) + eps. F = D. With eps = 0 an all-negative key gives a zero row and a query
     orthogonal to all keys a zero denominator; the operator's ε then keeps the output finite (0)."""
+
+    symmetric = True
 
     def __init__(self, head_dim: int, eps: float = 1e-6):
         super().__init__(head_dim)
@@ -264,6 +270,8 @@ class Taylor(FeatureMap):
     small q/k dim (16 gives F = 273).
     """
 
+    symmetric = True
+
     def __init__(self, head_dim: int):
         super().__init__(head_dim)
         self.feature_dim = 1 + head_dim + head_dim * head_dim
@@ -307,6 +315,8 @@ class Hedgehog(FeatureMap):
     W starts at the identity (m = D) or a scaled Gaussian; softmax over the feature axis makes the
     weights spiky like softmax attention's. Trained end to end (or by distillation) with the model.
     """
+
+    symmetric = True
 
     def __init__(self, head_dim: int, num_features: int | None = None, *, seed: int = 0):
         super().__init__(head_dim)

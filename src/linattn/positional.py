@@ -11,6 +11,8 @@ forms give the same numbers. Positions are absolute token indices, shape (N,) or
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -20,6 +22,33 @@ def broadcast_positions(positions: torch.Tensor, ndim: int) -> torch.Tensor:
     if positions.dim() == 1:
         return positions[:, None]
     return positions[:, None, :, None]
+
+
+def _angles(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype, odd: bool):
+    ang = broadcast_positions(positions, 4).to(torch.float32) * inv_freq.to(positions.device)
+    cos, sin = ang.cos(), ang.sin()
+    c, s = [cos, cos], [-sin, sin]
+    if odd:
+        c.append(torch.ones_like(cos[..., :1]))
+        s.append(torch.zeros_like(sin[..., :1]))
+    return torch.cat(c, -1).to(dtype), torch.cat(s, -1).to(dtype)
+
+
+def _inv_freq(dim: int, base: float) -> torch.Tensor:
+    """θ_m = base^(−m/P), m < P = ⌊dim/2⌋, float32."""
+    half = dim // 2
+    return (base ** (-torch.arange(half, dtype=torch.float64) / half)).float()
+
+
+_CACHED_POSITIONS = 16
+
+
+@functools.lru_cache(maxsize=64)
+def _cached_angles(dim, base, freq_dtype, shape, values, device, dtype, inference):
+    """angles of a few positions, keyed by their values (shared by the layers of one decoding step).
+    `inference` keeps inference-mode tensors out of autograd."""
+    positions = torch.tensor(values, dtype=torch.long, device=device).view(shape)
+    return _angles(_inv_freq(dim, base).to(freq_dtype), positions, dtype, dim % 2 == 1)
 
 
 def _rotate(x: torch.Tensor, c: torch.Tensor, s: torch.Tensor, transpose: bool) -> torch.Tensor:
@@ -67,20 +96,16 @@ class RotaryEmbedding(nn.Module):
             raise ValueError(f"RotaryEmbedding dim must be an int >= 2, got {dim!r}")
         self.dim = dim
         self.base = float(base)
-        half = dim // 2
-        inv_freq = base ** (-torch.arange(half, dtype=torch.float64) / half)
-        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+        self.register_buffer("inv_freq", _inv_freq(dim, self.base), persistent=False)
 
     def angles(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """(c, s), each broadcastable against (B, H, N, F) in `dtype`: c = [cos, cos, 1], s = [−sin, sin, 0]
         of position·θ_m (the trailing 1 / 0 only for odd F), so rotate(x) = x·c + swap(x)·s."""
-        ang = broadcast_positions(positions, 4).to(torch.float32) * self.inv_freq.to(positions.device)
-        cos, sin = ang.cos(), ang.sin()
-        c, s = [cos, cos], [-sin, sin]
-        if self.dim % 2:
-            c.append(torch.ones_like(cos[..., :1]))
-            s.append(torch.zeros_like(sin[..., :1]))
-        return torch.cat(c, -1).to(dtype), torch.cat(s, -1).to(dtype)
+        if positions.numel() <= _CACHED_POSITIONS:  # decoding: every layer asks for the same few positions
+            return _cached_angles(self.dim, self.base, self.inv_freq.dtype, tuple(positions.shape),
+                                  tuple(positions.flatten().tolist()), positions.device, dtype,
+                                  torch.is_inference_mode_enabled())
+        return _angles(self.inv_freq, positions, dtype, self.dim % 2 == 1)
 
     def rotate(self, x: torch.Tensor, positions: torch.Tensor | None = None, *, angles=None) -> torch.Tensor:
         """x (B, H, N, F) rotated at `positions` ((N,) or (B, N)), or with precomputed `angles`."""

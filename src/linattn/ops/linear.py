@@ -178,21 +178,38 @@ def linear_attention_step(
         return o, new_state
     if state is not None and positions is None and (rope is not None or getattr(feature_map, "needs_positions", False)):
         raise ValueError("positions (the global token index) are required for a step with RoPE or a position-dependent feature map")
-    fz, (kv, z) = _prepare(q, k, v, feature_map=feature_map, scale=scale, key_padding_mask=key_padding_mask,
-                           initial_state=state, positions=positions, rope=rope)
+    fz, state = _prepare(q, k, v, feature_map=feature_map, scale=scale, key_padding_mask=key_padding_mask,
+                         initial_state=state, positions=positions, rope=rope)
     if k.shape[2] != 1:
         raise ValueError(f"k must hold the same single token as q, got length {k.shape[2]}")
-    sdt = kv.dtype
     qr, qd = fz(q, 0, 1, True)
     kr, kd = fz(k, 0, 1, False)
-    if kr.dtype != sdt:
-        qr, kr, v = qr.to(sdt), kr.to(sdt), v.to(sdt)
-        qd, kd = (None, None) if qd is None else (qd.to(sdt), kd.to(sdt))
+    return step_from_features(state, qr, kr, v, qd, kd, normalize=normalize, eps=eps, out_dtype=q.dtype)
+
+
+def step_from_features(state: State | None, qr, kr, v, qd=None, kd=None, *, normalize: bool = True,
+                       eps: float = 1e-6, out_dtype=None):
+    """The arithmetic of one recurrent step, from features (no checks; callers validate):
+
+        kv' = kv + k̃ᵣᵀ v,   z' = z + k̃_d,   o = q̃ᵣ kv' / (q̃_d · z' + ε)   (o = q̃ᵣ kv' without normalize)
+
+    state: (kv (B, H, F, E), z (B, H, F)) in the state dtype, or None for zeros; qr, kr (B, H, 1, F)
+    numerator features (RoPE-rotated, if any); qd, kd the denominator features (None: qr, kr);
+    v (B, H, 1, E). Returns (o (B, H, 1, E) in out_dtype (default v's), (kv', z'))."""
+    qd = qr if qd is None else qd
+    kd = kr if kd is None else kd
+    out_dtype = v.dtype if out_dtype is None else out_dtype
+    sdt = state_dtype(v.dtype) if state is None else state[0].dtype
+    if qr.dtype != sdt:
+        qr, kr, qd, kd, v = (t.to(sdt) for t in (qr, kr, qd, kd, v))
     # a handful of ops: on CPU one step is bound by operator dispatch, not arithmetic
-    kv_new = torch.addcmul(kv, kr.mT, v)  # (B, H, F, 1) * (B, H, 1, E) outer product
-    z_new = z + (kr if kd is None else kd).squeeze(-2)
+    if state is None:
+        kv_new, z_new = torch.matmul(kr.mT, v), kd.squeeze(-2)
+    else:
+        kv_new = torch.addcmul(state[0], kr.mT, v)  # (B, H, F, 1) * (B, H, 1, E) outer product
+        z_new = state[1] + kd.squeeze(-2)
     num = torch.matmul(qr, kv_new)  # (B, H, 1, E)
     if normalize:
-        den = torch.matmul(qr if qd is None else qd, z_new.unsqueeze(-1))  # (B, H, 1, 1)
+        den = torch.matmul(qd, z_new.unsqueeze(-1))  # (B, H, 1, 1)
         num = num.div_(den.add_(eps))
-    return num.to(q.dtype), (kv_new, z_new)
+    return num.to(out_dtype), (kv_new, z_new)
