@@ -27,7 +27,6 @@ from torch import nn
 
 from .feature_maps import make_feature_map
 from .ops import linear_attention, linear_attention_step, softmax_attention
-from .ops.linear import step_from_features
 from .positional import RotaryEmbedding
 
 # --------------------------------------------------------------------------------------------
@@ -268,9 +267,7 @@ class LinearAttention(_Attention):
             return self._merge(o), None
         if not self.causal:
             raise ValueError("a cache (recurrent decoding) needs a causal LinearAttention")
-        if n == 1 and self.feature_map.symmetric:
-            o, state = self._decode_token(q, k, v, cache.state, mask, positions)
-        elif n == 1:
+        if n == 1:
             o, state = linear_attention_step(cache.state, q, k, v, key_padding_mask=mask, positions=positions, **opts)
         else:
             o, state = linear_attention(q, k, v, causal=True, key_padding_mask=mask, positions=positions,
@@ -279,21 +276,6 @@ class LinearAttention(_Attention):
         cache.state = state
         cache.advance(n, mask)
         return self._merge(o), cache
-
-    def _decode_token(self, q, k, v, state, mask, positions):
-        """One token, (B, H, 1, ·) each, for a φ that treats queries and keys alike: φ and the RoPE
-        rotation run once on q and k together (they are adjacent heads of the fused projection),
-        then the shared recurrent arithmetic (linattn.ops.linear.step_from_features)."""
-        h = self.n_heads
-        f = self.feature_map(torch.cat((q, k), 1), positions=positions)  # (B, 2H, 1, F)
-        fr = f if self.rope is None else self.rope.rotate(f, positions)
-        qr, kr = fr.split(h, 1)
-        qd, kd = (None, None) if self.rope is None else f.split(h, 1)
-        if mask is not None:
-            keep = mask[:, None, :, None].to(f.dtype)
-            kr = kr * keep
-            kd = None if kd is None else kd * keep
-        return step_from_features(state, qr, kr, v, qd, kd, normalize=self.normalize, eps=self.eps)
 
     def extra_repr(self) -> str:
         return (f"d_model={self.d_model}, n_heads={self.n_heads}, qk_dim={self.qk_dim}, causal={self.causal}, "

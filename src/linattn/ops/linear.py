@@ -182,8 +182,14 @@ def linear_attention_step(
                          initial_state=state, positions=positions, rope=rope)
     if k.shape[2] != 1:
         raise ValueError(f"k must hold the same single token as q, got length {k.shape[2]}")
-    qr, qd = fz(q, 0, 1, True)
-    kr, kd = fz(k, 0, 1, False)
+    if getattr(feature_map, "symmetric", False) and scale is None and key_padding_mask is None:
+        # φ (and RoPE) treat q and k alike here: one call on both, as 2H heads
+        fr, fd = fz(torch.cat((q, k), 1), 0, 1, True)
+        qr, kr = fr.split(q.shape[1], 1)
+        qd, kd = (None, None) if fd is None else fd.split(q.shape[1], 1)
+    else:
+        qr, qd = fz(q, 0, 1, True)
+        kr, kd = fz(k, 0, 1, False)
     return step_from_features(state, qr, kr, v, qd, kd, normalize=normalize, eps=eps, out_dtype=q.dtype)
 
 
