@@ -298,3 +298,16 @@ def test_sequence_parallel_hook(monkeypatch):
     # decoding with a cache stays local
     y, cache = lin(torch.randn(1, 2, 16), cache=lin.new_cache())
     assert cache.length == 2 and y.abs().sum() > 0
+
+
+def test_projection_weights_stored_column_major_survive_to_and_load():
+    """Projection weights are (out, in) tensors laid out as the transpose of a contiguous (in, out)
+    one (fast one-token products); .to(), load_state_dict and optimizers keep that layout."""
+    layer = LinearAttention(16, 2)
+    ffn = FeedForward(16, 24)
+    for w in (layer.qkv.weight, layer.out.weight, ffn.up.weight, ffn.down.weight):
+        assert w.stride() == (1, w.shape[0])
+    moved = LinearAttention(16, 2).double()
+    moved.load_state_dict({k: v.double() for k, v in layer.state_dict().items()})
+    assert moved.qkv.weight.stride() == (1, moved.qkv.weight.shape[0])
+    torch.testing.assert_close(moved.qkv.weight, layer.qkv.weight.double())
