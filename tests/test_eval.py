@@ -79,6 +79,19 @@ def test_cli_eval_two_seeds_listops_bytes(tmp_path, capsys):
     assert (tmp_path / "eval.md").is_file() and (tmp_path / "eval.png").is_file() and (tmp_path / "eval.txt").is_file()
 
 
+def test_eval_jobs_gives_the_runs_of_one_process():
+    """--jobs 2 trains the runs in two spawned processes: same runs, in plan order, same losses."""
+    kw = dict(kinds=["softmax", "elu"], tasks=["mqar"], seeds=[0, 1], steps=2, progress=False)
+    one = run_eval("quick", **kw)
+    two = run_eval("quick", jobs=2, threads_per_job=1, **kw)
+    assert [(r["kind"], r["seed"]) for r in two["runs"]] == [(r["kind"], r["seed"]) for r in one["runs"]]
+    for a, b in zip(one["runs"], two["runs"]):
+        assert b["status"] == "completed"
+        assert abs(a["last_loss"] - b["last_loss"]) <= 1e-5 * abs(a["last_loss"])
+    with pytest.raises(ValueError, match="jobs must be a positive int"):
+        run_eval("quick", jobs=0, **kw)
+
+
 def test_cli_eval_rejects_unknown_names(capsys):
     assert cli_main(["eval", "--kinds", "softmax,lstm", "--quiet", "--out", "/tmp/unused-linattn-eval"]) == 2
     assert "unknown attention kind 'lstm'" in capsys.readouterr().err
