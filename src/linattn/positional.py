@@ -112,7 +112,9 @@ class RotaryEmbedding(nn.Module):
         if x.shape[-1] != self.dim:
             raise ValueError(f"RotaryEmbedding(dim={self.dim}) got features of dim {x.shape[-1]}")
         c, s = self.angles(positions, x.dtype) if angles is None else angles
-        return _Rotate.apply(x, c, s, False)
+        if x.requires_grad and torch.is_grad_enabled():
+            return _Rotate.apply(x, c, s, False)
+        return _rotate(x, c, s, False)  # no autograd bookkeeping when decoding
 
     def extra_repr(self) -> str:
         return f"dim={self.dim}, base={self.base:g}"
