@@ -193,27 +193,24 @@ def linear_attention_step(
     return step_from_features(state, qr, kr, v, qd, kd, normalize=normalize, eps=eps, out_dtype=q.dtype)
 
 
-def step_from_features(state: State | None, qr, kr, v, qd=None, kd=None, *, normalize: bool = True,
+def step_from_features(state: State, qr, kr, v, qd=None, kd=None, *, normalize: bool = True,
                        eps: float = 1e-6, out_dtype=None):
     """The arithmetic of one recurrent step, from features (no checks; callers validate):
 
         kv' = kv + k̃ᵣᵀ v,   z' = z + k̃_d,   o = q̃ᵣ kv' / (q̃_d · z' + ε)   (o = q̃ᵣ kv' without normalize)
 
-    state: (kv (B, H, F, E), z (B, H, F)) in the state dtype, or None for zeros; qr, kr (B, H, 1, F)
+    state: (kv (B, H, F, E), z (B, H, F)) in the state dtype; qr, kr (B, H, 1, F)
     numerator features (RoPE-rotated, if any); qd, kd the denominator features (None: qr, kr);
     v (B, H, 1, E). Returns (o (B, H, 1, E) in out_dtype (default v's), (kv', z'))."""
     qd = qr if qd is None else qd
     kd = kr if kd is None else kd
     out_dtype = v.dtype if out_dtype is None else out_dtype
-    sdt = state_dtype(v.dtype) if state is None else state[0].dtype
+    sdt = state[0].dtype
     if qr.dtype != sdt:
         qr, kr, qd, kd, v = (t.to(sdt) for t in (qr, kr, qd, kd, v))
     # a handful of ops: on CPU one step is bound by operator dispatch, not arithmetic
-    if state is None:
-        kv_new, z_new = torch.matmul(kr.mT, v), kd.squeeze(-2)
-    else:
-        kv_new = torch.addcmul(state[0], kr.mT, v)  # (B, H, F, 1) * (B, H, 1, E) outer product
-        z_new = state[1] + kd.squeeze(-2)
+    kv_new = torch.addcmul(state[0], kr.mT, v)  # (B, H, F, 1) * (B, H, 1, E) outer product
+    z_new = state[1] + kd.squeeze(-2)
     num = torch.matmul(qr, kv_new)  # (B, H, 1, E)
     if normalize:
         den = torch.matmul(qd, z_new.unsqueeze(-1))  # (B, H, 1, 1)
