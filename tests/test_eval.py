@@ -41,7 +41,7 @@ def test_every_kind_and_task_of_the_presets_makes_a_valid_config(preset):
                 assert mc.layer_kinds[-1] == "softmax" and mc.layer_kinds.count("softmax") == max(1, mc.n_layers // 4)
             else:
                 assert set(mc.layer_kinds) == {"linear"} and mc.feature_map == kind
-    assert kind_model("taylor", p.model, p.kind_options)["qk_dim"] == 16
+    assert kind_model("taylor", p.model, p.kind_options)["qk_dim"] == {"quick": 16, "paper": 8}[preset]
 
 
 def test_kind_model_hybrid_pattern_and_errors():
