@@ -90,15 +90,44 @@ def test_per_sequence_positions_with_rope():
     _compare(dict(rope=RotaryEmbedding(d), positions=positions, chunk_size=6), q, k, v)
 
 
-def test_blocks_of_many_chunks(monkeypatch):
-    """Force several blocks so the state is carried between them in forward and backward."""
+@pytest.mark.parametrize("variant", ["rope", "elu", "elu mask unnormalized", "identity"])
+def test_blocks_of_many_chunks(monkeypatch, variant):
+    """Force several blocks so the state is carried between them in forward and backward: the
+    autograd path (RoPE) and the elementwise-gradient path (elu+1, identity), with a tail block."""
     import linattn.ops.chunked as chunked
 
     monkeypatch.setattr(chunked, "BLOCK_ELEMENTS", 64)
-    fm = make_feature_map("elu", 4).double()
-    q, k, v = _inputs(2, 2, 53, 4, 3, positive=False, seed=6)
-    _compare(dict(feature_map=fm, chunk_size=4, rope=RotaryEmbedding(4)), q, k, v)
+    q, k, v = _inputs(2, 2, 53, 4, 3, positive=variant == "identity", seed=6)
+    kwargs = dict(chunk_size=4, scale=0.8)
+    if variant != "identity":
+        kwargs["feature_map"] = make_feature_map("elu", 4).double()
+    if variant == "rope":
+        kwargs.update(rope=RotaryEmbedding(4), positions=torch.arange(5, 58))
+    if variant == "elu mask unnormalized":
+        mask = torch.rand(2, 53, generator=torch.Generator().manual_seed(1)) > 0.3
+        kwargs.update(normalize=False, key_padding_mask=mask)
+    state = (torch.rand(2, 2, 4, 3, dtype=DT).requires_grad_(), (torch.rand(2, 2, 4, dtype=DT) + 1).requires_grad_())
+    _compare(kwargs, q, k, v, state=state)
     assert chunked.block_tokens(4, 4, 4) == 4
+
+
+def test_features_without_map_with_mask_and_scale():
+    q, k, v = _inputs(2, 2, 21, 4, 3, positive=True, seed=11)
+    mask = torch.rand(2, 21, generator=torch.Generator().manual_seed(2)) > 0.4
+    mask[:, 0] = True
+    _compare(dict(chunk_size=8, key_padding_mask=mask, scale=0.5), q, k, v)
+
+
+@pytest.mark.parametrize("name", ["elu", "hedgehog"])
+def test_backward_twice_with_retained_graph(name):
+    """The backward reuses the forward's last block once; a second backward recomputes it."""
+    fm = make_feature_map(name, 4).double()
+    q, k, v = _inputs(1, 2, 19, 4, 3, positive=False, seed=12)
+    o = linear_attention(q, k, v, causal=True, feature_map=fm, chunk_size=4)
+    first = torch.autograd.grad(o.sum(), (q, k, v), retain_graph=True)
+    second = torch.autograd.grad(o.sum(), (q, k, v))
+    for a, b_ in zip(first, second):
+        torch.testing.assert_close(a, b_, atol=1e-12, rtol=1e-12)
 
 
 @settings(max_examples=25, deadline=None)

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..feature_maps import EluPlusOne
+
 
 @dataclass
 class Featurizer:
@@ -38,6 +40,28 @@ class Featurizer:
         if self._angles is None or self._angles[:3] != (start, end, f.dtype):
             self._angles = (start, end, f.dtype, *self.rope.angles(pos, f.dtype))
         return self.rope.rotate(f, angles=self._angles[3:]), f
+
+    @property
+    def local_grad(self) -> bool:
+        """True when ∂L/∂x follows elementwise from the features and ∂L/∂(features) alone, so the
+        chunked backward needs no autograd graph: φ is the identity or elu+1 (no parameters), no RoPE."""
+        return self.rope is None and (self.feature_map is None or type(self.feature_map) is EluPlusOne)
+
+    def input_grad(self, f: torch.Tensor, grad: torch.Tensor, start: int, end: int, is_query: bool, out=None):
+        """∂L/∂x of the slice [start, end) of q or k from its features f = self(x, …)[0] and grad = ∂L/∂f,
+        written into `out` when given. Only when `local_grad`. Overwrites f (elu+1).
+
+        elu+1: φ'(x) = min(φ(x), 1); a masked key has f = 0 and so gets 0. Identity: the mask itself."""
+        d = None
+        if self.feature_map is not None:
+            d = f.clamp_(max=1)
+        elif not is_query and self.key_padding_mask is not None:
+            d = self.key_padding_mask[:, None, start:end, None]
+        if is_query and self.scale is not None:
+            d = self.scale if d is None else d.mul_(self.scale)
+        if d is None:
+            return grad if out is None else out.copy_(grad)
+        return torch.mul(grad, d, out=out)
 
     @property
     def parameters(self) -> tuple:
