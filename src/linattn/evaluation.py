@@ -127,7 +127,10 @@ PRESETS: dict[str, Preset] = {
     # Cost (measured, 1 thread, 50 steps of MQAR (64, 8)): 6-13 s for most kinds, 31 s for Taylor at F = 273, so the
     # first version of this preset (Taylor qk_dim 16, 1000 MQAR steps, 600-800 for the others) needed ~3.7
     # CPU-hours. To fit about an hour on 2 cores (`--jobs 2 --threads 1`), Taylor uses qk_dim 8 (F = 73; Based
-    # uses 16) and the step counts below are 20-25% lower.
+    # uses 16) and the step counts below are 20-25% lower. Result of `--preset paper --jobs 2 --threads 1` (4240 s,
+    # docs/results/eval-paper.md): softmax 0.85 ± 0.09 on MQAR (32, 4), every linear kind 0.27-0.55; at (64, 8) and
+    # (128, 16) no kind, softmax included, left the plateau in 800 steps, so those two columns do not separate
+    # the kinds: they need more steps than this budget.
     "paper": Preset(
         name="paper",
         description="d_model 64, 2 layers, 4 heads (head dim 16); MQAR (32, 4), (64, 8), (128, 16) with a 64-token "
