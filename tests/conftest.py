@@ -55,6 +55,13 @@ def spread(module, seed=0, scale=0.3):
     return module
 
 
+def tiny_config(**kw):
+    """A small ModelConfig for model tests (vocab 40, d 32, 2 layers, 4 heads); `kw` overrides fields."""
+    from linattn.models import ModelConfig
+
+    return ModelConfig(**{**dict(vocab_size=40, d_model=32, n_layers=2, n_heads=4, d_ff=48, max_len=64), **kw})
+
+
 @pytest.fixture
 def one_thread():
     """Tiny tensors: one thread avoids OpenMP hand-off costs on a shared 2-core machine."""

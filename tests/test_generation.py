@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from linattn.generation import filter_logits, prepare_prompts, sample_next
-from linattn.models import LinearTransformerLM, ModelConfig
+from linattn.models import LinearTransformerLM
 
-from .conftest import spread
+from .conftest import spread, tiny_config
 
 
 @pytest.fixture(autouse=True)
@@ -15,14 +15,8 @@ def _one_thread(one_thread):
     yield
 
 
-def _spread(module, seed=0, scale=0.3):
-    return spread(module, seed, scale)
-
-
 def lm(**kw):
-    base = dict(vocab_size=40, d_model=32, n_layers=2, n_heads=4, d_ff=48, max_len=64)
-    base.update(kw)
-    return _spread(LinearTransformerLM(ModelConfig(**base))).double().eval()
+    return spread(LinearTransformerLM(tiny_config(**kw))).double().eval()
 
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [3, 1], [9, 9, 2, 4]]

@@ -12,7 +12,7 @@ from linattn.feature_maps import FEATURE_MAPS
 from linattn.layers import KVCache, LinearAttentionCache
 from linattn.models import LinearTransformerEncoder, LinearTransformerLM, ModelConfig
 
-from .conftest import spread
+from .conftest import spread, tiny_config
 
 
 @pytest.fixture(autouse=True)
@@ -20,14 +20,7 @@ def _one_thread(one_thread):
     yield
 
 
-def _spread(module, seed=0, scale=0.3):
-    return spread(module, seed, scale)
-
-
-def tiny(**kw):
-    base = dict(vocab_size=40, d_model=32, n_layers=2, n_heads=4, d_ff=48, max_len=64)
-    base.update(kw)
-    return ModelConfig(**base)
+tiny = tiny_config
 
 
 # ---------------------------------------------------------------------------------------------
@@ -103,7 +96,7 @@ def test_lm_step_decoding_equals_parallel_fp32(fm):
     token-by-token decoding equal the full parallel forward at every position (fp32)."""
     torch.manual_seed(0)
     cfg = tiny(attention=["linear", "softmax"], feature_map=fm, positions="rope", qk_dim=4 if fm == "taylor" else None)
-    model = _spread(LinearTransformerLM(cfg)).eval()
+    model = spread(LinearTransformerLM(cfg)).eval()
     ids = torch.randint(0, 40, (2, 20))
     with torch.no_grad():
         full, _ = model(ids)
@@ -118,7 +111,7 @@ def test_lm_step_decoding_equals_parallel_fp32(fm):
 @pytest.mark.parametrize("positions", ["rope", "learned", "none"])
 def test_lm_step_decoding_equals_parallel_fp64(attention, positions):
     torch.manual_seed(1)
-    model = _spread(LinearTransformerLM(tiny(attention=attention, positions=positions))).double().eval()
+    model = spread(LinearTransformerLM(tiny(attention=attention, positions=positions))).double().eval()
     ids = torch.randint(0, 40, (2, 15))
     with torch.no_grad():
         full, _ = model(ids)
@@ -129,7 +122,7 @@ def test_lm_step_decoding_equals_parallel_fp64(attention, positions):
 def test_lm_chunked_prefill_continuation():
     """Feeding a cached model blocks of several tokens equals the parallel forward."""
     torch.manual_seed(2)
-    model = _spread(LinearTransformerLM(tiny(attention=["linear", "softmax"]))).double().eval()
+    model = spread(LinearTransformerLM(tiny(attention=["linear", "softmax"]))).double().eval()
     ids = torch.randint(0, 40, (1, 30))
     with torch.no_grad():
         full, _ = model(ids)
@@ -140,7 +133,7 @@ def test_lm_chunked_prefill_continuation():
 
 def test_lm_is_causal():
     torch.manual_seed(3)
-    model = _spread(LinearTransformerLM(tiny(attention=["linear", "softmax"]))).double().eval()
+    model = spread(LinearTransformerLM(tiny(attention=["linear", "softmax"]))).double().eval()
     ids = torch.randint(0, 40, (1, 12))
     other = ids.clone()
     other[:, 8:] = (other[:, 8:] + 1) % 40
@@ -153,7 +146,7 @@ def test_lm_is_causal():
 @pytest.mark.parametrize("attention", [["linear"], ["linear", "softmax"]])
 def test_lm_left_padded_batch_equals_single(attention):
     torch.manual_seed(4)
-    model = _spread(LinearTransformerLM(tiny(attention=attention, feature_map="cosformer"))).double().eval()
+    model = spread(LinearTransformerLM(tiny(attention=attention, feature_map="cosformer"))).double().eval()
     ids = torch.randint(0, 40, (1, 9))
     alone, _ = model(ids)
     batch = torch.cat((torch.cat((torch.zeros(1, 4, dtype=torch.long), ids), 1), torch.randint(0, 40, (1, 13))))
@@ -185,7 +178,7 @@ def test_init_is_seeded_and_favor_layers_differ():
 
 def test_lm_loss_is_next_token_cross_entropy():
     torch.manual_seed(5)
-    model = _spread(LinearTransformerLM(tiny())).double()
+    model = spread(LinearTransformerLM(tiny())).double()
     ids = torch.randint(0, 40, (2, 10))
     mask = torch.ones(2, 10, dtype=torch.bool)
     mask[1, 7:] = False
@@ -223,7 +216,7 @@ def test_forward_rejects_bad_input():
 @pytest.mark.parametrize("pooling", ["mean", "first"])
 def test_encoder_padding_invariance(attention, pooling):
     torch.manual_seed(6)
-    model = _spread(LinearTransformerEncoder(tiny(attention=attention, num_classes=5, pooling=pooling,
+    model = spread(LinearTransformerEncoder(tiny(attention=attention, num_classes=5, pooling=pooling,
                                                   positions="learned"))).double().eval()
     ids = torch.randint(1, 40, (1, 7))
     alone = model(ids)
@@ -237,7 +230,7 @@ def test_encoder_padding_invariance(attention, pooling):
 
 def test_encoder_is_bidirectional_and_needs_num_classes():
     torch.manual_seed(7)
-    model = _spread(LinearTransformerEncoder(tiny(num_classes=3))).double().eval()
+    model = spread(LinearTransformerEncoder(tiny(num_classes=3))).double().eval()
     ids = torch.randint(0, 40, (1, 6))
     other = ids.clone()
     other[0, -1] = (other[0, -1] + 1) % 40
@@ -258,7 +251,7 @@ def _grads(model, ids):
 
 def test_activation_checkpointing_gives_same_gradients():
     torch.manual_seed(8)
-    model = _spread(LinearTransformerLM(tiny(attention=["linear", "softmax"], feature_map="hedgehog"))).double()
+    model = spread(LinearTransformerLM(tiny(attention=["linear", "softmax"], feature_map="hedgehog"))).double()
     ids = torch.randint(0, 40, (2, 12))
     ref = _grads(model, ids)
     model.set_activation_checkpointing(True)
@@ -291,7 +284,7 @@ def test_activation_checkpointing_keeps_favor_projection():
 
 def test_autocast_bf16_cpu():
     torch.manual_seed(9)
-    model = _spread(LinearTransformerLM(tiny(attention=["linear", "softmax"], feature_map="favor")), scale=0.1)
+    model = spread(LinearTransformerLM(tiny(attention=["linear", "softmax"], feature_map="favor")), scale=0.1)
     ids = torch.randint(0, 40, (2, 16))
     ref, _ = model(ids)
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -306,7 +299,7 @@ def test_autocast_bf16_cpu():
 
 def _compile_check():
     torch.manual_seed(10)
-    model = _spread(LinearTransformerLM(tiny(attention=["linear", "softmax"])), scale=0.1)
+    model = spread(LinearTransformerLM(tiny(attention=["linear", "softmax"])), scale=0.1)
     ids = torch.randint(0, 40, (2, 16))
     ref_logits, _ = model(ids)
     ref = _grads(model, ids)
@@ -356,7 +349,7 @@ def _check_sequence_parallel(rank):
     import torch.distributed as dist
 
     cfg = tiny(attention=["linear", "softmax"], positions="rope")
-    model = _spread(LinearTransformerLM(cfg)).double()
+    model = spread(LinearTransformerLM(cfg)).double()
     ids = _batches()[0]
     full, _ = model(ids)
     model.set_sequence_parallel_group(dist.group.WORLD)

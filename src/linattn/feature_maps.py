@@ -50,6 +50,11 @@ class FeatureMap(nn.Module):
         return f"head_dim={self.head_dim}, feature_dim={self.feature_dim}"
 
 
+def _elu_plus_one_derivative_(y: torch.Tensor) -> torch.Tensor:
+    """φ'(x) = min(φ(x), 1) for φ = elu + 1, from y = φ(x), computed in y's memory (y is overwritten)."""
+    return y.clamp_(max=1)
+
+
 class _EluPlusOneFunction(torch.autograd.Function):
     """elu(x) + 1 = exp(min(x, 0)) + max(x, 0), with derivative min(φ(x), 1).
 
@@ -70,13 +75,16 @@ class _EluPlusOneFunction(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad):
         (y,) = ctx.saved_tensors
-        return grad * y.clamp(max=1)
+        return grad * _elu_plus_one_derivative_(y.clone())
 
 
 class EluPlusOne(FeatureMap):
     """φ(x) = elu(x) + 1 (Katharopoulos et al. 2020). F = D; strictly positive."""
 
     symmetric = True
+    #: φ'(x) from φ(x), in place (0 where φ(x) = 0, as for masked keys): lets the chunked backward
+    #: chain gradients without autograd.
+    derivative_from_output_ = staticmethod(_elu_plus_one_derivative_)
 
     def forward(self, x, *, is_query: bool = True, positions=None):
         self._check(x)

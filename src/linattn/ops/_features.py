@@ -10,8 +10,6 @@ from dataclasses import dataclass
 
 import torch
 
-from ..feature_maps import EluPlusOne
-
 
 @dataclass
 class Featurizer:
@@ -44,17 +42,19 @@ class Featurizer:
     @property
     def local_grad(self) -> bool:
         """True when ∂L/∂x follows elementwise from the features and ∂L/∂(features) alone, so the
-        chunked backward needs no autograd graph: φ is the identity or elu+1 (no parameters), no RoPE."""
-        return self.rope is None and (self.feature_map is None or type(self.feature_map) is EluPlusOne)
+        chunked backward needs no autograd graph: no RoPE, and φ the identity or a map without
+        trainable parameters that gives its derivative from its output (`derivative_from_output_`)."""
+        fm = self.feature_map
+        return self.rope is None and (fm is None or (hasattr(fm, "derivative_from_output_") and not self.parameters))
 
     def input_grad(self, f: torch.Tensor, grad: torch.Tensor, start: int, end: int, is_query: bool, out=None):
         """∂L/∂x of the slice [start, end) of q or k from its features f = self(x, …)[0] and grad = ∂L/∂f,
-        written into `out` when given. Only when `local_grad`. Overwrites f (elu+1).
+        written into `out` when given. Only when `local_grad`. Overwrites f (when φ is not the identity).
 
-        elu+1: φ'(x) = min(φ(x), 1); a masked key has f = 0 and so gets 0. Identity: the mask itself."""
+        φ: φ'(x) from f (a masked key has f = 0, so elu+1's min(f, 1) gives it 0). Identity: the mask."""
         d = None
         if self.feature_map is not None:
-            d = f.clamp_(max=1)
+            d = self.feature_map.derivative_from_output_(f)
         elif not is_query and self.key_padding_mask is not None:
             d = self.key_padding_mask[:, None, start:end, None]
         if is_query and self.scale is not None:
