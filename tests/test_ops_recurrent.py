@@ -49,6 +49,21 @@ def test_step_does_not_modify_the_state():
     assert torch.equal(kv, before[0]) and torch.equal(z, before[1])
 
 
+def test_step_from_a_non_contiguous_state():
+    """A state held as a transposed view (B·H > 1, F ≠ E) gives the step the same numbers."""
+    q, k, v = _qkv(2, 3, 1, 5, 7, seed=6)
+    fm = make_feature_map("elu", 5).double()
+    kv_t, z = torch.rand(2, 3, 7, 5, dtype=DT), torch.rand(2, 3, 5, dtype=DT)
+    kv = kv_t.transpose(-1, -2)
+    assert not kv.is_contiguous()
+    o, (kv1, z1) = linear_attention_step((kv, z), q, k, v, feature_map=fm)
+    o_ref, (kv_ref, z_ref) = linear_attention(q, k, v, causal=True, feature_map=fm, initial_state=(kv.contiguous(), z),
+                                              return_state=True)
+    torch.testing.assert_close(o, o_ref, atol=1e-12, rtol=1e-10)
+    torch.testing.assert_close(kv1, kv_ref, atol=1e-12, rtol=1e-10)
+    torch.testing.assert_close(z1, z_ref, atol=1e-12, rtol=1e-10)
+
+
 @pytest.mark.parametrize("split", [1, 7, 16, 30])
 @pytest.mark.parametrize("name", ["elu", "cosformer"])
 def test_split_sequence_with_state_equals_one_call(split, name):

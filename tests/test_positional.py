@@ -22,12 +22,13 @@ def _explicit_rotation(x, positions, base=10_000.0):
     return out
 
 
+@pytest.mark.parametrize("n", [1, 5])  # one token takes its own (roll) path for even F
 @pytest.mark.parametrize("f", [2, 3, 8, 9])
-def test_rotate_matches_pairwise_definition_and_gradients(f):
+def test_rotate_matches_pairwise_definition_and_gradients(f, n):
     torch.manual_seed(0)
     rope = RotaryEmbedding(f).double()
-    x = torch.randn(2, 3, 5, f, dtype=torch.float64, requires_grad=True)
-    pos = torch.arange(5) + 7
+    x = torch.randn(2, 3, n, f, dtype=torch.float64, requires_grad=True)
+    pos = torch.arange(n) + 7
     torch.testing.assert_close(rope.rotate(x, pos), _explicit_rotation(x.detach(), pos), rtol=1e-6, atol=1e-6)
     assert torch.autograd.gradcheck(lambda t: rope.rotate(t, pos), (x,))
     assert torch.autograd.gradgradcheck(lambda t: rope.rotate(t, pos), (x,))

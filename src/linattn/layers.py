@@ -379,7 +379,8 @@ class RMSNorm(nn.Module):
         if x.dtype in (torch.float16, torch.bfloat16):
             y = F.rms_norm(x.float(), self.weight.shape, None, self.eps)
             return y.to(x.dtype) * self.weight.to(x.dtype)
-        return F.rms_norm(x, self.weight.shape, self.weight.to(x.dtype), self.eps)  # one fused op (decoding)
+        w = self.weight if self.weight.dtype == x.dtype else self.weight.to(x.dtype)
+        return F.rms_norm(x, self.weight.shape, w, self.eps)  # one fused op (decoding)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps:g}"

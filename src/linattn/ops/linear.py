@@ -185,8 +185,8 @@ def linear_attention_step(
     if getattr(feature_map, "symmetric", False) and scale is None and key_padding_mask is None:
         # φ (and RoPE) treat q and k alike here: one call on both, as 2H heads
         fr, fd = fz(torch.cat((q, k), 1), 0, 1, True)
-        qr, kr = fr.split(q.shape[1], 1)
-        qd, kd = (None, None) if fd is None else fd.split(q.shape[1], 1)
+        qr, kr = fr.chunk(2, 1)
+        qd, kd = (None, None) if fd is None else fd.chunk(2, 1)
     else:
         qr, qd = fz(q, 0, 1, True)
         kr, kd = fz(k, 0, 1, False)
@@ -202,17 +202,18 @@ def step_from_features(state: State, qr, kr, v, qd=None, kd=None, *, normalize: 
     state: (kv (B, H, F, E), z (B, H, F)) in the state dtype; qr, kr (B, H, 1, F)
     numerator features (RoPE-rotated, if any); qd, kd the denominator features (None: qr, kr);
     v (B, H, 1, E). Returns (o (B, H, 1, E) in out_dtype (default v's), (kv', z'))."""
-    qd = qr if qd is None else qd
-    kd = kr if kd is None else kd
+    kv, z = state
+    b, h, feat, e = kv.shape
+    bh, sdt = b * h, kv.dtype
     out_dtype = v.dtype if out_dtype is None else out_dtype
-    sdt = state[0].dtype
     if qr.dtype != sdt:
-        qr, kr, qd, kd, v = (t.to(sdt) for t in (qr, kr, qd, kd, v))
-    # a handful of ops: on CPU one step is bound by operator dispatch, not arithmetic
-    kv_new = torch.addcmul(state[0], kr.mT, v)  # (B, H, F, 1) * (B, H, 1, E) outer product
-    z_new = state[1] + kd.squeeze(-2)
-    num = torch.matmul(qr, kv_new)  # (B, H, 1, E)
+        qr, kr, v = qr.to(sdt), kr.to(sdt), v.to(sdt)
+        qd, kd = (None if x is None else x.to(sdt) for x in (qd, kd))
+    # a handful of 3-D ops: on CPU one step is bound by operator dispatch, not arithmetic
+    kv_new = torch.addcmul(kv, kr.mT, v)  # (B, H, F, 1) * (B, H, 1, E) outer product
+    z_new = z + (kr if kd is None else kd).reshape(b, h, feat)
+    num = torch.bmm(qr.reshape(bh, 1, feat), kv_new.reshape(bh, feat, e))  # (BH, 1, E)
     if normalize:
-        den = torch.matmul(qd, z_new.unsqueeze(-1))  # (B, H, 1, 1)
+        den = torch.bmm((qr if qd is None else qd).reshape(bh, 1, feat), z_new.reshape(bh, feat, 1))
         num = num.div_(den.add_(eps))
-    return num.to(out_dtype), (kv_new, z_new)
+    return num.view(b, h, 1, e).to(out_dtype), (kv_new, z_new)
