@@ -1,6 +1,6 @@
 """Core acceptance criteria of the linear-attention operators, measured side by side in one run.
 
-    .venv/bin/python benchmarks/ops_core.py [--min-run-time 0.5] [--threads T] [--json PATH]
+    .venv/bin/python benchmarks/ops_core.py [--rounds 3] [--min-run-time 0.5] [--threads T] [--json PATH]
 
 fp32, B=1, H=8, D=F=E=64, causal, normalized elu+1. One table, each row: measured value, target,
 PASS/FAIL:
@@ -15,13 +15,17 @@ PASS/FAIL:
   - bf16 vs fp32, forward and fwd+bwd, at 4096 and 16384: bf16 faster;
   - one recurrent step (B=1, H=8, F=E=64) vs SDPA of one query over a 1024-token KV cache: ≤ 1/3.
 
-Everything is measured with linattn.bench (the code behind `linattn bench ops|decode`).
+On a machine shared with other jobs single timings swing by tens of percent, so everything is
+measured in R interleaved rounds: each ratio is formed from two timings taken next to each other in
+the same round, and the table gives the median over rounds with the range. Everything is measured
+with linattn.bench (the code behind `linattn bench ops|decode`).
 Exit status 0; with --strict, 1 when a row fails.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 
 import torch
@@ -43,6 +47,8 @@ def parse_args(argv):
                    help="N for bf16 vs fp32 (default: 4096,16384)")
     p.add_argument("--cache", type=positive_int, default=1024, help="KV-cache length for the step row (default: 1024)")
     p.add_argument("--min-run-time", type=positive_float, default=0.5, help="seconds per timing (default: 0.5)")
+    p.add_argument("--rounds", type=positive_int, default=3,
+                   help="interleaved rounds; each ratio is formed within a round, PASS judged on the median (default: 3)")
     p.add_argument("--threads", type=positive_int, default=None, help="torch threads (default: torch's choice)")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the rows and raw measurements as JSON")
     p.add_argument("--strict", action="store_true", help="exit 1 when any row fails")
@@ -53,84 +59,117 @@ def check(ok: bool) -> str:
     return "[green]PASS[/]" if ok else "[red]FAIL[/]"
 
 
+def _stats(values: list[float]) -> tuple[float, float, float]:
+    """(median, min, max) of the per-round values."""
+    vals = sorted(values)
+    return statistics.median(vals), vals[0], vals[-1]
+
+
+def _spread(values: list[float], fmt: str = "{:.2f}") -> str:
+    med, lo, hi = _stats(values)
+    return fmt.format(med) if len(values) == 1 else f"{fmt.format(med)} [{fmt.format(lo)}–{fmt.format(hi)}]"
+
+
+def measure_round(args, methods, shape, dev, first: bool) -> dict:
+    """One round: every (method, N) once, in order of N, so that the two sides of each ratio are
+    timed next to each other; the bmm peak right before the largest-N forward; then the decode step
+    and the SDPA it is compared with. The fwd+bwd memory is measured in the first round only."""
+    mrt, n_max = args.min_run_time, max(args.lengths)
+    chunked_ns = sorted(set(args.lengths) | {max(1, n_max // 2)} | set(args.bf16_lengths))
+    raw = {"chunked": {}, "softmax": {}, "chunked_bf16": {}}
+    peaks = None
+    for n in chunked_ns:
+        if n == n_max:
+            peaks = {d: matmul_peak(getattr(torch, d), dev, min_run_time=max(0.05, min(mrt, 0.5)))
+                     for d in ("float32", "bfloat16")}
+        gflops = None if peaks is None else {k: v["gflops"] for k, v in peaks.items()}
+        jobs = [("chunked", ("fwd", "fwd_bwd"))]
+        if n in args.lengths:
+            jobs.append(("softmax", ("fwd_bwd",)))
+        if n in args.bf16_lengths:
+            jobs.append(("chunked_bf16", ("fwd", "fwd_bwd")))
+        for key, modes in jobs:
+            raw[key][n] = measure_method(methods[key], shape, n, dtype=torch.float32, device=dev, min_run_time=mrt,
+                                         modes=modes, memory=first and key == "chunked" and n == n_max, peaks=gflops)
+    step = measure(linear_step_fn(shape, torch.float32, dev), min_run_time=mrt, warmup=3)
+    cache = measure(kv_cache_fn(shape, args.cache, torch.float32, dev), min_run_time=mrt, warmup=3)
+    return {"peaks": peaks, "raw": raw, "step": step.as_dict(), "kv_cache": cache.as_dict()}
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     console = make_console()
-    shape, dev, mrt = Shape(), torch.device("cpu"), args.min_run_time
+    shape, dev = Shape(), torch.device("cpu")
     methods = {m.key: m for m in core_methods(torch.float32, recurrent_max=None, quadratic_max=None)}
     n_max = max(args.lengths)
-    chunked_ns = sorted(set(args.lengths) | {max(1, n_max // 2)} | set(args.bf16_lengths))
-    raw = {"chunked": {}, "softmax": {}, "chunked_bf16": {}}
-    with console.status("measuring the bmm peaks"):
-        peaks = {d: matmul_peak(getattr(torch, d), dev, min_run_time=max(0.05, min(mrt, 0.5)))
-                 for d in ("float32", "bfloat16")}
-    gflops = {k: v["gflops"] for k, v in peaks.items()}
-    jobs = [("chunked", n) for n in chunked_ns] + [("softmax", n) for n in args.lengths]
-    jobs += [("chunked_bf16", n) for n in args.bf16_lengths]
+    rounds = []
     with progress(console) as bar:
-        task = bar.add_task("ops core", total=len(jobs) + 1)
-        for key, n in jobs:
-            bar.update(task, description=f"{key} N={n}")
-            modes = ("fwd_bwd",) if key == "softmax" else ("fwd", "fwd_bwd")
-            raw[key][n] = measure_method(methods[key], shape, n, dtype=torch.float32, device=dev, min_run_time=mrt,
-                                         modes=modes, memory=(key == "chunked" and n == n_max), peaks=gflops)
+        task = bar.add_task("ops core", total=args.rounds)
+        for r in range(args.rounds):
+            bar.update(task, description=f"round {r + 1}/{args.rounds}")
+            rounds.append(measure_round(args, methods, shape, dev, first=r == 0))
             bar.advance(task)
-        bar.update(task, description=f"decode step vs SDPA over {args.cache}")
-        step = measure(linear_step_fn(shape, torch.float32, dev), min_run_time=mrt, warmup=3)
-        cache = measure(kv_cache_fn(shape, args.cache, torch.float32, dev), min_run_time=mrt, warmup=3)
-        bar.advance(task)
 
     rows, results = [], []
 
-    def add(criterion, setting, measured, target, ok):
-        rows.append([criterion, setting, measured, target, check(ok)])
+    def add(criterion, setting, values, measured, target, ok):
+        """values: the criterion's number in each round; PASS is judged on their median."""
+        med, lo, hi = _stats(values)
+        rows.append([criterion, setting, measured, target, check(ok(med))])
         results.append({"criterion": criterion, "setting": setting, "measured": measured, "target": target,
-                        "pass": bool(ok)})
+                        "per_round": values, "median": med, "min": lo, "max": hi, "pass": bool(ok(med))})
 
-    def t(key, n, mode):
-        r = raw[key].get(n)
-        return None if r is None or r.get(mode) is None else r[mode]["median_s"]
+    def t(rnd, key, n, mode):
+        return rnd["raw"][key][n][mode]["median_s"]
+
+    def times(key, n, mode):
+        return fmt_time(statistics.median(t(rnd, key, n, mode) for rnd in rounds))
 
     for n in args.lengths:
-        lin, sm = t("chunked", n, "fwd_bwd"), t("softmax", n, "fwd_bwd")
+        ratios = [t(rnd, "softmax", n, "fwd_bwd") / t(rnd, "chunked", n, "fwd_bwd") for rnd in rounds]
         target = 20.0 if n >= 16384 else 1.0
-        ratio = sm / lin
-        add("fwd+bwd: SDPA time / chunked time", f"N={n}",
-            f"{ratio:.2f}× (chunked {fmt_time(lin)}, SDPA {fmt_time(sm)} ms)", f"{'≥ 20×' if target > 1 else '> 1×'}",
-            ratio >= target if target > 1 else ratio > 1)
-    fwd = raw["chunked"][n_max]["fwd"]
-    add("fwd throughput, % of fp32 bmm peak", f"N={n_max}",
-        f"{fwd['pct_peak']:.0f}% ({fwd['gflops']:.1f} of {gflops['float32']:.1f} GFLOP/s)", "≥ 50%",
-        fwd["pct_peak"] >= 50)
+        add("fwd+bwd: SDPA time / chunked time", f"N={n}", ratios,
+            f"{_spread(ratios)}× (chunked {times('chunked', n, 'fwd_bwd')}, SDPA {times('softmax', n, 'fwd_bwd')} ms)",
+            "≥ 20×" if target > 1 else "> 1×", (lambda x: x >= target) if target > 1 else (lambda x: x > 1))
+    pct = [rnd["raw"]["chunked"][n_max]["fwd"]["pct_peak"] for rnd in rounds]
+    rate = statistics.median(rnd["raw"]["chunked"][n_max]["fwd"]["gflops"] for rnd in rounds)
+    peak = statistics.median(rnd["peaks"]["float32"]["gflops"] for rnd in rounds)
+    add("fwd throughput, % of fp32 bmm peak", f"N={n_max}", pct,
+        f"{_spread(pct, '{:.0f}')}% ({rate:.1f} of {peak:.1f} GFLOP/s)", "≥ 50%", lambda x: x >= 50)
     for mode, name in (("fwd", "fwd"), ("fwd_bwd", "fwd+bwd")):
-        a, b = t("chunked", n_max, mode), t("chunked", n_max // 2, mode)
-        add(f"linearity {name}: t(N)/t(N/2)", f"N={n_max}", f"{a / b:.2f} ({fmt_time(a)} / {fmt_time(b)} ms)",
-            "≤ 2.3", a / b <= 2.3)
-    mem = raw["chunked"][n_max]["memory"]
-    add("fwd+bwd peak memory beyond o, dq, dk, dv", f"N={n_max}",
-        f"{mem['extra_x_q']:.2f}× q ({fmt_bytes(mem['extra_bytes'])} MiB)", "≤ 2× q", mem["extra_x_q"] <= 2)
+        lin = [t(rnd, "chunked", n_max, mode) / t(rnd, "chunked", n_max // 2, mode) for rnd in rounds]
+        add(f"linearity {name}: t(N)/t(N/2)", f"N={n_max}", lin,
+            f"{_spread(lin)} ({times('chunked', n_max, mode)} / {times('chunked', n_max // 2, mode)} ms)",
+            "≤ 2.3", lambda x: x <= 2.3)
+    mem = rounds[0]["raw"]["chunked"][n_max]["memory"]
+    add("fwd+bwd peak memory beyond o, dq, dk, dv", f"N={n_max}", [mem["extra_x_q"]],
+        f"{mem['extra_x_q']:.2f}× q ({fmt_bytes(mem['extra_bytes'])} MiB)", "≤ 2× q", lambda x: x <= 2)
     for n in args.bf16_lengths:
         for mode, name in (("fwd", "fwd"), ("fwd_bwd", "fwd+bwd")):
-            f32, b16 = t("chunked", n, mode), t("chunked_bf16", n, mode)
-            add(f"bf16 vs fp32 {name}: fp32 time / bf16 time", f"N={n}",
-                f"{f32 / b16:.2f}× (bf16 {fmt_time(b16)}, fp32 {fmt_time(f32)} ms)", "> 1× (bf16 faster)",
-                f32 / b16 > 1)
-    add(f"recurrent step / SDPA 1 query over {args.cache}-token cache", "B=1 H=8 F=E=64",
-        f"{step.median / cache.median:.2f} (step {fmt_time(step.median)}, SDPA {fmt_time(cache.median)} ms)", "≤ 1/3",
-        step.median <= cache.median / 3)
+            sp = [t(rnd, "chunked", n, mode) / t(rnd, "chunked_bf16", n, mode) for rnd in rounds]
+            add(f"bf16 vs fp32 {name}: fp32 time / bf16 time", f"N={n}", sp,
+                f"{_spread(sp)}× (bf16 {times('chunked_bf16', n, mode)}, fp32 {times('chunked', n, mode)} ms)",
+                "> 1× (bf16 faster)", lambda x: x > 1)
+    st = [rnd["step"]["median_s"] / rnd["kv_cache"]["median_s"] for rnd in rounds]
+    step_t = statistics.median(rnd["step"]["median_s"] for rnd in rounds)
+    cache_t = statistics.median(rnd["kv_cache"]["median_s"] for rnd in rounds)
+    add(f"recurrent step / SDPA 1 query over {args.cache}-token cache", "B=1 H=8 F=E=64", st,
+        f"{_spread(st)} (step {fmt_time(step_t)}, SDPA {fmt_time(cache_t)} ms)", "≤ 1/3", lambda x: x <= 1 / 3)
 
     n_pass = sum(r["pass"] for r in results)
     console.print(make_table(
         "linattn operators: core criteria (fp32 unless noted, B=1 H=8 D=F=E=64, causal, normalized elu+1)",
-        ["criterion", "setting", "measured", "target", "result"], rows,
-        caption=f"{n_pass}/{len(results)} PASS — {machine_info(dev)['cpu']}, threads: {torch.get_num_threads()}, "
-                f"torch {torch.__version__}; times are medians of torch.utils.benchmark blocked_autorange"))
+        ["criterion", "setting", "measured: median of rounds [min–max]", "target", "result"], rows,
+        caption=f"{n_pass}/{len(results)} PASS on the median of {args.rounds} interleaved round"
+                f"{'s' if args.rounds > 1 else ''} — {machine_info(dev)['cpu']}, threads: {torch.get_num_threads()}, "
+                f"torch {torch.__version__}; each time a median of torch.utils.benchmark blocked_autorange, "
+                "each ratio formed within a round"))
     if args.json:
-        write_json(args.json, {"machine": machine_info(dev), "args": vars(args), "peaks": peaks, "rows": results,
-                               "raw": {k: list(v.values()) for k, v in raw.items()},
-                               "decode": {"step": step.as_dict(), "kv_cache": cache.as_dict()}})
+        write_json(args.json, {"machine": machine_info(dev), "args": vars(args), "rows": results,
+                               "rounds": [{**rnd, "raw": {k: list(v.values()) for k, v in rnd["raw"].items()}}
+                                          for rnd in rounds]})
     return 1 if args.strict and n_pass < len(results) else 0
 
 

@@ -132,12 +132,20 @@ def test_bench_decode_tiny_run(tmp_path, capsys):
         assert r["kv_cache_over_step"] > 0 and r["kv_cache_bytes"] == 4 * 2 * r["ctx"] * 128
 
 
-def test_ops_core_script_smoke(capsys):
+def test_ops_core_script_smoke(capsys, tmp_path):
     spec = importlib.util.spec_from_file_location("ops_core", ROOT / "benchmarks" / "ops_core.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
+    out = tmp_path / "core.json"
     assert mod.main(["--lengths", "64,128", "--bf16-lengths", "128", "--cache", "64", "--min-run-time", "0.01",
-                     "--threads", "1"]) == 0
+                     "--threads", "1", "--rounds", "2", "--json", str(out)]) == 0
     printed = capsys.readouterr().out
-    assert "core criteria" in printed
+    assert "core criteria" in printed and "2 interleaved rounds" in printed
     assert printed.count("PASS") + printed.count("FAIL") >= 9
+    data = json.loads(out.read_text())
+    assert len(data["rounds"]) == 2
+    ratio = data["rows"][0]  # SDPA / chunked at N=64: one ratio per round, the median between min and max
+    assert len(ratio["per_round"]) == 2 and ratio["min"] <= ratio["median"] <= ratio["max"]
+    rnd = data["rounds"][1]
+    expected = rnd["raw"]["softmax"][0]["fwd_bwd"]["median_s"] / rnd["raw"]["chunked"][0]["fwd_bwd"]["median_s"]
+    assert ratio["per_round"][1] == pytest.approx(expected)
