@@ -206,9 +206,13 @@ def test_relu_eps_keeps_denominators_positive():
     torch.testing.assert_close(o, want, atol=1e-3, rtol=1e-3)
 
 
-def test_elu_plus_one_matches_torch_elu_with_gradients():
+@pytest.mark.parametrize("rows", [7, 2000])  # few elements (elu + 1) and many (four passes)
+def test_elu_plus_one_matches_torch_elu_with_gradients(rows):
     fm = make_feature_map("elu", 5).double()
-    x = torch.randn(3, 7, 5, dtype=DT, requires_grad=True)
-    x.data[0, 0, 0] = 0.0
-    torch.testing.assert_close(fm(x), torch.nn.functional.elu(x) + 1)
-    assert torch.autograd.gradcheck(lambda t: fm(t), (x,))
+    x = torch.randn(3, rows, 5, dtype=DT, requires_grad=True)
+    x.data[0, 0, :3] = torch.tensor([0.0, -800.0, 60.0], dtype=DT)  # zero, underflow of exp, large positive
+    with torch.no_grad():
+        torch.testing.assert_close(fm(x), torch.nn.functional.elu(x) + 1, rtol=1e-15, atol=1e-15)
+    torch.testing.assert_close(fm(x), torch.nn.functional.elu(x) + 1, rtol=1e-15, atol=1e-15)
+    if rows == 7:
+        assert torch.autograd.gradcheck(lambda t: fm(t), (x,))
