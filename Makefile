@@ -14,6 +14,8 @@ $(STAMP): pyproject.toml
 	  if command -v nvidia-smi >/dev/null 2>&1; then $(PIP) install -q torch; \
 	  else $(PIP) install -q torch==2.13.0; fi; }
 	$(PIP) install -q -e '.[test]'
+	# build the fused CPU kernels now (~15 s, cached by torch); on failure linattn warns and uses torch ops
+	$(PY) -c "from linattn.ops import native; native.load()"
 	touch $(STAMP)
 
 demo: $(STAMP)

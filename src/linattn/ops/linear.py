@@ -16,6 +16,7 @@ from .._checks import (
     check_qkv,
     check_state,
 )
+from . import native
 from ._features import Featurizer
 from .chunked import ChunkedCausalLinearAttention, compute_dtype, state_dtype
 
@@ -166,8 +167,9 @@ def linear_attention_step(
 
         kv ← kv + φ(k_t) v_tᵀ,   z ← z + φ(k_t),   o_t = φ(q_t)ᵀ kv / (φ(q_t)ᵀ z + ε)
 
-    q, k: (B, H, T, D), v: (B, H, T, E); T = 1 is the decoding fast path, T > 1 (a short block of
-    tokens) runs the causal chunked op from the state. state: (kv (B, H, F, E), z (B, H, F)), or None
+    q, k: (B, H, T, D), v: (B, H, T, E); T = 1 is the decoding fast path (on the CPU, with φ elu+1 or
+    None, no scale or mask and no gradient wanted: one fused operator, linattn.ops.native), T > 1 (a
+    short block of tokens) runs the causal chunked op from the state. state: (kv (B, H, F, E), z (B, H, F)), or None
     to start from zeros. positions: (T,) or (B, T) global indices (required with RoPE / cosFormer).
     """
     advance_schedule(feature_map)
@@ -182,6 +184,10 @@ def linear_attention_step(
                          initial_state=state, positions=positions, rope=rope)
     if k.shape[2] != 1:
         raise ValueError(f"k must hold the same single token as q, got length {k.shape[2]}")
+    phi = native.step_kind(feature_map, scale, key_padding_mask, state, q, k, v)
+    if phi is not None:  # one fused CPU operator (elu+1 or identity, inference)
+        angles = None if rope is None else rope.angles(fz.positions, state[0].dtype)
+        return native.step(state, q, k, v, phi=phi, normalize=normalize, eps=float(eps), angles=angles)
     if getattr(feature_map, "symmetric", False) and scale is None and key_padding_mask is None:
         # φ (and RoPE) treat q and k alike here: one call on both, as 2H heads
         fr, fd = fz(torch.cat((q, k), 1), 0, 1, True)

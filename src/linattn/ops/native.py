@@ -1,0 +1,97 @@
+"""Fused CPU kernels, compiled from C++ on first use with torch.utils.cpp_extension.
+
+One decoding step of linear attention is a dozen tiny tensor ops when written with torch ops, and on
+a CPU its time goes to operator dispatch rather than arithmetic. `csrc/step.cpp` does the whole step
+(φ = elu+1 or identity, optional RoPE, state update, output) in one operator, `linattn_cpu::step`.
+
+The extension is built the first time a step can use it (about 15 s; torch caches the build under
+~/.cache/torch_extensions and rebuilds when the source changes). Where it cannot be built (no C++
+compiler or no ninja) or `LINATTN_NATIVE=0` is set, linattn warns once and keeps the torch-op path;
+the two give the same numbers (tests/test_ops_native.py).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import warnings
+from pathlib import Path
+
+import torch
+
+from ..feature_maps import EluPlusOne
+
+_SOURCE = Path(__file__).with_name("csrc") / "step.cpp"
+_lock = threading.Lock()
+_state: dict = {"loaded": None, "error": None}
+
+
+_OFF = ("0", "false", "off", "no")
+
+
+def enabled() -> bool:
+    """False when the environment variable LINATTN_NATIVE is 0 / false / off / no."""
+    return os.environ.get("LINATTN_NATIVE", "1").lower() not in _OFF
+
+
+def load() -> bool:
+    """Builds (first time) and loads the extension; True when `linattn_cpu::step` is available."""
+    if _state["loaded"] is not None:
+        return _state["loaded"]
+    with _lock:
+        if _state["loaded"] is None:
+            try:
+                from torch.utils.cpp_extension import load as build
+
+                build("linattn_cpu", sources=[str(_SOURCE)], extra_cflags=["-O3"], is_python_module=False,
+                      verbose=False)
+                _state["loaded"] = hasattr(torch.ops.linattn_cpu, "step")
+            except Exception as exc:  # no compiler, no ninja, a failed build: keep the torch-op path
+                _state["loaded"], _state["error"] = False, f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
+                warnings.warn(f"linattn: the fused CPU kernels could not be built ({_state['error']}); "
+                              "decoding uses torch ops (same numbers, slower). Set LINATTN_NATIVE=0 to silence.",
+                              RuntimeWarning, stacklevel=3)
+    return _state["loaded"]
+
+
+def available() -> bool:
+    """The fused kernels are enabled and built (builds them on the first call)."""
+    return enabled() and load()
+
+
+def step_kind(feature_map, scale, key_padding_mask, state, q, k, v):
+    """The kernel's φ code when this step can take the fused path, else None: CPU tensors of the
+    state's floating dtype (fp32/fp64), no gradient wanted, φ the identity or elu+1, no scale, no mask."""
+    if feature_map is None:
+        phi = 0
+    elif type(feature_map) is EluPlusOne:
+        phi = 1
+    else:
+        return None
+    kv, z = state
+    if (scale is not None or key_padding_mask is not None or q.device.type != "cpu"
+            or kv.dtype not in _DTYPES or not (q.dtype is kv.dtype is z.dtype is k.dtype is v.dtype)):
+        return None
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or kv.requires_grad
+                                    or z.requires_grad):
+        return None
+    if torch.compiler.is_compiling() or not available():
+        return None
+    return phi
+
+
+_DTYPES = (torch.float32, torch.float64)
+
+
+def step(state, q, k, v, *, phi: int, normalize: bool, eps: float, angles=None):
+    """linattn_cpu::step on (B, H, 1, ·) tensors: returns (o (B, H, 1, E), (kv', z')).
+
+    angles: RoPE (c, s) broadcastable to (B, H, 1, F), one row per batch entry or one for all."""
+    kv, z = state
+    c, s = (None, None) if angles is None else angles
+    o, kv_new, z_new = _op()(kv, z, q, k, v, phi, normalize, eps, c, s, kv.shape[1])
+    return o, (kv_new, z_new)
+
+
+def _op():
+    return torch.ops.linattn_cpu.step.default

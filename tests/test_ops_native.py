@@ -1,0 +1,170 @@
+"""The fused CPU step (linattn.ops.native) against the torch-op step and the quadratic oracle."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from linattn.feature_maps import EluPlusOne
+from linattn.ops import linear_attention, linear_attention_step, native
+from linattn.positional import RotaryEmbedding
+
+from .conftest import oracle
+
+needs_native = pytest.mark.skipif(not native.available(), reason="the fused CPU kernels could not be built here")
+
+
+def _steps(q, k, v, fm, rope, normalize=True):
+    """Token-by-token steps from no state; returns (outputs (B, H, N, E), final state)."""
+    outs, state = [], None
+    for t in range(q.shape[2]):
+        o, state = linear_attention_step(state, q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], feature_map=fm,
+                                         rope=rope, normalize=normalize, positions=torch.tensor([t]))
+        outs.append(o)
+    return torch.cat(outs, 2), state
+
+
+def _eager(monkeypatch, fn):
+    with monkeypatch.context() as m:
+        m.setenv("LINATTN_NATIVE", "0")
+        return fn()
+
+
+@needs_native
+@settings(max_examples=25, deadline=None)
+@given(b=st.integers(1, 3), h=st.integers(1, 4), f=st.integers(1, 9), e=st.integers(1, 9), n=st.integers(1, 5),
+       elu=st.booleans(), use_rope=st.booleans(), normalize=st.booleans(), seed=st.integers(0, 2**16))
+def test_fused_steps_equal_the_oracle_in_float64(b, h, f, e, n, elu, use_rope, normalize, seed):
+    """Shapes incl. F ≠ E, odd F with RoPE, B·H > 1: outputs and states against the quadratic oracle."""
+    use_rope = use_rope and f >= 2
+    g = torch.Generator().manual_seed(seed)
+    q, k = (torch.randn(b, h, n, f, generator=g, dtype=torch.float64) for _ in range(2))
+    v = torch.randn(b, h, n, e, generator=g, dtype=torch.float64)
+    fm = EluPlusOne(f).double() if elu else None
+    if fm is None:  # identity: the inputs are the (non-negative) features
+        q, k = q.abs() + 0.1, k.abs() + 0.1
+    rope = RotaryEmbedding(f).double() if use_rope else None
+    with torch.inference_mode():
+        o, (kv, z) = _steps(q, k, v, fm, rope, normalize)
+    o_ref, (kv_ref, z_ref) = oracle(q, k, v, causal=True, feature_map=fm, normalize=normalize, rope=rope)
+    torch.testing.assert_close(o, o_ref, rtol=1e-10, atol=1e-11)
+    torch.testing.assert_close(kv, kv_ref, rtol=1e-11, atol=1e-11)
+    torch.testing.assert_close(z, z_ref, rtol=1e-11, atol=1e-11)
+
+
+@needs_native
+@pytest.mark.parametrize("normalize", [True, False])
+@pytest.mark.parametrize("use_rope", [False, True])
+def test_fused_step_equals_the_torch_op_step_in_float32(monkeypatch, normalize, use_rope):
+    """B=2, H=8, F=E=64 (the benchmark's shape) from a random state, per-row positions with RoPE."""
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 8, 4, 64, generator=g) for _ in range(3))
+    state = (torch.randn(2, 8, 64, 64, generator=g), torch.rand(2, 8, 64, generator=g) + 1)
+    fm, rope = EluPlusOne(64), RotaryEmbedding(64) if use_rope else None
+
+    def run():
+        with torch.inference_mode():
+            outs, st_ = [], state
+            for t in range(4):
+                o, st_ = linear_attention_step(st_, q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1],
+                                               feature_map=fm, rope=rope, normalize=normalize,
+                                               positions=torch.tensor([[10 + t], [20 + t]]))
+                outs.append(o)
+            return torch.cat(outs, 2), st_
+
+    fused, fused_state = run()
+    eager, eager_state = _eager(monkeypatch, run)
+    torch.testing.assert_close(fused, eager, rtol=1e-5, atol=1e-5)
+    for a, b_ in zip(fused_state, eager_state):
+        torch.testing.assert_close(a, b_, rtol=1e-6, atol=1e-5)
+
+
+@needs_native
+def test_fused_step_takes_strided_inputs_and_leaves_the_state_alone():
+    """q, k, v as the transposed views a layer makes from (B, N, H, D); the old state is not written."""
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(2, 1, 3, 3 * 6, generator=g, dtype=torch.float64)  # (B, N, H, 3·D)
+    q, k, v = (t.transpose(1, 2) for t in x.split(6, dim=-1))
+    assert not q.is_contiguous()
+    state = (torch.rand(2, 3, 6, 6, generator=g, dtype=torch.float64),
+             torch.rand(2, 3, 6, generator=g, dtype=torch.float64))
+    before = tuple(t.clone() for t in state)
+    fm = EluPlusOne(6).double()
+    with torch.inference_mode():
+        o, new = linear_attention_step(state, q, k, v, feature_map=fm)
+    o_ref, new_ref = linear_attention(q.contiguous(), k.contiguous(), v.contiguous(), causal=True, feature_map=fm,
+                                      initial_state=state, return_state=True)
+    torch.testing.assert_close(o, o_ref, rtol=1e-12, atol=1e-12)
+    for a, b_ in zip(new, new_ref):
+        torch.testing.assert_close(a, b_, rtol=1e-12, atol=1e-12)
+    assert all(torch.equal(a, b_) for a, b_ in zip(state, before))
+
+
+@needs_native
+def test_steps_that_need_gradients_take_the_torch_ops_and_get_them():
+    """With grad enabled and inputs that require it the step is differentiable: the gradients of two
+    steps equal those of the chunked op."""
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 2, 2, 4, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    fm = EluPlusOne(4).double()
+    o, _ = _steps(q, k, v, fm, None)
+    grads = torch.autograd.grad(o.square().sum(), (q, k, v))
+    o_ref = linear_attention(q, k, v, causal=True, feature_map=fm)
+    grads_ref = torch.autograd.grad(o_ref.square().sum(), (q, k, v))
+    for a, b_ in zip(grads, grads_ref):
+        torch.testing.assert_close(a, b_, rtol=1e-10, atol=1e-12)
+
+
+@needs_native
+def test_the_kernel_names_bad_shapes():
+    kv, z = torch.zeros(1, 2, 4, 3), torch.zeros(1, 2, 4)
+    q = k = torch.zeros(1, 2, 1, 4)
+    with pytest.raises(RuntimeError, match="shapes of kv, z, q, k, v do not agree"):
+        native.step((kv, z), q, k, torch.zeros(1, 2, 1, 5), phi=1, normalize=True, eps=1e-6)
+    with pytest.raises(RuntimeError, match="share kv's dtype"):
+        native.step((kv, z.double()), q, k, torch.zeros(1, 2, 1, 3), phi=1, normalize=True, eps=1e-6)
+
+
+def test_step_kind_picks_the_fused_path_only_where_it_applies(monkeypatch):
+    monkeypatch.setattr(native, "available", lambda: True)
+    st32 = (torch.zeros(1, 1, 4, 4), torch.zeros(1, 1, 4))
+    x = torch.zeros(1, 1, 1, 4)
+    assert native.step_kind(EluPlusOne(4), None, None, st32, x, x, x) == 1
+    assert native.step_kind(None, None, None, st32, x, x, x) == 0
+    from linattn.feature_maps import make_feature_map
+
+    assert native.step_kind(make_feature_map("relu", 4), None, None, st32, x, x, x) is None
+    assert native.step_kind(EluPlusOne(4), 0.5, None, st32, x, x, x) is None
+    assert native.step_kind(EluPlusOne(4), None, torch.ones(1, 1, dtype=torch.bool), st32, x, x, x) is None
+    xb = x.bfloat16()
+    assert native.step_kind(EluPlusOne(4), None, None, st32, xb, xb, xb) is None  # bf16 inputs, fp32 state
+    xg = x.clone().requires_grad_()
+    assert native.step_kind(EluPlusOne(4), None, None, st32, xg, x, x) is None
+    with torch.no_grad():
+        assert native.step_kind(EluPlusOne(4), None, None, st32, xg, x, x) == 1
+    monkeypatch.setattr(native, "available", lambda: False)
+    assert native.step_kind(EluPlusOne(4), None, None, st32, x, x, x) is None
+
+
+def test_environment_switch_and_a_failed_build_fall_back_with_one_warning(monkeypatch):
+    monkeypatch.setenv("LINATTN_NATIVE", "off")
+    assert not native.enabled() and not native.available()
+    monkeypatch.setenv("LINATTN_NATIVE", "1")
+    monkeypatch.setattr(native, "_state", {"loaded": None, "error": None})
+
+    def broken(*args, **kwargs):
+        raise OSError("no compiler here")
+
+    import torch.utils.cpp_extension as cpp
+
+    monkeypatch.setattr(cpp, "load", broken)
+    with pytest.warns(RuntimeWarning, match="no compiler here"):
+        assert native.load() is False
+    assert native.load() is False  # remembered: no second build, no second warning
+    fm = EluPlusOne(3).double()
+    q, k, v = (torch.randn(1, 1, 1, 3, dtype=torch.float64) for _ in range(3))
+    with torch.inference_mode():
+        o, _ = linear_attention_step(None, q, k, v, feature_map=fm)
+    torch.testing.assert_close(o, oracle(q, k, v, causal=True, feature_map=fm)[0], rtol=1e-12, atol=1e-12)
