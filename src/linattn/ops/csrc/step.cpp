@@ -60,11 +60,23 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> step(const at::Tensor& kv_in, con
     TORCH_CHECK(t->scalar_type() == kv_in.scalar_type(), "linattn_cpu::step: all tensors must share kv's dtype");
   }
   const at::Tensor kv = kv_in.contiguous(), z = z_in.contiguous(), v = v_in.contiguous();
-  const at::Tensor q = q_in.reshape({rows, F}), k = k_in.reshape({rows, F});
+  const at::Tensor q = q_in.reshape({rows, F}).contiguous(), k = k_in.reshape({rows, F}).contiguous();
   // φ = elu + 1 = exp(min(x, 0)) + max(x, 0), the formula of linattn.feature_maps (so both paths give
-  // the same features): the exponentials of q and k with ATen's vectorized kernel, the rest per row
-  const at::Tensor x = at::cat({q, k}, 0);
-  const at::Tensor ex = phi == 1 ? at::clamp_max(x, 0).exp_() : x;
+  // the same features): exp(min(x, 0)) of q and k with ATen's vectorized exp, the rest per row
+  at::Tensor ex;
+  if (phi == 1) {
+    ex = at::empty({2 * rows, F}, kv.options());
+    AT_DISPATCH_FLOATING_TYPES(kv.scalar_type(), "linattn_cpu_step_min", [&] {
+      const scalar_t* pq = q.data_ptr<scalar_t>();
+      const scalar_t* pk = k.data_ptr<scalar_t>();
+      scalar_t* pe = ex.data_ptr<scalar_t>();
+      for (int64_t i = 0; i < rows * F; ++i) {
+        pe[i] = std::min(pq[i], scalar_t(0));
+        pe[rows * F + i] = std::min(pk[i], scalar_t(0));
+      }
+    });
+    ex.exp_();
+  }
   const bool rope = cos_in.has_value();
   at::Tensor c, s;
   if (rope) {
@@ -77,8 +89,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> step(const at::Tensor& kv_in, con
   AT_DISPATCH_FLOATING_TYPES(kv.scalar_type(), "linattn_cpu_step", [&] {
     const scalar_t* pkv = kv.data_ptr<scalar_t>();
     const scalar_t* pz = z.data_ptr<scalar_t>();
-    const scalar_t* px = x.data_ptr<scalar_t>();  // rows of q, then rows of k
-    const scalar_t* pex = ex.data_ptr<scalar_t>();  // their exp(min(·, 0)) (elu + 1), else x
+    const scalar_t* pq = q.data_ptr<scalar_t>();
+    const scalar_t* pk = k.data_ptr<scalar_t>();
+    const scalar_t* pex = phi == 1 ? ex.data_ptr<scalar_t>() : nullptr;  // exp(min(·, 0)) of q rows, then k rows
     const scalar_t* pv = v.data_ptr<scalar_t>();
     const scalar_t* pc = rope ? c.data_ptr<scalar_t>() : nullptr;
     const scalar_t* ps = rope ? s.data_ptr<scalar_t>() : nullptr;
@@ -96,9 +109,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> step(const at::Tensor& kv_in, con
         scalar_t* qd = buf.data();
         scalar_t* kd = qd + F;
         for (int64_t f = 0; f < F; ++f) {
-          const int64_t iq = r * F + f, ik = (rows + r) * F + f;
-          qd[f] = phi == 1 ? pex[iq] + std::max(px[iq], scalar_t(0)) : px[iq];
-          kd[f] = phi == 1 ? pex[ik] + std::max(px[ik], scalar_t(0)) : px[ik];
+          const int64_t i = r * F + f;
+          qd[f] = phi == 1 ? pex[i] + std::max(pq[i], scalar_t(0)) : pq[i];
+          kd[f] = phi == 1 ? pex[rows * F + i] + std::max(pk[i], scalar_t(0)) : pk[i];
         }
         const scalar_t* qr = qd;
         const scalar_t* kr = kd;
