@@ -311,3 +311,16 @@ def test_projection_weights_stored_column_major_survive_to_and_load():
     moved.load_state_dict({k: v.double() for k, v in layer.state_dict().items()})
     assert moved.qkv.weight.stride() == (1, moved.qkv.weight.shape[0])
     torch.testing.assert_close(moved.qkv.weight, layer.qkv.weight.double())
+
+
+@pytest.mark.parametrize("qk_dim", [None, 3])  # equal to the head dim (one view of [q | k | v]) or not (split)
+def test_projection_gives_heads_of_q_k_v_in_the_fused_weight_order(qk_dim):
+    torch.manual_seed(0)
+    layer = LinearAttention(16, 2, qk_dim=qk_dim)
+    x = torch.randn(2, 5, 16)
+    q, k, v = layer._project(x)
+    y = layer.qkv(x)
+    dq = layer.qk_dim
+    want = [y[..., :2 * dq].view(2, 5, 2, dq), y[..., 2 * dq:4 * dq].view(2, 5, 2, dq), y[..., 4 * dq:].view(2, 5, 2, 8)]
+    for got, w in zip((q, k, v), want):
+        torch.testing.assert_close(got, w.transpose(1, 2), rtol=0, atol=0)

@@ -168,3 +168,35 @@ def test_environment_switch_and_a_failed_build_fall_back_with_one_warning(monkey
     with torch.inference_mode():
         o, _ = linear_attention_step(None, q, k, v, feature_map=fm)
     torch.testing.assert_close(o, oracle(q, k, v, causal=True, feature_map=fm)[0], rtol=1e-12, atol=1e-12)
+
+
+@needs_native
+@settings(max_examples=20, deadline=None)
+@given(rows=st.integers(1, 40), d=st.integers(1, 300), transpose=st.booleans(), seed=st.integers(0, 2**16))
+def test_fused_rms_norm_equals_torch_in_float64(rows, d, transpose, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, d, generator=g, dtype=torch.float64) * 3
+    if transpose:  # a strided input
+        x = torch.randn(d, rows, generator=g, dtype=torch.float64).t()
+    w = torch.randn(d, generator=g, dtype=torch.float64)
+    torch.testing.assert_close(native.rms_norm(x, w, 1e-5), torch.nn.functional.rms_norm(x, (d,), w, 1e-5),
+                               rtol=1e-12, atol=1e-12)
+
+
+@needs_native
+def test_rmsnorm_layer_is_the_same_with_and_without_gradients():
+    """The layer takes the fused operator only without gradients; both give the same numbers (fp32)."""
+    from linattn.layers import RMSNorm
+
+    torch.manual_seed(0)
+    norm = RMSNorm(64)
+    with torch.no_grad():
+        norm.weight.mul_(torch.rand(64) + 0.5)
+    x = torch.randn(2, 7, 64)
+    assert native.rms_norm_fusable(x, norm.weight.detach()) and not native.rms_norm_fusable(x, norm.weight)
+    with torch.no_grad():
+        fused = norm(x)
+    plain = norm(x)
+    assert plain.requires_grad
+    torch.testing.assert_close(fused, plain.detach(), rtol=2e-6, atol=2e-6)
+    assert not native.rms_norm_fusable(x.bfloat16(), norm.weight.detach())

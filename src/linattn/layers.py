@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .feature_maps import make_feature_map
-from .ops import linear_attention, linear_attention_step, softmax_attention
+from .ops import linear_attention, linear_attention_step, native, softmax_attention
 from .positional import RotaryEmbedding
 
 # --------------------------------------------------------------------------------------------
@@ -188,8 +188,11 @@ class _Attention(nn.Module):
         if x.dim() != 3 or x.shape[-1] != self.d_model:
             raise ValueError(f"x must have shape (B, N, d_model={self.d_model}), got {tuple(x.shape)}")
         b, n, _ = x.shape
+        y = self.qkv(x)
+        if self.qk_dim == self.head_dim:  # [q | k | v] as (3, B, H, N, D) views: three ops, not seven
+            return y.view(b, n, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
         hq = self.n_heads * self.qk_dim
-        q, k, v = self.qkv(x).split((hq, hq, self.n_heads * self.head_dim), dim=-1)
+        q, k, v = y.split((hq, hq, self.n_heads * self.head_dim), dim=-1)
         q = q.view(b, n, self.n_heads, self.qk_dim).transpose(1, 2)
         k = k.view(b, n, self.n_heads, self.qk_dim).transpose(1, 2)
         v = v.view(b, n, self.n_heads, self.head_dim).transpose(1, 2)
@@ -379,8 +382,10 @@ class RMSNorm(nn.Module):
         if x.dtype in (torch.float16, torch.bfloat16):
             y = F.rms_norm(x.float(), self.weight.shape, None, self.eps)
             return y.to(x.dtype) * self.weight.to(x.dtype)
+        if native.rms_norm_fusable(x, self.weight):  # CPU inference: one fused operator
+            return native.rms_norm(x, self.weight, self.eps)
         w = self.weight if self.weight.dtype == x.dtype else self.weight.to(x.dtype)
-        return F.rms_norm(x, self.weight.shape, w, self.eps)  # one fused op (decoding)
+        return F.rms_norm(x, self.weight.shape, w, self.eps)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps:g}"

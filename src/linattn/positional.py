@@ -106,7 +106,8 @@ class RotaryEmbedding(nn.Module):
         of position·θ_m (the trailing 1 / 0 only for odd F), so rotate(x) = x·c + swap(x)·s."""
         if positions.numel() <= _CACHED_POSITIONS:  # decoding: every layer asks for the same few positions
             return _cached_angles(self.dim, self.base, self.inv_freq.dtype, tuple(positions.shape),
-                                  tuple(positions.flatten().tolist()), positions.device, dtype,
+                                  tuple(positions.tolist() if positions.dim() == 1 else positions.flatten().tolist()),
+                                  positions.device, dtype,
                                   torch.is_inference_mode_enabled())
         return _angles(self.inv_freq, positions, dtype, self.dim % 2 == 1)
 

@@ -1,8 +1,9 @@
-"""Fused CPU kernels, compiled from C++ on first use with torch.utils.cpp_extension.
+"""Fused CPU kernels for decoding, compiled from C++ on first use with torch.utils.cpp_extension.
 
 One decoding step of linear attention is a dozen tiny tensor ops when written with torch ops, and on
-a CPU its time goes to operator dispatch rather than arithmetic. `csrc/step.cpp` does the whole step
-(φ = elu+1 or identity, optional RoPE, state update, output) in one operator, `linattn_cpu::step`.
+a CPU its time goes to operator dispatch rather than arithmetic. `csrc/decode.cpp` does the whole
+step (φ = elu+1 or identity, optional RoPE, state update, output) in one operator,
+`linattn_cpu::step`, and RMSNorm (about six ops inside F.rms_norm) in one, `linattn_cpu::rms_norm`.
 
 The extension is built the first time a step can use it (about 15 s; torch caches the build under
 ~/.cache/torch_extensions and rebuilds when the source changes). Where it cannot be built (no C++
@@ -21,7 +22,7 @@ import torch
 
 from ..feature_maps import EluPlusOne
 
-_SOURCE = Path(__file__).with_name("csrc") / "step.cpp"
+_SOURCE = Path(__file__).with_name("csrc") / "decode.cpp"
 _lock = threading.Lock()
 _state: dict = {"loaded": None, "error": None}
 
@@ -95,3 +96,17 @@ def step(state, q, k, v, *, phi: int, normalize: bool, eps: float, angles=None):
 
 def _op():
     return torch.ops.linattn_cpu.step.default
+
+
+def rms_norm_fusable(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """RMSNorm of x can take the fused operator: CPU, fp32/fp64 x of weight's dtype, no gradient wanted."""
+    if x.device.type != "cpu" or x.dtype not in _DTYPES or weight.dtype is not x.dtype:
+        return False
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return False
+    return not torch.compiler.is_compiling() and available()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / √(mean(x²) + eps) · weight over the last dim (squares summed in float64)."""
+    return torch.ops.linattn_cpu.rms_norm.default(x, weight, eps)

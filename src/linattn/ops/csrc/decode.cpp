@@ -1,5 +1,7 @@
-// One recurrent decoding step of linear attention on the CPU, fused into a single operator
-// (linattn.ops.native). Per row r of the flattened (B·H), with φ the identity (phi = 0) or
+// Fused CPU operators for decoding (linattn.ops.native): `step`, one recurrent step of linear
+// attention, and `rms_norm`.
+//
+// step: Per row r of the flattened (B·H), with φ the identity (phi = 0) or
 // elu + 1 (phi = 1), R the RoPE rotation (rotate-half) given by (c, s), or none:
 //
 //   q̃_d = φ(q), k̃_d = φ(k), q̃ = R q̃_d, k̃ = R k̃_d
@@ -147,12 +149,47 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> step(const at::Tensor& kv_in, con
   return {o, kv_new, z_new};
 }
 
+// RMSNorm over the last dim: y = x / √(mean(x²) + eps) · w, x (…, d), w (d); sums in double.
+template <typename T>
+LINATTN_CLONES void rms_norm_rows(const T* __restrict__ x, const T* __restrict__ w, T* __restrict__ y,
+                                  int64_t r0, int64_t r1, int64_t d, double eps) {
+  for (int64_t r = r0; r < r1; ++r) {
+    const T* xr = x + r * d;
+    T* yr = y + r * d;
+    double ss = 0;
+    for (int64_t i = 0; i < d; ++i) ss += double(xr[i]) * double(xr[i]);
+    const T inv = static_cast<T>(1.0 / std::sqrt(ss / double(d) + eps));
+    for (int64_t i = 0; i < d; ++i) yr[i] = xr[i] * inv * w[i];
+  }
+}
+
+at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& w_in, double eps) {
+  TORCH_CHECK(x_in.dim() >= 1 && w_in.dim() == 1 && x_in.size(-1) == w_in.size(0),
+              "linattn_cpu::rms_norm expects x (..., d) and weight (d)");
+  TORCH_CHECK(x_in.scalar_type() == w_in.scalar_type(), "linattn_cpu::rms_norm: x and weight must share a dtype");
+  const at::Tensor x = x_in.contiguous(), w = w_in.contiguous();
+  const int64_t d = w.size(0), rows = d == 0 ? 0 : x.numel() / d;
+  at::Tensor y = at::empty_like(x);
+  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "linattn_cpu_rms_norm", [&] {
+    const scalar_t* px = x.data_ptr<scalar_t>();
+    const scalar_t* pw = w.data_ptr<scalar_t>();
+    scalar_t* py = y.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, std::max<int64_t>(1, (int64_t{1} << 15) / std::max<int64_t>(1, d)),
+                     [&](int64_t r0, int64_t r1) { rms_norm_rows<scalar_t>(px, pw, py, r0, r1, d, eps); });
+  });
+  return y;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(linattn_cpu, m) {
   m.def(
       "step(Tensor kv, Tensor z, Tensor q, Tensor k, Tensor v, int phi, bool normalize, float eps, "
       "Tensor? cos, Tensor? sin, int heads) -> (Tensor, Tensor, Tensor)");
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(linattn_cpu, CPU, m) { m.impl("step", step); }
+TORCH_LIBRARY_IMPL(linattn_cpu, CPU, m) {
+  m.impl("step", step);
+  m.impl("rms_norm", rms_norm);
+}
