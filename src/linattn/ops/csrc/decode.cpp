@@ -1,8 +1,8 @@
 // Fused CPU operators for decoding (linattn.ops.native): `step`, one recurrent step of linear
 // attention, and `rms_norm`.
 //
-// step: Per row r of the flattened (B·H), with φ the identity (phi = 0) or
-// elu + 1 (phi = 1), R the RoPE rotation (rotate-half) given by (c, s), or none:
+// step: per row r of the flattened (B·H), with φ the identity (phi = 0) or elu + 1 (phi = 1), and
+// R the RoPE rotation (rotate-half) given by (c, s), or none:
 //
 //   q̃_d = φ(q), k̃_d = φ(k), q̃ = R q̃_d, k̃ = R k̃_d
 //   kv' = kv + k̃ vᵀ,  z' = z + k̃_d,  o = q̃ᵀ kv' / (q̃_d · z' + ε)   (o = q̃ᵀ kv' without normalize)
