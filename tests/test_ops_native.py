@@ -127,25 +127,25 @@ def test_the_kernel_names_bad_shapes():
         native.step((kv, z.double()), q, k, torch.zeros(1, 2, 1, 3), phi=1, normalize=True, eps=1e-6)
 
 
-def test_step_kind_picks_the_fused_path_only_where_it_applies(monkeypatch):
+def test_fused_phi_picks_the_fused_path_only_where_it_applies(monkeypatch):
     monkeypatch.setattr(native, "available", lambda: True)
     st32 = (torch.zeros(1, 1, 4, 4), torch.zeros(1, 1, 4))
     x = torch.zeros(1, 1, 1, 4)
-    assert native.step_kind(EluPlusOne(4), None, None, st32, x, x, x) == 1
-    assert native.step_kind(None, None, None, st32, x, x, x) == 0
+    assert native.fused_phi(EluPlusOne(4), None, None, st32, x, x, x) == 1
+    assert native.fused_phi(None, None, None, st32, x, x, x) == 0
     from linattn.feature_maps import make_feature_map
 
-    assert native.step_kind(make_feature_map("relu", 4), None, None, st32, x, x, x) is None
-    assert native.step_kind(EluPlusOne(4), 0.5, None, st32, x, x, x) is None
-    assert native.step_kind(EluPlusOne(4), None, torch.ones(1, 1, dtype=torch.bool), st32, x, x, x) is None
+    assert native.fused_phi(make_feature_map("relu", 4), None, None, st32, x, x, x) is None
+    assert native.fused_phi(EluPlusOne(4), 0.5, None, st32, x, x, x) is None
+    assert native.fused_phi(EluPlusOne(4), None, torch.ones(1, 1, dtype=torch.bool), st32, x, x, x) is None
     xb = x.bfloat16()
-    assert native.step_kind(EluPlusOne(4), None, None, st32, xb, xb, xb) is None  # bf16 inputs, fp32 state
+    assert native.fused_phi(EluPlusOne(4), None, None, st32, xb, xb, xb) is None  # bf16 inputs, fp32 state
     xg = x.clone().requires_grad_()
-    assert native.step_kind(EluPlusOne(4), None, None, st32, xg, x, x) is None
+    assert native.fused_phi(EluPlusOne(4), None, None, st32, xg, x, x) is None
     with torch.no_grad():
-        assert native.step_kind(EluPlusOne(4), None, None, st32, xg, x, x) == 1
+        assert native.fused_phi(EluPlusOne(4), None, None, st32, xg, x, x) == 1
     monkeypatch.setattr(native, "available", lambda: False)
-    assert native.step_kind(EluPlusOne(4), None, None, st32, x, x, x) is None
+    assert native.fused_phi(EluPlusOne(4), None, None, st32, x, x, x) is None
 
 
 def test_environment_switch_and_a_failed_build_fall_back_with_one_warning(monkeypatch):
@@ -200,3 +200,52 @@ def test_rmsnorm_layer_is_the_same_with_and_without_gradients():
     assert plain.requires_grad
     torch.testing.assert_close(fused, plain.detach(), rtol=2e-6, atol=2e-6)
     assert not native.rms_norm_fusable(x.bfloat16(), norm.weight.detach())
+
+
+@needs_native
+@settings(max_examples=25, deadline=None)
+@given(b=st.integers(1, 2), h=st.integers(1, 3), n=st.integers(1, 140), f=st.integers(1, 9), e=st.integers(1, 9),
+       chunk=st.sampled_from([1, 7, 16, 64]), elu=st.booleans(), normalize=st.booleans(), with_state=st.booleans(),
+       seed=st.integers(0, 2**16))
+def test_fused_chunked_forward_equals_the_oracle_in_float64(b, h, n, f, e, chunk, elu, normalize, with_state, seed):
+    """Inference forward (no gradient wanted): outputs and final state against the quadratic oracle,
+    N=1 and N not a multiple of the chunk included."""
+    g = torch.Generator().manual_seed(seed)
+    q, k = (torch.randn(b, h, n, f, generator=g, dtype=torch.float64) for _ in range(2))
+    v = torch.randn(b, h, n, e, generator=g, dtype=torch.float64)
+    fm = EluPlusOne(f).double() if elu else None
+    if fm is None:
+        q, k = q.abs() + 0.1, k.abs() + 0.1
+    state = ((torch.rand(b, h, f, e, generator=g, dtype=torch.float64),
+              torch.rand(b, h, f, generator=g, dtype=torch.float64)) if with_state else None)
+    assert native.chunked_ready()
+    with torch.no_grad():
+        o, (kv, z) = linear_attention(q, k, v, causal=True, feature_map=fm, normalize=normalize, chunk_size=chunk,
+                                      initial_state=state, return_state=True)
+    o_ref, (kv_ref, z_ref) = oracle(q, k, v, causal=True, feature_map=fm, normalize=normalize, initial_state=state)
+    torch.testing.assert_close(o, o_ref, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(kv, kv_ref, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(z, z_ref, rtol=1e-10, atol=1e-10)
+
+
+@needs_native
+def test_fused_chunked_forward_equals_the_autograd_op_in_float32(monkeypatch):
+    """The benchmark's shape class (B·H = 8, F = E = 64, N with a tail), strided inputs, and the initial
+    state left alone."""
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(1, 1000, 8, 3 * 64, generator=g)
+    q, k, v = (t.transpose(1, 2) for t in x.split(64, dim=-1))
+    state = (torch.rand(1, 8, 64, 64, generator=g), torch.rand(1, 8, 64, generator=g))
+    before = tuple(t.clone() for t in state)
+    fm = EluPlusOne(64)
+
+    def run():
+        with torch.no_grad():
+            return linear_attention(q, k, v, causal=True, feature_map=fm, initial_state=state, return_state=True)
+
+    fused, (kv, z) = run()
+    plain, (kv_p, z_p) = _eager(monkeypatch, run)
+    torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(kv, kv_p, rtol=1e-5, atol=1e-3)
+    torch.testing.assert_close(z, z_p, rtol=1e-5, atol=1e-3)
+    assert all(torch.equal(a, b_) for a, b_ in zip(state, before))

@@ -106,6 +106,9 @@ def linear_attention(
     positions: (N,) or (B, N) absolute token indices for RoPE / cosFormer (default arange(N); must
         be given when resuming from a state with either).
     rope: a linattn.positional.RotaryEmbedding of dim F, applied to the numerator features only.
+
+    On the CPU, a causal call with φ elu+1 or None, no RoPE, mask or scale, fp32/fp64 inputs and no
+    gradient wanted runs as one fused operator (linattn.ops.native; same numbers).
     """
     advance_schedule(feature_map)
     return _linear_attention(q, k, v, causal=causal, feature_map=feature_map, normalize=normalize, eps=eps,
@@ -121,7 +124,11 @@ def _linear_attention(q, k, v, *, causal, feature_map, normalize, eps, scale, ke
         raise ValueError(f"causal linear attention needs q and k of equal length, got {q.shape[2]} and {k.shape[2]}")
     fz, state = _prepare(q, k, v, feature_map=feature_map, scale=scale, key_padding_mask=key_padding_mask,
                          initial_state=initial_state, positions=positions, rope=rope)
-    if causal:
+    phi = None if not causal or rope is not None else native.fused_phi(feature_map, scale, key_padding_mask, state,
+                                                                       q, k, v)
+    if phi is not None and native.chunked_ready():  # CPU inference: one fused operator
+        o, (kv, z) = native.chunked(q, k, v, state, phi=phi, normalize=normalize, eps=float(eps), chunk=chunk_size)
+    elif causal:
         o, kv, z = ChunkedCausalLinearAttention.apply(fz, chunk_size, normalize, float(eps), q, k, v, *state,
                                                       *fz.parameters)
     else:
@@ -184,7 +191,7 @@ def linear_attention_step(
                          initial_state=state, positions=positions, rope=rope)
     if k.shape[2] != 1:
         raise ValueError(f"k must hold the same single token as q, got length {k.shape[2]}")
-    phi = native.step_kind(feature_map, scale, key_padding_mask, state, q, k, v)
+    phi = native.fused_phi(feature_map, scale, key_padding_mask, state, q, k, v)
     if phi is not None:  # one fused CPU operator (elu+1 or identity, inference)
         angles = None if rope is None else rope.angles(fz.positions, state[0].dtype)
         return native.step(state, q, k, v, phi=phi, normalize=normalize, eps=float(eps), angles=angles)

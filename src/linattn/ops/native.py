@@ -4,6 +4,8 @@ One decoding step of linear attention is a dozen tiny tensor ops when written wi
 a CPU its time goes to operator dispatch rather than arithmetic. `csrc/decode.cpp` does the whole
 step (φ = elu+1 or identity, optional RoPE, state update, output) in one operator,
 `linattn_cpu::step`, and RMSNorm (about six ops inside F.rms_norm) in one, `linattn_cpu::rms_norm`.
+For inference, `linattn_cpu::chunked` runs the causal chunked forward row by row with the state and
+the chunk scores kept in cache, its products by the BLAS gemm that torch itself links.
 
 The extension is built the first time a step can use it (about 15 s; torch caches the build under
 ~/.cache/torch_extensions and rebuilds when the source changes). Where it cannot be built (no C++
@@ -44,8 +46,8 @@ def load() -> bool:
             try:
                 from torch.utils.cpp_extension import load as build
 
-                build("linattn_cpu", sources=[str(_SOURCE)], extra_cflags=["-O3"], is_python_module=False,
-                      verbose=False)
+                build("linattn_cpu", sources=[str(_SOURCE)], extra_cflags=["-O3", "-fopenmp"],
+                      extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
                 _state["loaded"] = hasattr(torch.ops.linattn_cpu, "step")
             except Exception as exc:  # no compiler, no ninja, a failed build: keep the torch-op path
                 _state["loaded"], _state["error"] = False, f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
@@ -60,8 +62,8 @@ def available() -> bool:
     return enabled() and load()
 
 
-def step_kind(feature_map, scale, key_padding_mask, state, q, k, v):
-    """The kernel's φ code when this step can take the fused path, else None: CPU tensors of the
+def fused_phi(feature_map, scale, key_padding_mask, state, q, k, v):
+    """The kernels' φ code when a call can take a fused operator, else None: CPU tensors of the
     state's floating dtype (fp32/fp64), no gradient wanted, φ the identity or elu+1, no scale, no mask."""
     if feature_map is None:
         phi = 0
@@ -96,6 +98,19 @@ def step(state, q, k, v, *, phi: int, normalize: bool, eps: float, angles=None):
 
 def _op():
     return torch.ops.linattn_cpu.step.default
+
+
+def chunked_ready() -> bool:
+    """The fused chunked forward found torch's BLAS gemm (checked once)."""
+    if _state.get("blas") is None:
+        _state["blas"] = bool(torch.ops.linattn_cpu.has_blas())
+    return _state["blas"]
+
+
+def chunked(q, k, v, state, *, phi: int, normalize: bool, eps: float, chunk: int):
+    """linattn_cpu::chunked: the causal forward for inference. Returns (o, (kv, z))."""
+    o, kv, z = torch.ops.linattn_cpu.chunked.default(q, k, v, state[0], state[1], phi, normalize, eps, chunk)
+    return o, (kv, z)
 
 
 def rms_norm_fusable(x: torch.Tensor, weight: torch.Tensor) -> bool:

@@ -10,14 +10,22 @@
 // kv (B, H, F, E), z (B, H, F), q, k (B, H, 1, F), v (B, H, 1, E) (any leading dims: rows = B·H),
 // all one floating dtype; c, s (c_rows, …, F) with row r using angles (r / heads) mod c_rows.
 // Returns (o shaped like v, kv', z').
+//
+// chunked: the causal chunked forward (DESIGN §3) for inference, one (batch, head) row per task,
+// chunk by chunk: A = M ⊙ Q̃K̃ᵀ, O = (A V + Q̃ S) / (A 1 + Q̃ z + ε), S += K̃ᵀV, z += K̃ᵀ1, with the
+// state and the C×C scores kept in cache and the products done by the BLAS sgemm/dgemm that torch
+// links (looked up at run time; without it the op raises and linattn uses torch ops).
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <dlfcn.h>
+
 #include <algorithm>
 #include <cmath>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -180,9 +188,124 @@ at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& w_in, double eps) 
   return y;
 }
 
+using gemm_t = void (*)(const char*, const char*, const int*, const int*, const int*, const void*, const void*,
+                       const int*, const void*, const int*, const void*, void*, const int*);
+
+// The BLAS gemm of the loaded torch (sgemm_ / dgemm_), or nullptr.
+template <typename T>
+gemm_t blas_gemm() {
+  static const gemm_t fn = [] {
+    const char* name = std::is_same<T, float>::value ? "sgemm_" : "dgemm_";
+    void* sym = dlsym(RTLD_DEFAULT, name);
+    if (sym == nullptr) {
+      void* lib = dlopen("libtorch_cpu.so", RTLD_LAZY | RTLD_NOLOAD);
+      if (lib != nullptr) sym = dlsym(lib, name);
+    }
+    return reinterpret_cast<gemm_t>(sym);
+  }();
+  return fn;
+}
+
+// row-major C (M×N) = op(A) op(B) + beta·C, op(X) = Xᵀ when tX (column-major BLAS on the transposes)
+template <typename T>
+inline void mm(gemm_t gemm, bool ta, bool tb, int M, int N, int K, const T* A, int lda, const T* B, int ldb, T beta,
+               T* C, int ldc) {
+  const char tA = tb ? 'T' : 'N', tB = ta ? 'T' : 'N';
+  const T one = T(1);
+  gemm(&tA, &tB, &N, &M, &K, &one, B, &ldb, A, &lda, &beta, C, &ldc);
+}
+
+bool has_blas() { return blas_gemm<float>() != nullptr && blas_gemm<double>() != nullptr; }
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> chunked(const at::Tensor& q_in, const at::Tensor& k_in,
+                                                       const at::Tensor& v_in, const at::Tensor& kv0_in,
+                                                       const at::Tensor& z0_in, int64_t phi, bool normalize, double eps,
+                                                       int64_t chunk) {
+  TORCH_CHECK(q_in.dim() == 4 && k_in.sizes() == q_in.sizes() && v_in.dim() == 4 &&
+                  v_in.sizes().slice(0, 3) == q_in.sizes().slice(0, 3),
+              "linattn_cpu::chunked expects q, k (B, H, N, F) and v (B, H, N, E)");
+  TORCH_CHECK(phi == 0 || phi == 1, "linattn_cpu::chunked: phi must be 0 (identity) or 1 (elu + 1)");
+  TORCH_CHECK(chunk > 0, "linattn_cpu::chunked: chunk must be positive");
+  const at::Tensor q = q_in.contiguous(), k = k_in.contiguous(), v = v_in.contiguous();
+  const int64_t N = q.size(2), F = q.size(3), E = v.size(3), rows = q.size(0) * q.size(1);
+  TORCH_CHECK(kv0_in.numel() == rows * F * E && z0_in.numel() == rows * F,
+              "linattn_cpu::chunked: the initial state must be (B, H, F, E), (B, H, F)");
+  for (const at::Tensor* t : {&k, &v, &kv0_in, &z0_in}) {
+    TORCH_CHECK(t->scalar_type() == q.scalar_type(), "linattn_cpu::chunked: all tensors must share q's dtype");
+  }
+  at::Tensor kv = kv0_in.contiguous().clone(), z = z0_in.contiguous().clone();
+  at::Tensor o = at::empty_like(v);
+  // φ is applied to blocks of this many tokens at a time (ATen's vectorized exp), then chunk by chunk
+  const int64_t block = std::max<int64_t>(chunk, (512 / chunk) * chunk);
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "linattn_cpu_chunked", [&] {
+    const gemm_t gemm = blas_gemm<scalar_t>();
+    TORCH_CHECK(gemm != nullptr, "linattn_cpu::chunked: no BLAS gemm found in the loaded torch");
+    const scalar_t* pq = q.data_ptr<scalar_t>();
+    const scalar_t* pk = k.data_ptr<scalar_t>();
+    const scalar_t* pv = v.data_ptr<scalar_t>();
+    scalar_t* po = o.data_ptr<scalar_t>();
+    scalar_t* pS = kv.data_ptr<scalar_t>();
+    scalar_t* pz = z.data_ptr<scalar_t>();
+    const auto opts = q.options();
+    const scalar_t eps_t = static_cast<scalar_t>(eps);
+    at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
+      std::vector<scalar_t> A(chunk * chunk), den(chunk);
+      for (int64_t r = r0; r < r1; ++r) {
+        scalar_t* S = pS + r * F * E;
+        scalar_t* z = pz + r * F;
+        for (int64_t s = 0; s < N; s += block) {
+          const int64_t m = std::min(N, s + block) - s;
+          at::Tensor qb = at::from_blob(const_cast<scalar_t*>(pq + (r * N + s) * F), {m, F}, opts);
+          at::Tensor kb = at::from_blob(const_cast<scalar_t*>(pk + (r * N + s) * F), {m, F}, opts);
+          if (phi == 1) {
+            qb = at::clamp_max(qb, 0).exp_().add_(at::clamp_min(qb, 0));
+            kb = at::clamp_max(kb, 0).exp_().add_(at::clamp_min(kb, 0));
+          }
+          const scalar_t* Q = qb.data_ptr<scalar_t>();
+          const scalar_t* K = kb.data_ptr<scalar_t>();
+          for (int64_t c0 = 0; c0 < m; c0 += chunk) {
+            const int c = static_cast<int>(std::min(chunk, m - c0)), f = static_cast<int>(F),
+                      e = static_cast<int>(E);
+            const scalar_t* Qc = Q + c0 * F;
+            const scalar_t* Kc = K + c0 * F;
+            const scalar_t* Vc = pv + (r * N + s + c0) * E;
+            scalar_t* Oc = po + (r * N + s + c0) * E;
+            mm<scalar_t>(gemm, false, true, c, c, f, Qc, f, Kc, f, scalar_t(0), A.data(), c);  // A = Q̃K̃ᵀ
+            for (int i = 0; i < c; ++i) {
+              scalar_t* Ai = A.data() + i * c;
+              scalar_t d = 0;
+              for (int j = 0; j <= i; ++j) d += Ai[j];
+              for (int j = i + 1; j < c; ++j) Ai[j] = scalar_t(0);
+              scalar_t qz = 0;
+              for (int64_t x = 0; x < F; ++x) qz += Qc[i * F + x] * z[x];
+              den[i] = d + qz + eps_t;
+            }
+            mm<scalar_t>(gemm, false, false, c, e, c, A.data(), c, Vc, e, scalar_t(0), Oc, e);  // A V
+            mm<scalar_t>(gemm, false, false, c, e, f, Qc, f, S, e, scalar_t(1), Oc, e);          // + Q̃ S
+            if (normalize) {
+              for (int i = 0; i < c; ++i) {
+                const scalar_t inv = scalar_t(1) / den[i];
+                for (int64_t x = 0; x < E; ++x) Oc[i * E + x] *= inv;
+              }
+            }
+            mm<scalar_t>(gemm, true, false, f, e, c, Kc, f, Vc, e, scalar_t(1), S, e);  // S += K̃ᵀV
+            for (int i = 0; i < c; ++i)
+              for (int64_t x = 0; x < F; ++x) z[x] += Kc[i * F + x];
+          }
+        }
+      }
+    });
+  });
+  return {o, kv, z};
+}
+
 }  // namespace
 
 TORCH_LIBRARY(linattn_cpu, m) {
+  m.def("has_blas() -> bool", has_blas);
+  m.def(
+      "chunked(Tensor q, Tensor k, Tensor v, Tensor kv0, Tensor z0, int phi, bool normalize, float eps, int chunk) "
+      "-> (Tensor, Tensor, Tensor)");
   m.def(
       "step(Tensor kv, Tensor z, Tensor q, Tensor k, Tensor v, int phi, bool normalize, float eps, "
       "Tensor? cos, Tensor? sin, int heads) -> (Tensor, Tensor, Tensor)");
@@ -192,4 +315,5 @@ TORCH_LIBRARY(linattn_cpu, m) {
 TORCH_LIBRARY_IMPL(linattn_cpu, CPU, m) {
   m.impl("step", step);
   m.impl("rms_norm", rms_norm);
+  m.impl("chunked", chunked);
 }
