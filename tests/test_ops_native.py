@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -139,7 +141,9 @@ def test_fused_phi_picks_the_fused_path_only_where_it_applies(monkeypatch):
     assert native.fused_phi(EluPlusOne(4), 0.5, None, st32, x, x, x) is None
     assert native.fused_phi(EluPlusOne(4), None, torch.ones(1, 1, dtype=torch.bool), st32, x, x, x) is None
     xb = x.bfloat16()
-    assert native.fused_phi(EluPlusOne(4), None, None, st32, xb, xb, xb) is None  # bf16 inputs, fp32 state
+    assert native.fused_phi(EluPlusOne(4), None, None, st32, xb, xb, xb) is None  # bf16 inputs, fp32 state: step no
+    assert native.fused_phi(EluPlusOne(4), None, None, st32, xb, xb, xb, bf16=True) == 1  # chunked forward: yes
+    assert native.fused_phi(EluPlusOne(4), None, None, st32, xb, xb, x, bf16=True) is None  # mixed q/v dtypes
     xg = x.clone().requires_grad_()
     assert native.fused_phi(EluPlusOne(4), None, None, st32, xg, x, x) is None
     with torch.no_grad():
@@ -218,7 +222,7 @@ def test_fused_chunked_forward_equals_the_oracle_in_float64(b, h, n, f, e, chunk
         q, k = q.abs() + 0.1, k.abs() + 0.1
     state = ((torch.rand(b, h, f, e, generator=g, dtype=torch.float64),
               torch.rand(b, h, f, generator=g, dtype=torch.float64)) if with_state else None)
-    assert native.chunked_ready()
+    assert native.chunked_ready(torch.float64)
     with torch.no_grad():
         o, (kv, z) = linear_attention(q, k, v, causal=True, feature_map=fm, normalize=normalize, chunk_size=chunk,
                                       initial_state=state, return_state=True)
@@ -249,3 +253,32 @@ def test_fused_chunked_forward_equals_the_autograd_op_in_float32(monkeypatch):
     torch.testing.assert_close(kv, kv_p, rtol=1e-5, atol=1e-3)
     torch.testing.assert_close(z, z_p, rtol=1e-5, atol=1e-3)
     assert all(torch.equal(a, b_) for a, b_ in zip(state, before))
+
+
+@needs_native
+@pytest.mark.parametrize("n", [1, 70, 600])
+def test_fused_chunked_forward_in_bf16_is_as_close_to_the_oracle_as_the_torch_ops(monkeypatch, n):
+    """bf16 q, k, v on a float32 state (MKL's bf16 gemm, fp32 scores and accumulation): its error
+    against the float64 oracle is no larger than the torch-op path's."""
+    if not native.chunked_ready(torch.bfloat16):
+        pytest.skip("no bf16 gemm in this torch")
+    g = torch.Generator().manual_seed(8)
+    lo = [torch.randn(2, 4, n, 64, generator=g).bfloat16() for _ in range(3)]
+    fm = EluPlusOne(64)
+    want, (_, z_want) = oracle(*(x.double() for x in lo), causal=True, feature_map=fm.double())
+
+    def run():
+        with torch.no_grad():
+            return linear_attention(*lo, causal=True, feature_map=fm, return_state=True)
+
+    fused, (kv, z) = run()
+    plain, (kv_p, z_p) = _eager(monkeypatch, run)
+    assert fused.dtype == torch.bfloat16 and kv.dtype == z.dtype == torch.float32
+    err_fused = (fused.double() - want).abs().max().item()
+    err_plain = (plain.double() - want).abs().max().item()
+    ulp = 2.0 ** (math.floor(math.log2(want.abs().max().item())) - 7)  # of bf16 at the outputs' size
+    assert err_fused <= err_plain + ulp, (err_fused, err_plain)
+    # z accumulates in float32 (the torch-op path rounds each chunk's sum to bf16 first); both start
+    # from the same bf16 features, whose rounding dominates the error against the oracle
+    rel = lambda x: ((x.double() - z_want).abs() / z_want.abs()).max().item()  # noqa: E731
+    assert rel(z) <= rel(z_p) + 1e-6

@@ -62,9 +62,10 @@ def available() -> bool:
     return enabled() and load()
 
 
-def fused_phi(feature_map, scale, key_padding_mask, state, q, k, v):
+def fused_phi(feature_map, scale, key_padding_mask, state, q, k, v, *, bf16: bool = False):
     """The kernels' φ code when a call can take a fused operator, else None: CPU tensors of the
-    state's floating dtype (fp32/fp64), no gradient wanted, φ the identity or elu+1, no scale, no mask."""
+    state's floating dtype (fp32/fp64; with bf16=True also bf16 q, k, v on a float32 state), no
+    gradient wanted, φ the identity or elu+1, no scale, no mask."""
     if feature_map is None:
         phi = 0
     elif type(feature_map) is EluPlusOne:
@@ -72,8 +73,9 @@ def fused_phi(feature_map, scale, key_padding_mask, state, q, k, v):
     else:
         return None
     kv, z = state
-    if (scale is not None or key_padding_mask is not None or q.device.type != "cpu"
-            or kv.dtype not in _DTYPES or not (q.dtype is kv.dtype is z.dtype is k.dtype is v.dtype)):
+    low = bf16 and q.dtype is torch.bfloat16 and kv.dtype is torch.float32
+    if (scale is not None or key_padding_mask is not None or q.device.type != "cpu" or kv.dtype not in _DTYPES
+            or not (q.dtype is k.dtype is v.dtype) or kv.dtype is not z.dtype or (q.dtype is not kv.dtype and not low)):
         return None
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or kv.requires_grad
                                     or z.requires_grad):
@@ -100,11 +102,13 @@ def _op():
     return torch.ops.linattn_cpu.step.default
 
 
-def chunked_ready() -> bool:
-    """The fused chunked forward found torch's BLAS gemm (checked once)."""
-    if _state.get("blas") is None:
-        _state["blas"] = bool(torch.ops.linattn_cpu.has_blas())
-    return _state["blas"]
+def chunked_ready(dtype: torch.dtype) -> bool:
+    """The fused chunked forward found torch's BLAS gemm for `dtype` (fp32/fp64, or MKL's bf16 gemm)."""
+    key = "blas_bf16" if dtype == torch.bfloat16 else "blas"
+    if _state.get(key) is None:
+        _state[key] = bool(torch.ops.linattn_cpu.has_blas_bf16() if dtype == torch.bfloat16
+                           else torch.ops.linattn_cpu.has_blas())
+    return _state[key]
 
 
 def chunked(q, k, v, state, *, phi: int, normalize: bool, eps: float, chunk: int):

@@ -215,7 +215,95 @@ inline void mm(gemm_t gemm, bool ta, bool tb, int M, int N, int K, const T* A, i
   gemm(&tA, &tB, &N, &M, &K, &one, B, &ldb, A, &lda, &beta, C, &ldc);
 }
 
+// MKL's bf16 × bf16 → fp32 gemm, when the loaded torch has it (column-major, Fortran calling convention).
+using gemm_bf16_t = void (*)(const char*, const char*, const int*, const int*, const int*, const float*, const void*,
+                            const int*, const void*, const int*, const float*, float*, const int*);
+
+gemm_bf16_t blas_gemm_bf16() {
+  static const gemm_bf16_t fn = [] {
+    void* sym = dlsym(RTLD_DEFAULT, "gemm_bf16bf16f32_");
+    if (sym == nullptr) {
+      void* lib = dlopen("libtorch_cpu.so", RTLD_LAZY | RTLD_NOLOAD);
+      if (lib != nullptr) sym = dlsym(lib, "gemm_bf16bf16f32_");
+    }
+    return reinterpret_cast<gemm_bf16_t>(sym);
+  }();
+  return fn;
+}
+
+// row-major C (M×N, fp32) = op(A) op(B) + beta·C with bf16 A, B
+inline void mm_bf16(gemm_bf16_t gemm, bool ta, bool tb, int M, int N, int K, const at::BFloat16* A, int lda,
+                    const at::BFloat16* B, int ldb, float beta, float* C, int ldc) {
+  const char tA = tb ? 'T' : 'N', tB = ta ? 'T' : 'N';
+  const float one = 1.f;
+  gemm(&tA, &tB, &N, &M, &K, &one, B, &ldb, A, &lda, &beta, C, &ldc);
+}
+
 bool has_blas() { return blas_gemm<float>() != nullptr && blas_gemm<double>() != nullptr; }
+
+bool has_blas_bf16() { return blas_gemm_bf16() != nullptr; }
+
+// The bf16 forward: bf16 features and values, fp32 scores, state, normalizer and accumulation.
+void chunked_bf16(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& o, float* pS, float* pz,
+                  int64_t phi, bool normalize, float eps, int64_t chunk, int64_t block) {
+  const gemm_bf16_t gemm = blas_gemm_bf16();
+  TORCH_CHECK(gemm != nullptr, "linattn_cpu::chunked: no bf16 gemm found in the loaded torch");
+  using bf16 = at::BFloat16;
+  const int64_t N = q.size(2), F = q.size(3), E = v.size(3), rows = q.size(0) * q.size(1);
+  const bf16* pq = q.data_ptr<bf16>();
+  const bf16* pk = k.data_ptr<bf16>();
+  const bf16* pv = v.data_ptr<bf16>();
+  bf16* po = o.data_ptr<bf16>();
+  const auto opts = q.options();
+  at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
+    std::vector<float> A(chunk * chunk), U(chunk * E), den(chunk);
+    std::vector<bf16> A16(chunk * chunk), S16(F * E);
+    for (int64_t r = r0; r < r1; ++r) {
+      float* S = pS + r * F * E;
+      float* z = pz + r * F;
+      for (int64_t s = 0; s < N; s += block) {
+        const int64_t m = std::min(N, s + block) - s;
+        at::Tensor qb = at::from_blob(const_cast<bf16*>(pq + (r * N + s) * F), {m, F}, opts);
+        at::Tensor kb = at::from_blob(const_cast<bf16*>(pk + (r * N + s) * F), {m, F}, opts);
+        if (phi == 1) {
+          qb = at::clamp_max(qb, 0).exp_().add_(at::clamp_min(qb, 0));
+          kb = at::clamp_max(kb, 0).exp_().add_(at::clamp_min(kb, 0));
+        }
+        const bf16* Q = qb.data_ptr<bf16>();
+        const bf16* K = kb.data_ptr<bf16>();
+        for (int64_t c0 = 0; c0 < m; c0 += chunk) {
+          const int c = static_cast<int>(std::min(chunk, m - c0)), f = static_cast<int>(F), e = static_cast<int>(E);
+          const bf16* Qc = Q + c0 * F;
+          const bf16* Kc = K + c0 * F;
+          const bf16* Vc = pv + (r * N + s + c0) * E;
+          mm_bf16(gemm, false, true, c, c, f, Qc, f, Kc, f, 0.f, A.data(), c);  // A = Q̃K̃ᵀ (fp32)
+          for (int i = 0; i < c; ++i) {
+            float d = 0;
+            for (int j = 0; j <= i; ++j) {
+              d += A[i * c + j];
+              A16[i * c + j] = bf16(A[i * c + j]);
+            }
+            for (int j = i + 1; j < c; ++j) A16[i * c + j] = bf16(0.f);
+            float qz = 0;
+            for (int64_t x = 0; x < F; ++x) qz += float(Qc[i * F + x]) * z[x];
+            den[i] = d + qz + eps;
+          }
+          for (int64_t x = 0; x < F * E; ++x) S16[x] = bf16(S[x]);
+          mm_bf16(gemm, false, false, c, e, c, A16.data(), c, Vc, e, 0.f, U.data(), e);  // A V
+          mm_bf16(gemm, false, false, c, e, f, Qc, f, S16.data(), e, 1.f, U.data(), e);  // + Q̃ S
+          bf16* Oc = po + (r * N + s + c0) * E;
+          for (int i = 0; i < c; ++i) {
+            const float inv = normalize ? 1.f / den[i] : 1.f;
+            for (int64_t x = 0; x < E; ++x) Oc[i * E + x] = bf16(U[i * E + x] * inv);
+          }
+          mm_bf16(gemm, true, false, f, e, c, Kc, f, Vc, e, 1.f, S, e);  // S += K̃ᵀV (fp32)
+          for (int i = 0; i < c; ++i)
+            for (int64_t x = 0; x < F; ++x) z[x] += float(Kc[i * F + x]);
+        }
+      }
+    }
+  });
+}
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> chunked(const at::Tensor& q_in, const at::Tensor& k_in,
                                                        const at::Tensor& v_in, const at::Tensor& kv0_in,
@@ -230,13 +318,24 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> chunked(const at::Tensor& q_in, c
   const int64_t N = q.size(2), F = q.size(3), E = v.size(3), rows = q.size(0) * q.size(1);
   TORCH_CHECK(kv0_in.numel() == rows * F * E && z0_in.numel() == rows * F,
               "linattn_cpu::chunked: the initial state must be (B, H, F, E), (B, H, F)");
-  for (const at::Tensor* t : {&k, &v, &kv0_in, &z0_in}) {
-    TORCH_CHECK(t->scalar_type() == q.scalar_type(), "linattn_cpu::chunked: all tensors must share q's dtype");
+  const bool bf16 = q.scalar_type() == at::kBFloat16;
+  const auto state_type = bf16 ? at::kFloat : q.scalar_type();
+  for (const at::Tensor* t : {&k, &v}) {
+    TORCH_CHECK(t->scalar_type() == q.scalar_type(), "linattn_cpu::chunked: q, k, v must share a dtype");
+  }
+  for (const at::Tensor* t : {&kv0_in, &z0_in}) {
+    TORCH_CHECK(t->scalar_type() == state_type, "linattn_cpu::chunked: the state must be float32 for bf16 inputs, "
+                                                "else of q's dtype");
   }
   at::Tensor kv = kv0_in.contiguous().clone(), z = z0_in.contiguous().clone();
   at::Tensor o = at::empty_like(v);
   // φ is applied to blocks of this many tokens at a time (ATen's vectorized exp), then chunk by chunk
   const int64_t block = std::max<int64_t>(chunk, (512 / chunk) * chunk);
+  if (bf16) {
+    chunked_bf16(q, k, v, o, kv.data_ptr<float>(), z.data_ptr<float>(), phi, normalize, static_cast<float>(eps), chunk,
+                 block);
+    return {o, kv, z};
+  }
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "linattn_cpu_chunked", [&] {
     const gemm_t gemm = blas_gemm<scalar_t>();
     TORCH_CHECK(gemm != nullptr, "linattn_cpu::chunked: no BLAS gemm found in the loaded torch");
@@ -303,6 +402,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> chunked(const at::Tensor& q_in, c
 
 TORCH_LIBRARY(linattn_cpu, m) {
   m.def("has_blas() -> bool", has_blas);
+  m.def("has_blas_bf16() -> bool", has_blas_bf16);
   m.def(
       "chunked(Tensor q, Tensor k, Tensor v, Tensor kv0, Tensor z0, int phi, bool normalize, float eps, int chunk) "
       "-> (Tensor, Tensor, Tensor)");
