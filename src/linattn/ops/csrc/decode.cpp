@@ -243,62 +243,84 @@ bool has_blas() { return blas_gemm<float>() != nullptr && blas_gemm<double>() !=
 
 bool has_blas_bf16() { return blas_gemm_bf16() != nullptr; }
 
-// The bf16 forward: bf16 features and values, fp32 scores, state, normalizer and accumulation.
-void chunked_bf16(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& o, float* pS, float* pz,
-                  int64_t phi, bool normalize, float eps, int64_t chunk, int64_t block) {
-  const gemm_bf16_t gemm = blas_gemm_bf16();
-  TORCH_CHECK(gemm != nullptr, "linattn_cpu::chunked: no bf16 gemm found in the loaded torch");
-  using bf16 = at::BFloat16;
+// row-major C (M×N) = op(A) op(B) + beta·C in the accumulation type: sgemm/dgemm, or MKL's bf16 gemm
+template <typename T, typename Acc>
+inline void gemm_rm(bool ta, bool tb, int M, int N, int K, const T* A, int lda, const T* B, int ldb, Acc beta, Acc* C,
+                    int ldc) {
+  if constexpr (std::is_same<T, at::BFloat16>::value) {
+    mm_bf16(blas_gemm_bf16(), ta, tb, M, N, K, A, lda, B, ldb, beta, C, ldc);
+  } else {
+    mm<T>(blas_gemm<T>(), ta, tb, M, N, K, A, lda, B, ldb, beta, C, ldc);
+  }
+}
+
+// The forward for one dtype T of q, k, v, o; scores, state, normalizer and accumulation in Acc (T,
+// or float for bf16: then the scores and the state are rounded to bf16 only as gemm operands).
+template <typename T>
+void chunked_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& o, at::Tensor& kv,
+                  at::Tensor& z_all, int64_t phi, bool normalize, double eps, int64_t chunk, int64_t block) {
+  using Acc = typename std::conditional<std::is_same<T, at::BFloat16>::value, float, T>::type;
+  constexpr bool low = !std::is_same<T, Acc>::value;
   const int64_t N = q.size(2), F = q.size(3), E = v.size(3), rows = q.size(0) * q.size(1);
-  const bf16* pq = q.data_ptr<bf16>();
-  const bf16* pk = k.data_ptr<bf16>();
-  const bf16* pv = v.data_ptr<bf16>();
-  bf16* po = o.data_ptr<bf16>();
+  const T* pq = q.data_ptr<T>();
+  const T* pk = k.data_ptr<T>();
+  const T* pv = v.data_ptr<T>();
+  T* po = o.data_ptr<T>();
+  Acc* pS = kv.data_ptr<Acc>();
+  Acc* pz = z_all.data_ptr<Acc>();
   const auto opts = q.options();
+  const Acc eps_t = static_cast<Acc>(eps);
   at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
-    std::vector<float> A(chunk * chunk), U(chunk * E), den(chunk);
-    std::vector<bf16> A16(chunk * chunk), S16(F * E);
+    std::vector<Acc> A(chunk * chunk), den(chunk), U(low ? chunk * E : 0);
+    std::vector<T> A_low(low ? chunk * chunk : 0), S_low(low ? F * E : 0);
     for (int64_t r = r0; r < r1; ++r) {
-      float* S = pS + r * F * E;
-      float* z = pz + r * F;
+      Acc* S = pS + r * F * E;
+      Acc* z = pz + r * F;
       for (int64_t s = 0; s < N; s += block) {
         const int64_t m = std::min(N, s + block) - s;
-        at::Tensor qb = at::from_blob(const_cast<bf16*>(pq + (r * N + s) * F), {m, F}, opts);
-        at::Tensor kb = at::from_blob(const_cast<bf16*>(pk + (r * N + s) * F), {m, F}, opts);
+        at::Tensor qb = at::from_blob(const_cast<T*>(pq + (r * N + s) * F), {m, F}, opts);
+        at::Tensor kb = at::from_blob(const_cast<T*>(pk + (r * N + s) * F), {m, F}, opts);
         if (phi == 1) {
           qb = at::clamp_max(qb, 0).exp_().add_(at::clamp_min(qb, 0));
           kb = at::clamp_max(kb, 0).exp_().add_(at::clamp_min(kb, 0));
         }
-        const bf16* Q = qb.data_ptr<bf16>();
-        const bf16* K = kb.data_ptr<bf16>();
+        const T* Q = qb.data_ptr<T>();
+        const T* K = kb.data_ptr<T>();
         for (int64_t c0 = 0; c0 < m; c0 += chunk) {
           const int c = static_cast<int>(std::min(chunk, m - c0)), f = static_cast<int>(F), e = static_cast<int>(E);
-          const bf16* Qc = Q + c0 * F;
-          const bf16* Kc = K + c0 * F;
-          const bf16* Vc = pv + (r * N + s + c0) * E;
-          mm_bf16(gemm, false, true, c, c, f, Qc, f, Kc, f, 0.f, A.data(), c);  // A = Q̃K̃ᵀ (fp32)
+          const T* Qc = Q + c0 * F;
+          const T* Kc = K + c0 * F;
+          const T* Vc = pv + (r * N + s + c0) * E;
+          T* Oc = po + (r * N + s + c0) * E;
+          gemm_rm<T, Acc>(false, true, c, c, f, Qc, f, Kc, f, Acc(0), A.data(), c);  // A = Q̃K̃ᵀ
           for (int i = 0; i < c; ++i) {
-            float d = 0;
-            for (int j = 0; j <= i; ++j) {
-              d += A[i * c + j];
-              A16[i * c + j] = bf16(A[i * c + j]);
-            }
-            for (int j = i + 1; j < c; ++j) A16[i * c + j] = bf16(0.f);
-            float qz = 0;
-            for (int64_t x = 0; x < F; ++x) qz += float(Qc[i * F + x]) * z[x];
-            den[i] = d + qz + eps;
+            Acc* Ai = A.data() + i * c;
+            Acc d = 0;
+            for (int j = 0; j <= i; ++j) d += Ai[j];
+            for (int j = i + 1; j < c; ++j) Ai[j] = Acc(0);
+            Acc qz = 0;
+            for (int64_t x = 0; x < F; ++x) qz += static_cast<Acc>(Qc[i * F + x]) * z[x];
+            den[i] = d + qz + eps_t;
           }
-          for (int64_t x = 0; x < F * E; ++x) S16[x] = bf16(S[x]);
-          mm_bf16(gemm, false, false, c, e, c, A16.data(), c, Vc, e, 0.f, U.data(), e);  // A V
-          mm_bf16(gemm, false, false, c, e, f, Qc, f, S16.data(), e, 1.f, U.data(), e);  // + Q̃ S
-          bf16* Oc = po + (r * N + s + c0) * E;
+          const T* A_op = reinterpret_cast<const T*>(A.data());
+          const T* S_op = reinterpret_cast<const T*>(S);
+          Acc* U_out = reinterpret_cast<Acc*>(Oc);
+          if constexpr (low) {
+            std::copy(A.begin(), A.begin() + c * c, A_low.begin());
+            std::copy(S, S + F * E, S_low.begin());
+            A_op = A_low.data();
+            S_op = S_low.data();
+            U_out = U.data();
+          }
+          gemm_rm<T, Acc>(false, false, c, e, c, A_op, c, Vc, e, Acc(0), U_out, e);  // A V
+          gemm_rm<T, Acc>(false, false, c, e, f, Qc, f, S_op, e, Acc(1), U_out, e);  // + Q̃ S
           for (int i = 0; i < c; ++i) {
-            const float inv = normalize ? 1.f / den[i] : 1.f;
-            for (int64_t x = 0; x < E; ++x) Oc[i * E + x] = bf16(U[i * E + x] * inv);
+            const Acc inv = normalize ? Acc(1) / den[i] : Acc(1);
+            for (int64_t x = 0; x < E; ++x) Oc[i * E + x] = static_cast<T>(U_out[i * E + x] * inv);
           }
-          mm_bf16(gemm, true, false, f, e, c, Kc, f, Vc, e, 1.f, S, e);  // S += K̃ᵀV (fp32)
+          gemm_rm<T, Acc>(true, false, f, e, c, Kc, f, Vc, e, Acc(1), S, e);  // S += K̃ᵀV
           for (int i = 0; i < c; ++i)
-            for (int64_t x = 0; x < F; ++x) z[x] += float(Kc[i * F + x]);
+            for (int64_t x = 0; x < F; ++x) z[x] += static_cast<Acc>(Kc[i * F + x]);
         }
       }
     }
@@ -315,85 +337,24 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> chunked(const at::Tensor& q_in, c
   TORCH_CHECK(phi == 0 || phi == 1, "linattn_cpu::chunked: phi must be 0 (identity) or 1 (elu + 1)");
   TORCH_CHECK(chunk > 0, "linattn_cpu::chunked: chunk must be positive");
   const at::Tensor q = q_in.contiguous(), k = k_in.contiguous(), v = v_in.contiguous();
-  const int64_t N = q.size(2), F = q.size(3), E = v.size(3), rows = q.size(0) * q.size(1);
+  const int64_t F = q.size(3), E = v.size(3), rows = q.size(0) * q.size(1);
   TORCH_CHECK(kv0_in.numel() == rows * F * E && z0_in.numel() == rows * F,
               "linattn_cpu::chunked: the initial state must be (B, H, F, E), (B, H, F)");
   const bool bf16 = q.scalar_type() == at::kBFloat16;
-  const auto state_type = bf16 ? at::kFloat : q.scalar_type();
   for (const at::Tensor* t : {&k, &v}) {
     TORCH_CHECK(t->scalar_type() == q.scalar_type(), "linattn_cpu::chunked: q, k, v must share a dtype");
   }
   for (const at::Tensor* t : {&kv0_in, &z0_in}) {
-    TORCH_CHECK(t->scalar_type() == state_type, "linattn_cpu::chunked: the state must be float32 for bf16 inputs, "
-                                                "else of q's dtype");
+    TORCH_CHECK(t->scalar_type() == (bf16 ? at::kFloat : q.scalar_type()),
+                "linattn_cpu::chunked: the state must be float32 for bf16 inputs, else of q's dtype");
   }
+  TORCH_CHECK(bf16 ? blas_gemm_bf16() != nullptr : has_blas(), "linattn_cpu::chunked: no BLAS gemm found in torch");
   at::Tensor kv = kv0_in.contiguous().clone(), z = z0_in.contiguous().clone();
   at::Tensor o = at::empty_like(v);
   // φ is applied to blocks of this many tokens at a time (ATen's vectorized exp), then chunk by chunk
   const int64_t block = std::max<int64_t>(chunk, (512 / chunk) * chunk);
-  if (bf16) {
-    chunked_bf16(q, k, v, o, kv.data_ptr<float>(), z.data_ptr<float>(), phi, normalize, static_cast<float>(eps), chunk,
-                 block);
-    return {o, kv, z};
-  }
-  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "linattn_cpu_chunked", [&] {
-    const gemm_t gemm = blas_gemm<scalar_t>();
-    TORCH_CHECK(gemm != nullptr, "linattn_cpu::chunked: no BLAS gemm found in the loaded torch");
-    const scalar_t* pq = q.data_ptr<scalar_t>();
-    const scalar_t* pk = k.data_ptr<scalar_t>();
-    const scalar_t* pv = v.data_ptr<scalar_t>();
-    scalar_t* po = o.data_ptr<scalar_t>();
-    scalar_t* pS = kv.data_ptr<scalar_t>();
-    scalar_t* pz = z.data_ptr<scalar_t>();
-    const auto opts = q.options();
-    const scalar_t eps_t = static_cast<scalar_t>(eps);
-    at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
-      std::vector<scalar_t> A(chunk * chunk), den(chunk);
-      for (int64_t r = r0; r < r1; ++r) {
-        scalar_t* S = pS + r * F * E;
-        scalar_t* z = pz + r * F;
-        for (int64_t s = 0; s < N; s += block) {
-          const int64_t m = std::min(N, s + block) - s;
-          at::Tensor qb = at::from_blob(const_cast<scalar_t*>(pq + (r * N + s) * F), {m, F}, opts);
-          at::Tensor kb = at::from_blob(const_cast<scalar_t*>(pk + (r * N + s) * F), {m, F}, opts);
-          if (phi == 1) {
-            qb = at::clamp_max(qb, 0).exp_().add_(at::clamp_min(qb, 0));
-            kb = at::clamp_max(kb, 0).exp_().add_(at::clamp_min(kb, 0));
-          }
-          const scalar_t* Q = qb.data_ptr<scalar_t>();
-          const scalar_t* K = kb.data_ptr<scalar_t>();
-          for (int64_t c0 = 0; c0 < m; c0 += chunk) {
-            const int c = static_cast<int>(std::min(chunk, m - c0)), f = static_cast<int>(F),
-                      e = static_cast<int>(E);
-            const scalar_t* Qc = Q + c0 * F;
-            const scalar_t* Kc = K + c0 * F;
-            const scalar_t* Vc = pv + (r * N + s + c0) * E;
-            scalar_t* Oc = po + (r * N + s + c0) * E;
-            mm<scalar_t>(gemm, false, true, c, c, f, Qc, f, Kc, f, scalar_t(0), A.data(), c);  // A = Q̃K̃ᵀ
-            for (int i = 0; i < c; ++i) {
-              scalar_t* Ai = A.data() + i * c;
-              scalar_t d = 0;
-              for (int j = 0; j <= i; ++j) d += Ai[j];
-              for (int j = i + 1; j < c; ++j) Ai[j] = scalar_t(0);
-              scalar_t qz = 0;
-              for (int64_t x = 0; x < F; ++x) qz += Qc[i * F + x] * z[x];
-              den[i] = d + qz + eps_t;
-            }
-            mm<scalar_t>(gemm, false, false, c, e, c, A.data(), c, Vc, e, scalar_t(0), Oc, e);  // A V
-            mm<scalar_t>(gemm, false, false, c, e, f, Qc, f, S, e, scalar_t(1), Oc, e);          // + Q̃ S
-            if (normalize) {
-              for (int i = 0; i < c; ++i) {
-                const scalar_t inv = scalar_t(1) / den[i];
-                for (int64_t x = 0; x < E; ++x) Oc[i * E + x] *= inv;
-              }
-            }
-            mm<scalar_t>(gemm, true, false, f, e, c, Kc, f, Vc, e, scalar_t(1), S, e);  // S += K̃ᵀV
-            for (int i = 0; i < c; ++i)
-              for (int64_t x = 0; x < F; ++x) z[x] += Kc[i * F + x];
-          }
-        }
-      }
-    });
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "linattn_cpu_chunked", [&] {
+    chunked_rows<scalar_t>(q, k, v, o, kv, z, phi, normalize, eps, chunk, block);
   });
   return {o, kv, z};
 }
