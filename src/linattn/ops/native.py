@@ -1,16 +1,16 @@
-"""Fused CPU kernels for decoding, compiled from C++ on first use with torch.utils.cpp_extension.
+"""Fused CPU kernels for inference, compiled from C++ on first use with torch.utils.cpp_extension.
 
 One decoding step of linear attention is a dozen tiny tensor ops when written with torch ops, and on
-a CPU its time goes to operator dispatch rather than arithmetic. `csrc/decode.cpp` does the whole
+a CPU its time goes to operator dispatch rather than arithmetic. `csrc/kernels.cpp` does the whole
 step (φ = elu+1 or identity, optional RoPE, state update, output) in one operator,
 `linattn_cpu::step`, and RMSNorm (about six ops inside F.rms_norm) in one, `linattn_cpu::rms_norm`.
 For inference, `linattn_cpu::chunked` runs the causal chunked forward row by row with the state and
 the chunk scores kept in cache, its products by the BLAS gemm that torch itself links.
 
-The extension is built the first time a step can use it (about 15 s; torch caches the build under
+The extension is built the first time a kernel can be used (about 15 s; torch caches the build under
 ~/.cache/torch_extensions and rebuilds when the source changes). Where it cannot be built (no C++
-compiler or no ninja) or `LINATTN_NATIVE=0` is set, linattn warns once and keeps the torch-op path;
-the two give the same numbers (tests/test_ops_native.py).
+compiler or no ninja) linattn warns once, and with `LINATTN_NATIVE=0` it stays off; either way the
+torch-op paths run, with the same numbers up to rounding (tests/test_ops_native.py).
 """
 
 from __future__ import annotations
@@ -24,12 +24,11 @@ import torch
 
 from ..feature_maps import EluPlusOne
 
-_SOURCE = Path(__file__).with_name("csrc") / "decode.cpp"
+_SOURCE = Path(__file__).with_name("csrc") / "kernels.cpp"
 _lock = threading.Lock()
 _state: dict = {"loaded": None, "error": None}
-
-
 _OFF = ("0", "false", "off", "no")
+_DTYPES = (torch.float32, torch.float64)
 
 
 def enabled() -> bool:
@@ -52,7 +51,7 @@ def load() -> bool:
             except Exception as exc:  # no compiler, no ninja, a failed build: keep the torch-op path
                 _state["loaded"], _state["error"] = False, f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
                 warnings.warn(f"linattn: the fused CPU kernels could not be built ({_state['error']}); "
-                              "decoding uses torch ops (same numbers, slower). Set LINATTN_NATIVE=0 to silence.",
+                              "torch ops run instead (same numbers, slower). Set LINATTN_NATIVE=0 to silence.",
                               RuntimeWarning, stacklevel=3)
     return _state["loaded"]
 
@@ -85,21 +84,14 @@ def fused_phi(feature_map, scale, key_padding_mask, state, q, k, v, *, bf16: boo
     return phi
 
 
-_DTYPES = (torch.float32, torch.float64)
-
-
 def step(state, q, k, v, *, phi: int, normalize: bool, eps: float, angles=None):
     """linattn_cpu::step on (B, H, 1, ·) tensors: returns (o (B, H, 1, E), (kv', z')).
 
     angles: RoPE (c, s) broadcastable to (B, H, 1, F), one row per batch entry or one for all."""
     kv, z = state
     c, s = (None, None) if angles is None else angles
-    o, kv_new, z_new = _op()(kv, z, q, k, v, phi, normalize, eps, c, s, kv.shape[1])
+    o, kv_new, z_new = torch.ops.linattn_cpu.step.default(kv, z, q, k, v, phi, normalize, eps, c, s, kv.shape[1])
     return o, (kv_new, z_new)
-
-
-def _op():
-    return torch.ops.linattn_cpu.step.default
 
 
 def chunked_ready(dtype: torch.dtype) -> bool:

@@ -1,5 +1,5 @@
-// Fused CPU operators for decoding (linattn.ops.native): `step`, one recurrent step of linear
-// attention, and `rms_norm`.
+// Fused CPU operators for inference (linattn.ops.native): `step`, one recurrent step of linear
+// attention; `rms_norm`; `chunked`, the causal chunked forward.
 //
 // step: per row r of the flattened (B·H), with φ the identity (phi = 0) or elu + 1 (phi = 1), and
 // R the RoPE rotation (rotate-half) given by (c, s), or none:
