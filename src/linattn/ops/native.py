@@ -61,6 +61,13 @@ def available() -> bool:
     return enabled() and load()
 
 
+def _inference(*tensors) -> bool:
+    """No gradient is wanted of `tensors`, torch.compile is not tracing, and the kernels are built."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return False
+    return not torch.compiler.is_compiling() and available()
+
+
 def fused_phi(feature_map, scale, key_padding_mask, state, q, k, v, *, bf16: bool = False):
     """The kernels' φ code when a call can take a fused operator, else None: CPU tensors of the
     state's floating dtype (fp32/fp64; with bf16=True also bf16 q, k, v on a float32 state), no
@@ -76,12 +83,7 @@ def fused_phi(feature_map, scale, key_padding_mask, state, q, k, v, *, bf16: boo
     if (scale is not None or key_padding_mask is not None or q.device.type != "cpu" or kv.dtype not in _DTYPES
             or not (q.dtype is k.dtype is v.dtype) or kv.dtype is not z.dtype or (q.dtype is not kv.dtype and not low)):
         return None
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or kv.requires_grad
-                                    or z.requires_grad):
-        return None
-    if torch.compiler.is_compiling() or not available():
-        return None
-    return phi
+    return phi if _inference(q, k, v, kv, z) else None
 
 
 def step(state, q, k, v, *, phi: int, normalize: bool, eps: float, angles=None):
@@ -111,11 +113,7 @@ def chunked(q, k, v, state, *, phi: int, normalize: bool, eps: float, chunk: int
 
 def rms_norm_fusable(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """RMSNorm of x can take the fused operator: CPU, fp32/fp64 x of weight's dtype, no gradient wanted."""
-    if x.device.type != "cpu" or x.dtype not in _DTYPES or weight.dtype is not x.dtype:
-        return False
-    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
-        return False
-    return not torch.compiler.is_compiling() and available()
+    return x.device.type == "cpu" and x.dtype in _DTYPES and weight.dtype is x.dtype and _inference(x, weight)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -188,70 +188,46 @@ at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& w_in, double eps) 
   return y;
 }
 
-using gemm_t = void (*)(const char*, const char*, const int*, const int*, const int*, const void*, const void*,
-                       const int*, const void*, const int*, const void*, void*, const int*);
+// A symbol of the loaded torch (its BLAS), or nullptr: global lookup first, then libtorch_cpu itself.
+void* torch_symbol(const char* name) {
+  void* sym = dlsym(RTLD_DEFAULT, name);
+  if (sym == nullptr) {
+    void* lib = dlopen("libtorch_cpu.so", RTLD_LAZY | RTLD_NOLOAD);
+    if (lib != nullptr) sym = dlsym(lib, name);
+  }
+  return sym;
+}
 
-// The BLAS gemm of the loaded torch (sgemm_ / dgemm_), or nullptr.
-template <typename T>
-gemm_t blas_gemm() {
-  static const gemm_t fn = [] {
-    const char* name = std::is_same<T, float>::value ? "sgemm_" : "dgemm_";
-    void* sym = dlsym(RTLD_DEFAULT, name);
-    if (sym == nullptr) {
-      void* lib = dlopen("libtorch_cpu.so", RTLD_LAZY | RTLD_NOLOAD);
-      if (lib != nullptr) sym = dlsym(lib, name);
-    }
-    return reinterpret_cast<gemm_t>(sym);
-  }();
+// Fortran BLAS gemm, column-major: C = alpha op(A) op(B) + beta C, with In operands and Out results
+// (sgemm_ / dgemm_: In = Out; MKL's gemm_bf16bf16f32_: bf16 in, float out).
+template <typename In, typename Out>
+using gemm_t = void (*)(const char*, const char*, const int*, const int*, const int*, const Out*, const In*,
+                        const int*, const In*, const int*, const Out*, Out*, const int*);
+
+template <typename In>
+using linattn_acc = typename std::conditional<std::is_same<In, at::BFloat16>::value, float, In>::type;
+
+// The gemm of the loaded torch for operands of type In, or nullptr (checked once).
+template <typename In>
+gemm_t<In, linattn_acc<In>> blas_gemm() {
+  static const auto fn = reinterpret_cast<gemm_t<In, linattn_acc<In>>>(
+      torch_symbol(std::is_same<In, at::BFloat16>::value ? "gemm_bf16bf16f32_"
+                   : std::is_same<In, float>::value      ? "sgemm_"
+                                                         : "dgemm_"));
   return fn;
-}
-
-// row-major C (M×N) = op(A) op(B) + beta·C, op(X) = Xᵀ when tX (column-major BLAS on the transposes)
-template <typename T>
-inline void mm(gemm_t gemm, bool ta, bool tb, int M, int N, int K, const T* A, int lda, const T* B, int ldb, T beta,
-               T* C, int ldc) {
-  const char tA = tb ? 'T' : 'N', tB = ta ? 'T' : 'N';
-  const T one = T(1);
-  gemm(&tA, &tB, &N, &M, &K, &one, B, &ldb, A, &lda, &beta, C, &ldc);
-}
-
-// MKL's bf16 × bf16 → fp32 gemm, when the loaded torch has it (column-major, Fortran calling convention).
-using gemm_bf16_t = void (*)(const char*, const char*, const int*, const int*, const int*, const float*, const void*,
-                            const int*, const void*, const int*, const float*, float*, const int*);
-
-gemm_bf16_t blas_gemm_bf16() {
-  static const gemm_bf16_t fn = [] {
-    void* sym = dlsym(RTLD_DEFAULT, "gemm_bf16bf16f32_");
-    if (sym == nullptr) {
-      void* lib = dlopen("libtorch_cpu.so", RTLD_LAZY | RTLD_NOLOAD);
-      if (lib != nullptr) sym = dlsym(lib, "gemm_bf16bf16f32_");
-    }
-    return reinterpret_cast<gemm_bf16_t>(sym);
-  }();
-  return fn;
-}
-
-// row-major C (M×N, fp32) = op(A) op(B) + beta·C with bf16 A, B
-inline void mm_bf16(gemm_bf16_t gemm, bool ta, bool tb, int M, int N, int K, const at::BFloat16* A, int lda,
-                    const at::BFloat16* B, int ldb, float beta, float* C, int ldc) {
-  const char tA = tb ? 'T' : 'N', tB = ta ? 'T' : 'N';
-  const float one = 1.f;
-  gemm(&tA, &tB, &N, &M, &K, &one, B, &ldb, A, &lda, &beta, C, &ldc);
 }
 
 bool has_blas() { return blas_gemm<float>() != nullptr && blas_gemm<double>() != nullptr; }
 
-bool has_blas_bf16() { return blas_gemm_bf16() != nullptr; }
+bool has_blas_bf16() { return blas_gemm<at::BFloat16>() != nullptr; }
 
-// row-major C (M×N) = op(A) op(B) + beta·C in the accumulation type: sgemm/dgemm, or MKL's bf16 gemm
-template <typename T, typename Acc>
-inline void gemm_rm(bool ta, bool tb, int M, int N, int K, const T* A, int lda, const T* B, int ldb, Acc beta, Acc* C,
+// row-major C (M×N) = op(A) op(B) + beta·C, op(X) = Xᵀ when tX: the column-major gemm on the transposes
+template <typename In, typename Out = linattn_acc<In>>
+inline void gemm_rm(bool ta, bool tb, int M, int N, int K, const In* A, int lda, const In* B, int ldb, Out beta, Out* C,
                     int ldc) {
-  if constexpr (std::is_same<T, at::BFloat16>::value) {
-    mm_bf16(blas_gemm_bf16(), ta, tb, M, N, K, A, lda, B, ldb, beta, C, ldc);
-  } else {
-    mm<T>(blas_gemm<T>(), ta, tb, M, N, K, A, lda, B, ldb, beta, C, ldc);
-  }
+  const char tA = tb ? 'T' : 'N', tB = ta ? 'T' : 'N';
+  const Out one = 1;
+  blas_gemm<In>()(&tA, &tB, &N, &M, &K, &one, B, &ldb, A, &lda, &beta, C, &ldc);
 }
 
 // The forward for one dtype T of q, k, v, o; scores, state, normalizer and accumulation in Acc (T,
@@ -259,7 +235,7 @@ inline void gemm_rm(bool ta, bool tb, int M, int N, int K, const T* A, int lda, 
 template <typename T>
 void chunked_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& o, at::Tensor& kv,
                   at::Tensor& z_all, int64_t phi, bool normalize, double eps, int64_t chunk, int64_t block) {
-  using Acc = typename std::conditional<std::is_same<T, at::BFloat16>::value, float, T>::type;
+  using Acc = linattn_acc<T>;
   constexpr bool low = !std::is_same<T, Acc>::value;
   const int64_t N = q.size(2), F = q.size(3), E = v.size(3), rows = q.size(0) * q.size(1);
   const T* pq = q.data_ptr<T>();
@@ -292,7 +268,7 @@ void chunked_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
           const T* Kc = K + c0 * F;
           const T* Vc = pv + (r * N + s + c0) * E;
           T* Oc = po + (r * N + s + c0) * E;
-          gemm_rm<T, Acc>(false, true, c, c, f, Qc, f, Kc, f, Acc(0), A.data(), c);  // A = Q̃K̃ᵀ
+          gemm_rm<T>(false, true, c, c, f, Qc, f, Kc, f, Acc(0), A.data(), c);  // A = Q̃K̃ᵀ
           for (int i = 0; i < c; ++i) {
             Acc* Ai = A.data() + i * c;
             Acc d = 0;
@@ -312,13 +288,13 @@ void chunked_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
             S_op = S_low.data();
             U_out = U.data();
           }
-          gemm_rm<T, Acc>(false, false, c, e, c, A_op, c, Vc, e, Acc(0), U_out, e);  // A V
-          gemm_rm<T, Acc>(false, false, c, e, f, Qc, f, S_op, e, Acc(1), U_out, e);  // + Q̃ S
+          gemm_rm<T>(false, false, c, e, c, A_op, c, Vc, e, Acc(0), U_out, e);  // A V
+          gemm_rm<T>(false, false, c, e, f, Qc, f, S_op, e, Acc(1), U_out, e);  // + Q̃ S
           for (int i = 0; i < c; ++i) {
             const Acc inv = normalize ? Acc(1) / den[i] : Acc(1);
             for (int64_t x = 0; x < E; ++x) Oc[i * E + x] = static_cast<T>(U_out[i * E + x] * inv);
           }
-          gemm_rm<T, Acc>(true, false, f, e, c, Kc, f, Vc, e, Acc(1), S, e);  // S += K̃ᵀV
+          gemm_rm<T>(true, false, f, e, c, Kc, f, Vc, e, Acc(1), S, e);  // S += K̃ᵀV
           for (int i = 0; i < c; ++i)
             for (int64_t x = 0; x < F; ++x) z[x] += static_cast<Acc>(Kc[i * F + x]);
         }
@@ -348,7 +324,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> chunked(const at::Tensor& q_in, c
     TORCH_CHECK(t->scalar_type() == (bf16 ? at::kFloat : q.scalar_type()),
                 "linattn_cpu::chunked: the state must be float32 for bf16 inputs, else of q's dtype");
   }
-  TORCH_CHECK(bf16 ? blas_gemm_bf16() != nullptr : has_blas(), "linattn_cpu::chunked: no BLAS gemm found in torch");
+  TORCH_CHECK(bf16 ? has_blas_bf16() : has_blas(), "linattn_cpu::chunked: no BLAS gemm found in torch");
   at::Tensor kv = kv0_in.contiguous().clone(), z = z0_in.contiguous().clone();
   at::Tensor o = at::empty_like(v);
   // φ is applied to blocks of this many tokens at a time (ATen's vectorized exp), then chunk by chunk
