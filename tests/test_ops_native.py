@@ -256,6 +256,30 @@ def test_fused_chunked_forward_equals_the_autograd_op_in_float32(monkeypatch):
 
 
 @needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_fused_chunked_features_are_elu_plus_one_within_an_ulp(dtype):
+    """The fused forward computes exp of its own (a polynomial, so that the loop vectorizes): one
+    token's final z is φ(k) itself, checked against exp/x+1 in float64 from -120 to 5 (underflow
+    included): within one ulp of the dtype where φ is normal (from 1.00001× the smallest normal up;
+    the kernel flushes below), and within the smallest normal beneath."""
+    x = torch.cat([torch.linspace(-120, 5, 100_001, dtype=torch.float64),
+                   torch.tensor([0.0, -0.0, -1e-30, 1e-30, -87.3, -87.34, -708.3, -708.4], dtype=torch.float64)]).to(dtype)
+    k = x.view(1, 1, 1, -1)
+    f = k.shape[-1]
+    state = (torch.zeros(1, 1, f, 1, dtype=dtype), torch.zeros(1, 1, f, dtype=dtype))
+    _, (_, z) = native.chunked(torch.zeros_like(k), k, torch.ones(1, 1, 1, 1, dtype=dtype), state, phi=1,
+                               normalize=True, eps=1e-6, chunk=64)
+    xd = x.double()
+    want = torch.where(xd > 0, xd + 1, torch.exp(xd))
+    got = z.view(-1).double()
+    info = torch.finfo(dtype)
+    normal = want >= info.tiny * 1.00001
+    assert ((got - want).abs() / want)[normal].max() <= info.eps
+    assert (got - want)[~normal].abs().max() <= info.tiny
+    assert (got >= 0).all()
+
+
+@needs_native
 @pytest.mark.parametrize("n", [1, 70, 600])
 def test_fused_chunked_forward_in_bf16_is_as_close_to_the_oracle_as_the_torch_ops(monkeypatch, n):
     """bf16 q, k, v on a float32 state (MKL's bf16 gemm, fp32 scores and accumulation): its error

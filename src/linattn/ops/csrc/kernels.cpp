@@ -21,9 +21,12 @@
 #include <torch/library.h>
 
 #include <dlfcn.h>
+#include <sys/mman.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <tuple>
 #include <type_traits>
 #include <vector>
@@ -230,6 +233,124 @@ inline void gemm_rm(bool ta, bool tb, int M, int N, int K, const In* A, int lda,
   blas_gemm<In>()(&tA, &tB, &N, &M, &K, &one, B, &ldb, A, &lda, &beta, C, &ldc);
 }
 
+// Elementwise pieces of the chunk loop, compiled for AVX-512 / AVX2 where the CPU has them (the rest
+// of this file is built for the baseline ISA). T is the dtype of q, k, v, o; Acc that of the scores
+// and the state (float for bf16).
+
+// float -> bf16, round to nearest even (NaN stays NaN), written so that it vectorizes
+LINATTN_CLONES void narrow_bf16(const float* __restrict__ src, at::BFloat16* __restrict__ dst, int64_t n) {
+  uint16_t* __restrict__ out = reinterpret_cast<uint16_t*>(dst);
+  for (int64_t i = 0; i < n; ++i) {
+    uint32_t u;
+    std::memcpy(&u, src + i, sizeof(u));
+    const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+    out[i] = src[i] != src[i] ? uint16_t(0x7FC0) : static_cast<uint16_t>(rounded);
+  }
+}
+
+// Causal mask and denominators of one chunk: A (c×c, row-major) loses its part above the diagonal;
+// den_i = Σ_{j≤i} A_ij + Q̃_i · z + ε
+template <typename T, typename Acc>
+LINATTN_CLONES void mask_and_denominators(Acc* __restrict__ A, int c, const T* __restrict__ Q, const Acc* __restrict__ z,
+                                          int64_t F, Acc eps, Acc* __restrict__ den) {
+  for (int i = 0; i < c; ++i) {
+    Acc* __restrict__ Ai = A + int64_t(i) * c;
+    const T* __restrict__ Qi = Q + i * F;
+    Acc d = 0, qz = 0;
+#pragma omp simd reduction(+ : d)
+    for (int j = 0; j <= i; ++j) d += Ai[j];
+    for (int j = i + 1; j < c; ++j) Ai[j] = Acc(0);
+#pragma omp simd reduction(+ : qz)
+    for (int64_t x = 0; x < F; ++x) qz += static_cast<Acc>(Qi[x]) * z[x];
+    den[i] = d + qz + eps;
+  }
+}
+
+template <typename Acc>
+LINATTN_CLONES void mask_upper(Acc* __restrict__ A, int c) {
+  for (int i = 0; i < c; ++i)
+    for (int j = i + 1; j < c; ++j) A[int64_t(i) * c + j] = Acc(0);
+}
+
+// O = U / den row by row (U = O is allowed), or O = U without normalization
+template <typename T, typename Acc>
+LINATTN_CLONES void write_rows(const Acc* U, const Acc* __restrict__ den, bool normalize, T* O, int c, int64_t E) {
+  for (int i = 0; i < c; ++i) {
+    const Acc inv = normalize ? Acc(1) / den[i] : Acc(1);
+    for (int64_t x = 0; x < E; ++x) O[i * E + x] = static_cast<T>(U[i * E + x] * inv);
+  }
+}
+
+// z += K̃ᵀ 1 over the c rows of a chunk
+template <typename T, typename Acc>
+LINATTN_CLONES void add_column_sums(Acc* __restrict__ z, const T* __restrict__ K, int c, int64_t F) {
+  for (int i = 0; i < c; ++i)
+    for (int64_t x = 0; x < F; ++x) z[x] += static_cast<Acc>(K[i * F + x]);
+}
+
+// Acc operands as T (a copy only for bf16)
+template <typename T, typename Acc>
+inline const T* as_operand(const Acc* src, std::vector<T>& buf, int64_t n) {
+  if constexpr (std::is_same<T, Acc>::value) {
+    return src;
+  } else {
+    narrow_bf16(src, buf.data(), n);
+    return buf.data();
+  }
+}
+
+// exp(x) for x ≤ 0 without a library call, so that the loop calling it vectorizes: x = n ln2 + r,
+// |r| ≤ ln2/2 (ln2 split in a part exact in Acc and a remainder); eʳ by its Taylor polynomial, of
+// degree 7 for float and 13 for double (the remainder r^(d+1)/(d+1)! is then under 2⁻²⁷ and 2⁻⁵⁷),
+// in Horner form; 2ⁿ through the exponent bits. Where eˣ is below the smallest normal the result is 0.
+template <typename Acc>
+inline Acc exp_nonpositive(Acc x) {
+  constexpr bool single = std::is_same<Acc, float>::value;
+  using Bits = typename std::conditional<single, int32_t, int64_t>::type;
+  constexpr int mant = single ? 23 : 52, bias = single ? 127 : 1023, degree = single ? 7 : 13;
+  constexpr Acc lowest = single ? Acc(-87.33654f) : Acc(-708.396418532264);  // ≈ ln of the smallest normal
+  constexpr Acc log2e = Acc(1.4426950408889634), ln2_hi = single ? Acc(0.693145751953125) : Acc(0.6931471803691238);
+  constexpr Acc ln2_lo = single ? Acc(1.428606765330187e-06) : Acc(1.9082149292705877e-10);
+  constexpr double inv_fact[14] = {1.0, 1.0, 1.0 / 2, 1.0 / 6, 1.0 / 24, 1.0 / 120, 1.0 / 720, 1.0 / 5040,
+                                   1.0 / 40320, 1.0 / 362880, 1.0 / 3628800, 1.0 / 39916800, 1.0 / 479001600,
+                                   1.0 / 6227020800.0};
+  const Acc xc = x < lowest ? lowest : x;
+  const Acc n = std::nearbyint(xc * log2e);
+  const Acc r = (xc - n * ln2_hi) - n * ln2_lo;
+  Acc p = Acc(inv_fact[degree]);
+  for (int d = degree - 1; d >= 0; --d) p = p * r + Acc(inv_fact[d]);
+  const Bits e = (static_cast<Bits>(n) + bias) << mant;
+  Acc scale;
+  std::memcpy(&scale, &e, sizeof(scale));
+  return x < lowest ? Acc(0) : p * scale;
+}
+
+// φ = elu + 1 = exp(min(x, 0)) + max(x, 0) of n values, in Acc
+template <typename T, typename Acc>
+LINATTN_CLONES void elu_plus_one(const T* __restrict__ x, Acc* __restrict__ out, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    const Acc v = static_cast<Acc>(x[i]);
+    out[i] = exp_nonpositive(std::min(v, Acc(0))) + std::max(v, Acc(0));
+  }
+}
+
+// The features φ = elu + 1 of one block of n values of q and of k, as T (bf16: rounded once, as
+// they are gemm operands, and z sums the rounded values); *Q, *K point into feat.
+template <typename T, typename Acc>
+void block_features(const T* q, const T* k, int64_t n, std::vector<Acc>& wide, std::vector<T>& feat, const T** Q,
+                    const T** K) {
+  if constexpr (std::is_same<T, Acc>::value) {
+    elu_plus_one(q, feat.data(), n);
+    elu_plus_one(k, feat.data() + n, n);
+  } else {
+    elu_plus_one(q, wide.data(), n);
+    elu_plus_one(k, wide.data() + n, n);
+    narrow_bf16(wide.data(), feat.data(), 2 * n);
+  }
+  *Q = feat.data();
+  *K = feat.data() + n;
+}
+
 // The forward for one dtype T of q, k, v, o; scores, state, normalizer and accumulation in Acc (T,
 // or float for bf16: then the scores and the state are rounded to bf16 only as gemm operands).
 template <typename T>
@@ -244,24 +365,18 @@ void chunked_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   T* po = o.data_ptr<T>();
   Acc* pS = kv.data_ptr<Acc>();
   Acc* pz = z_all.data_ptr<Acc>();
-  const auto opts = q.options();
   const Acc eps_t = static_cast<Acc>(eps);
   at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
-    std::vector<Acc> A(chunk * chunk), den(chunk), U(low ? chunk * E : 0);
-    std::vector<T> A_low(low ? chunk * chunk : 0), S_low(low ? F * E : 0);
+    std::vector<Acc> A(chunk * chunk), den(chunk), U(low ? chunk * E : 0), wide(low && phi == 1 ? 2 * block * F : 0);
+    std::vector<T> A_low(low ? chunk * chunk : 0), S_low(low ? F * E : 0), feat(phi == 1 ? 2 * block * F : 0);
     for (int64_t r = r0; r < r1; ++r) {
       Acc* S = pS + r * F * E;
       Acc* z = pz + r * F;
       for (int64_t s = 0; s < N; s += block) {
         const int64_t m = std::min(N, s + block) - s;
-        at::Tensor qb = at::from_blob(const_cast<T*>(pq + (r * N + s) * F), {m, F}, opts);
-        at::Tensor kb = at::from_blob(const_cast<T*>(pk + (r * N + s) * F), {m, F}, opts);
-        if (phi == 1) {
-          qb = at::clamp_max(qb, 0).exp_().add_(at::clamp_min(qb, 0));
-          kb = at::clamp_max(kb, 0).exp_().add_(at::clamp_min(kb, 0));
-        }
-        const T* Q = qb.data_ptr<T>();
-        const T* K = kb.data_ptr<T>();
+        const T* Q = pq + (r * N + s) * F;
+        const T* K = pk + (r * N + s) * F;
+        if (phi == 1) block_features(Q, K, m * F, wide, feat, &Q, &K);
         for (int64_t c0 = 0; c0 < m; c0 += chunk) {
           const int c = static_cast<int>(std::min(chunk, m - c0)), f = static_cast<int>(F), e = static_cast<int>(E);
           const T* Qc = Q + c0 * F;
@@ -269,38 +384,35 @@ void chunked_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
           const T* Vc = pv + (r * N + s + c0) * E;
           T* Oc = po + (r * N + s + c0) * E;
           gemm_rm<T>(false, true, c, c, f, Qc, f, Kc, f, Acc(0), A.data(), c);  // A = Q̃K̃ᵀ
-          for (int i = 0; i < c; ++i) {
-            Acc* Ai = A.data() + i * c;
-            Acc d = 0;
-            for (int j = 0; j <= i; ++j) d += Ai[j];
-            for (int j = i + 1; j < c; ++j) Ai[j] = Acc(0);
-            Acc qz = 0;
-            for (int64_t x = 0; x < F; ++x) qz += static_cast<Acc>(Qc[i * F + x]) * z[x];
-            den[i] = d + qz + eps_t;
+          if (normalize) {
+            mask_and_denominators(A.data(), c, Qc, z, F, eps_t, den.data());
+          } else {
+            mask_upper(A.data(), c);
           }
-          const T* A_op = reinterpret_cast<const T*>(A.data());
-          const T* S_op = reinterpret_cast<const T*>(S);
-          Acc* U_out = reinterpret_cast<Acc*>(Oc);
-          if constexpr (low) {
-            std::copy(A.begin(), A.begin() + c * c, A_low.begin());
-            std::copy(S, S + F * E, S_low.begin());
-            A_op = A_low.data();
-            S_op = S_low.data();
-            U_out = U.data();
-          }
-          gemm_rm<T>(false, false, c, e, c, A_op, c, Vc, e, Acc(0), U_out, e);  // A V
-          gemm_rm<T>(false, false, c, e, f, Qc, f, S_op, e, Acc(1), U_out, e);  // + Q̃ S
-          for (int i = 0; i < c; ++i) {
-            const Acc inv = normalize ? Acc(1) / den[i] : Acc(1);
-            for (int64_t x = 0; x < E; ++x) Oc[i * E + x] = static_cast<T>(U_out[i * E + x] * inv);
-          }
+          Acc* U_out = low ? U.data() : reinterpret_cast<Acc*>(Oc);
+          gemm_rm<T>(false, false, c, e, c, as_operand<T>(A.data(), A_low, int64_t(c) * c), c, Vc, e, Acc(0), U_out,
+                     e);                                                                              // A V
+          gemm_rm<T>(false, false, c, e, f, Qc, f, as_operand<T>(S, S_low, F * E), e, Acc(1), U_out, e);  // + Q̃ S
+          write_rows(U_out, den.data(), normalize, Oc, c, E);
           gemm_rm<T>(true, false, f, e, c, Kc, f, Vc, e, Acc(1), S, e);  // S += K̃ᵀV
-          for (int i = 0; i < c; ++i)
-            for (int64_t x = 0; x < F; ++x) z[x] += static_cast<Acc>(Kc[i * F + x]);
+          add_column_sums(z, Kc, c, F);
         }
       }
     }
   });
+}
+
+// A tensor for a large result, its pages backed by transparent huge pages where the kernel allows it
+// (Linux, THP "madvise" or "always"): a fresh 32 MiB output otherwise costs ~8,000 page faults.
+at::Tensor empty_result(at::IntArrayRef sizes, const at::TensorOptions& opts) {
+  at::Tensor t = at::empty(sizes, opts);
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  constexpr uintptr_t huge = uintptr_t{1} << 21;
+  const auto begin = reinterpret_cast<uintptr_t>(t.data_ptr());
+  const uintptr_t first = (begin + huge - 1) & ~(huge - 1), last = (begin + t.nbytes()) & ~(huge - 1);
+  if (t.nbytes() >= 4 * huge && last > first) madvise(reinterpret_cast<void*>(first), last - first, MADV_HUGEPAGE);
+#endif
+  return t;
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> chunked(const at::Tensor& q_in, const at::Tensor& k_in,
@@ -326,7 +438,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> chunked(const at::Tensor& q_in, c
   }
   TORCH_CHECK(bf16 ? has_blas_bf16() : has_blas(), "linattn_cpu::chunked: no BLAS gemm found in torch");
   at::Tensor kv = kv0_in.contiguous().clone(), z = z0_in.contiguous().clone();
-  at::Tensor o = at::empty_like(v);
+  at::Tensor o = empty_result(v.sizes(), v.options());
   // φ is applied to blocks of this many tokens at a time (ATen's vectorized exp), then chunk by chunk
   const int64_t block = std::max<int64_t>(chunk, (512 / chunk) * chunk);
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "linattn_cpu_chunked", [&] {
