@@ -2,11 +2,11 @@
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from linattn.feature_maps import make_feature_map
-from linattn.ops import linear_attention
+from linattn.ops import linear_attention, native
 from linattn.positional import RotaryEmbedding
 
 from .conftest import oracle
@@ -14,6 +14,16 @@ from .conftest import oracle
 DT = torch.float64
 MAP_OPTIONS = {"cosformer": {"max_len": 512}, "favor": {"num_features": 12}, "trig": {"num_features": 6},
                "hedgehog": {"num_features": 5}}
+
+
+@pytest.fixture(autouse=True, params=["fused", "torch ops"])
+def op_path(request, monkeypatch):
+    """Every test here runs on both CPU paths of the causal op: the fused kernels (taken by φ elu+1 or
+    identity without RoPE, mask or scale) and the torch-op autograd Function (LINATTN_NATIVE=0)."""
+    if request.param == "fused" and not native.available():
+        pytest.skip("the fused CPU kernels could not be built here")
+    monkeypatch.setenv("LINATTN_NATIVE", "1" if request.param == "fused" else "0")
+    return request.param
 
 
 def _inputs(b, h, n, d, e, positive, seed=0):
@@ -130,7 +140,7 @@ def test_backward_twice_with_retained_graph(name):
         torch.testing.assert_close(a, b_, atol=1e-12, rtol=1e-12)
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     b=st.integers(1, 2), h=st.integers(1, 3), n=st.integers(1, 40), d=st.integers(1, 6), e=st.integers(1, 6),
     chunk=st.integers(1, 17), normalize=st.booleans(), seed=st.integers(0, 2**16),

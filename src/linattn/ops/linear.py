@@ -107,8 +107,8 @@ def linear_attention(
         be given when resuming from a state with either).
     rope: a linattn.positional.RotaryEmbedding of dim F, applied to the numerator features only.
 
-    On the CPU, a causal call with φ elu+1 or None, no RoPE, mask or scale, fp32/fp64/bf16 inputs and
-    no gradient wanted runs as one fused operator (linattn.ops.native; the same numbers up to rounding).
+    On the CPU, a causal call with φ elu+1 or None, no RoPE, mask or scale and fp32/fp64/bf16 inputs
+    runs as fused operators, forward and backward (linattn.ops.native; the same numbers up to rounding).
     """
     advance_schedule(feature_map)
     return _linear_attention(q, k, v, causal=causal, feature_map=feature_map, normalize=normalize, eps=eps,
@@ -125,8 +125,8 @@ def _linear_attention(q, k, v, *, causal, feature_map, normalize, eps, scale, ke
     fz, state = _prepare(q, k, v, feature_map=feature_map, scale=scale, key_padding_mask=key_padding_mask,
                          initial_state=initial_state, positions=positions, rope=rope)
     phi = None if not causal or rope is not None else native.fused_phi(feature_map, scale, key_padding_mask, state,
-                                                                       q, k, v, bf16=True)
-    if phi is not None and native.chunked_ready(q.dtype):  # CPU inference: one fused operator
+                                                                       q, k, v, bf16=True, train=True)
+    if phi is not None and native.chunked_ready(q.dtype):  # CPU: fused forward (and backward)
         o, (kv, z) = native.chunked(q, k, v, state, phi=phi, normalize=normalize, eps=float(eps), chunk=chunk_size)
     elif causal:
         o, kv, z = ChunkedCausalLinearAttention.apply(fz, chunk_size, normalize, float(eps), q, k, v, *state,

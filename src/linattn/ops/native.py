@@ -4,8 +4,9 @@ One decoding step of linear attention is a dozen tiny tensor ops when written wi
 a CPU its time goes to operator dispatch rather than arithmetic. `csrc/kernels.cpp` does the whole
 step (φ = elu+1 or identity, optional RoPE, state update, output) in one operator,
 `linattn_cpu::step`, and RMSNorm (about six ops inside F.rms_norm) in one, `linattn_cpu::rms_norm`.
-For inference, `linattn_cpu::chunked` runs the causal chunked forward row by row with the state and
-the chunk scores kept in cache, its products by the BLAS gemm that torch itself links.
+`linattn_cpu::chunked` runs the causal chunked forward row by row with the state and the chunk scores
+kept in cache, its products by the BLAS gemm that torch itself links; for training it also saves the
+denominators and block states, and `linattn_cpu::chunked_backward` walks the rows back.
 
 The extension is built the first time a kernel can be used (about 15 s; torch caches the build under
 ~/.cache/torch_extensions and rebuilds when the source changes). Where it cannot be built (no C++
@@ -45,7 +46,7 @@ def load() -> bool:
             try:
                 from torch.utils.cpp_extension import load as build
 
-                build("linattn_cpu", sources=[str(_SOURCE)], extra_cflags=["-O3", "-fopenmp"],
+                build("linattn_cpu", sources=[str(_SOURCE)], extra_cflags=["-O3", "-fopenmp", "-fno-trapping-math"],
                       extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
                 _state["loaded"] = hasattr(torch.ops.linattn_cpu, "step")
             except Exception as exc:  # no compiler, no ninja, a failed build: keep the torch-op path
@@ -68,10 +69,11 @@ def _inference(*tensors) -> bool:
     return not torch.compiler.is_compiling() and available()
 
 
-def fused_phi(feature_map, scale, key_padding_mask, state, q, k, v, *, bf16: bool = False):
+def fused_phi(feature_map, scale, key_padding_mask, state, q, k, v, *, bf16: bool = False, train: bool = False):
     """The kernels' φ code when a call can take a fused operator, else None: CPU tensors of the
-    state's floating dtype (fp32/fp64; with bf16=True also bf16 q, k, v on a float32 state), no
-    gradient wanted, φ the identity or elu+1, no scale, no mask."""
+    state's floating dtype (fp32/fp64; with bf16=True also bf16 q, k, v on a float32 state), φ the
+    identity or elu+1 (neither has parameters), no scale, no mask, and no gradient wanted unless
+    train=True (the chunked forward has a fused backward; the step has none)."""
     if feature_map is None:
         phi = 0
     elif type(feature_map) is EluPlusOne:
@@ -83,6 +85,8 @@ def fused_phi(feature_map, scale, key_padding_mask, state, q, k, v, *, bf16: boo
     if (scale is not None or key_padding_mask is not None or q.device.type != "cpu" or kv.dtype not in _DTYPES
             or not (q.dtype is k.dtype is v.dtype) or kv.dtype is not z.dtype or (q.dtype is not kv.dtype and not low)):
         return None
+    if train:
+        return phi if not torch.compiler.is_compiling() and available() else None
     return phi if _inference(q, k, v, kv, z) else None
 
 
@@ -106,9 +110,42 @@ def chunked_ready(dtype: torch.dtype) -> bool:
 
 
 def chunked(q, k, v, state, *, phi: int, normalize: bool, eps: float, chunk: int):
-    """linattn_cpu::chunked: the causal forward for inference. Returns (o, (kv, z))."""
-    o, kv, z = torch.ops.linattn_cpu.chunked.default(q, k, v, state[0], state[1], phi, normalize, eps, chunk)
+    """The causal chunked forward as fused operators: linattn_cpu::chunked alone when no gradient is
+    wanted, else through `FusedChunkedCausal` (its backward is linattn_cpu::chunked_backward).
+    Returns (o, (kv, z))."""
+    kv0, z0 = state
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, kv0, z0)):
+        o, kv, z = FusedChunkedCausal.apply(q, k, v, kv0, z0, phi, normalize, eps, chunk)
+    else:
+        o, kv, z, *_ = torch.ops.linattn_cpu.chunked.default(q, k, v, kv0, z0, phi, normalize, eps, chunk, False)
     return o, (kv, z)
+
+
+class FusedChunkedCausal(torch.autograd.Function):
+    """apply(q, k, v, kv0, z0, phi, normalize, eps, chunk) -> (o, kv, z), fused forward and backward.
+
+    Saved for the backward: q, k, v, o, the denominators d + ε (B·H·N floats) and the state entering
+    every block of 512 tokens (B·H·⌈N/512⌉·F·E floats); the backward recomputes φ and the chunk states
+    of one block at a time. Not twice differentiable."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, kv0, z0, phi, normalize, eps, chunk):
+        o, kv, z, den, S_blocks, z_blocks = torch.ops.linattn_cpu.chunked.default(q, k, v, kv0, z0, phi, normalize,
+                                                                                 eps, chunk, True)
+        ctx.save_for_backward(q, k, v, o, den, S_blocks, z_blocks)
+        ctx.phi, ctx.normalize, ctx.chunk, ctx.state_dtypes = phi, normalize, chunk, (kv0.dtype, z0.dtype)
+        ctx.set_materialize_grads(False)  # unused outputs get None, not zero tensors
+        return o, kv, z
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, do, dkv, dz):
+        q, k, v, o, den, S_blocks, z_blocks = ctx.saved_tensors
+        if do is None:
+            do = torch.zeros_like(o)
+        dq, dk, dv, dkv0, dz0 = torch.ops.linattn_cpu.chunked_backward.default(
+            q, k, v, o, do, den, S_blocks, z_blocks, dkv, dz, ctx.phi, ctx.normalize, ctx.chunk)
+        return dq, dk, dv, dkv0.to(ctx.state_dtypes[0]), dz0.to(ctx.state_dtypes[1]), None, None, None, None
 
 
 def rms_norm_fusable(x: torch.Tensor, weight: torch.Tensor) -> bool:

@@ -288,6 +288,63 @@ LINATTN_CLONES void add_column_sums(Acc* __restrict__ z, const T* __restrict__ K
     for (int64_t x = 0; x < F; ++x) z[x] += static_cast<Acc>(K[i * F + x]);
 }
 
+// Backward pieces. G = ∂L/∂U = dO / den and g = ∂L/∂den = -Σ_e dO ⊙ O / den, per row of a chunk
+template <typename T, typename Acc>
+LINATTN_CLONES void output_grads(const T* __restrict__ dO, const T* __restrict__ O, const Acc* __restrict__ den,
+                                 bool normalize, Acc* __restrict__ G, Acc* __restrict__ g, int c, int64_t E) {
+  for (int i = 0; i < c; ++i) {
+    const Acc inv = normalize ? Acc(1) / den[i] : Acc(1);
+    Acc dot = 0;
+#pragma omp simd reduction(+ : dot)
+    for (int64_t x = 0; x < E; ++x) {
+      const Acc d = static_cast<Acc>(dO[i * E + x]);
+      G[i * E + x] = d * inv;
+      dot += d * static_cast<Acc>(O[i * E + x]);
+    }
+    g[i] = -dot * inv;
+  }
+}
+
+// P_ij += g_i (the denominator's share, P_d = M ⊙ g1ᵀ) on and below the diagonal, 0 above
+template <typename Acc>
+LINATTN_CLONES void add_rows_and_mask(Acc* __restrict__ P, const Acc* __restrict__ g, int c) {
+  for (int i = 0; i < c; ++i) {
+    Acc* __restrict__ Pi = P + int64_t(i) * c;
+    for (int j = 0; j <= i; ++j) Pi[j] += g[i];
+    for (int j = i + 1; j < c; ++j) Pi[j] = Acc(0);
+  }
+}
+
+// X_i += a_i · y (a = nullptr: a_i = 1) for the c rows of X (c×F)
+template <typename Acc>
+LINATTN_CLONES void add_outer(Acc* __restrict__ X, const Acc* __restrict__ a, const Acc* __restrict__ y, int c,
+                              int64_t F) {
+  for (int i = 0; i < c; ++i) {
+    const Acc ai = a == nullptr ? Acc(1) : a[i];
+    for (int64_t x = 0; x < F; ++x) X[i * F + x] += ai * y[x];
+  }
+}
+
+// y += Σ_i a_i X_i over the c rows of X (c×F)
+template <typename T, typename Acc>
+LINATTN_CLONES void add_weighted_rows(Acc* __restrict__ y, const Acc* __restrict__ a, const T* __restrict__ X, int c,
+                                      int64_t F) {
+  for (int i = 0; i < c; ++i)
+    for (int64_t x = 0; x < F; ++x) y[x] += a[i] * static_cast<Acc>(X[i * F + x]);
+}
+
+// ∂L/∂x = ∂L/∂φ(x) · φ'(x) with φ'(x) = min(φ(x), 1) for elu+1 (f its features), or ∂L/∂x = ∂L/∂φ
+// (f = nullptr: the identity)
+template <typename T, typename Acc>
+LINATTN_CLONES void chain_features(const Acc* __restrict__ grad, const Acc* __restrict__ f, T* __restrict__ out,
+                                   int64_t n) {
+  if (f == nullptr) {
+    for (int64_t i = 0; i < n; ++i) out[i] = static_cast<T>(grad[i]);
+  } else {
+    for (int64_t i = 0; i < n; ++i) out[i] = static_cast<T>(grad[i] * std::min(f[i], Acc(1)));
+  }
+}
+
 // Acc operands as T (a copy only for bf16)
 template <typename T, typename Acc>
 inline const T* as_operand(const Acc* src, std::vector<T>& buf, int64_t n) {
@@ -302,7 +359,7 @@ inline const T* as_operand(const Acc* src, std::vector<T>& buf, int64_t n) {
 // exp(x) for x ≤ 0 without a library call, so that the loop calling it vectorizes: x = n ln2 + r,
 // |r| ≤ ln2/2 (ln2 split in a part exact in Acc and a remainder); eʳ by its Taylor polynomial, of
 // degree 7 for float and 13 for double (the remainder r^(d+1)/(d+1)! is then under 2⁻²⁷ and 2⁻⁵⁷),
-// in Horner form; 2ⁿ through the exponent bits. Where eˣ is below the smallest normal the result is 0.
+// in Horner form; 2ⁿ through the exponent bits. Below the smallest normal it gives ≈ the smallest normal.
 template <typename Acc>
 inline Acc exp_nonpositive(Acc x) {
   constexpr bool single = std::is_same<Acc, float>::value;
@@ -314,15 +371,16 @@ inline Acc exp_nonpositive(Acc x) {
   constexpr double inv_fact[14] = {1.0, 1.0, 1.0 / 2, 1.0 / 6, 1.0 / 24, 1.0 / 120, 1.0 / 720, 1.0 / 5040,
                                    1.0 / 40320, 1.0 / 362880, 1.0 / 3628800, 1.0 / 39916800, 1.0 / 479001600,
                                    1.0 / 6227020800.0};
-  const Acc xc = x < lowest ? lowest : x;
-  const Acc n = std::nearbyint(xc * log2e);
+  const Acc xc = std::max(x, lowest);
+  constexpr Acc round = single ? Acc(12582912.0) : Acc(6755399441055744.0);  // 1.5·2^mant: adding it rounds
+  const Acc n = (xc * log2e + round) - round;
   const Acc r = (xc - n * ln2_hi) - n * ln2_lo;
   Acc p = Acc(inv_fact[degree]);
   for (int d = degree - 1; d >= 0; --d) p = p * r + Acc(inv_fact[d]);
   const Bits e = (static_cast<Bits>(n) + bias) << mant;
   Acc scale;
   std::memcpy(&scale, &e, sizeof(scale));
-  return x < lowest ? Acc(0) : p * scale;
+  return p * scale;
 }
 
 // φ = elu + 1 = exp(min(x, 0)) + max(x, 0) of n values, in Acc
@@ -353,9 +411,20 @@ void block_features(const T* q, const T* k, int64_t n, std::vector<Acc>& wide, s
 
 // The forward for one dtype T of q, k, v, o; scores, state, normalizer and accumulation in Acc (T,
 // or float for bf16: then the scores and the state are rounded to bf16 only as gemm operands).
+// With a training forward (saves != nullptr) it also keeps what the backward needs: the denominators
+// d + ε of every token and the state entering every block.
+template <typename Acc>
+struct Saves {
+  Acc* den;       // (rows, N)
+  Acc* S_blocks;  // (rows, blocks, F, E)
+  Acc* z_blocks;  // (rows, blocks, F)
+  int64_t blocks;
+};
+
 template <typename T>
 void chunked_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& o, at::Tensor& kv,
-                  at::Tensor& z_all, int64_t phi, bool normalize, double eps, int64_t chunk, int64_t block) {
+                  at::Tensor& z_all, int64_t phi, bool normalize, double eps, int64_t chunk, int64_t block,
+                  const Saves<linattn_acc<T>>* saves) {
   using Acc = linattn_acc<T>;
   constexpr bool low = !std::is_same<T, Acc>::value;
   const int64_t N = q.size(2), F = q.size(3), E = v.size(3), rows = q.size(0) * q.size(1);
@@ -376,6 +445,11 @@ void chunked_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
         const int64_t m = std::min(N, s + block) - s;
         const T* Q = pq + (r * N + s) * F;
         const T* K = pk + (r * N + s) * F;
+        if (saves != nullptr) {
+          const int64_t b = r * saves->blocks + s / block;
+          std::copy(S, S + F * E, saves->S_blocks + b * F * E);
+          std::copy(z, z + F, saves->z_blocks + b * F);
+        }
         if (phi == 1) block_features(Q, K, m * F, wide, feat, &Q, &K);
         for (int64_t c0 = 0; c0 < m; c0 += chunk) {
           const int c = static_cast<int>(std::min(chunk, m - c0)), f = static_cast<int>(F), e = static_cast<int>(E);
@@ -386,6 +460,7 @@ void chunked_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
           gemm_rm<T>(false, true, c, c, f, Qc, f, Kc, f, Acc(0), A.data(), c);  // A = Q̃K̃ᵀ
           if (normalize) {
             mask_and_denominators(A.data(), c, Qc, z, F, eps_t, den.data());
+            if (saves != nullptr) std::copy(den.begin(), den.begin() + c, saves->den + r * N + s + c0);
           } else {
             mask_upper(A.data(), c);
           }
@@ -415,36 +490,178 @@ at::Tensor empty_result(at::IntArrayRef sizes, const at::TensorOptions& opts) {
   return t;
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> chunked(const at::Tensor& q_in, const at::Tensor& k_in,
-                                                       const at::Tensor& v_in, const at::Tensor& kv0_in,
-                                                       const at::Tensor& z0_in, int64_t phi, bool normalize, double eps,
-                                                       int64_t chunk) {
-  TORCH_CHECK(q_in.dim() == 4 && k_in.sizes() == q_in.sizes() && v_in.dim() == 4 &&
-                  v_in.sizes().slice(0, 3) == q_in.sizes().slice(0, 3),
-              "linattn_cpu::chunked expects q, k (B, H, N, F) and v (B, H, N, E)");
-  TORCH_CHECK(phi == 0 || phi == 1, "linattn_cpu::chunked: phi must be 0 (identity) or 1 (elu + 1)");
-  TORCH_CHECK(chunk > 0, "linattn_cpu::chunked: chunk must be positive");
-  const at::Tensor q = q_in.contiguous(), k = k_in.contiguous(), v = v_in.contiguous();
-  const int64_t F = q.size(3), E = v.size(3), rows = q.size(0) * q.size(1);
-  TORCH_CHECK(kv0_in.numel() == rows * F * E && z0_in.numel() == rows * F,
-              "linattn_cpu::chunked: the initial state must be (B, H, F, E), (B, H, F)");
+// Tokens per block of a row: φ is computed for a block at a time, and the training forward saves the
+// state entering each block (the backward recomputes the chunk states inside a block from it).
+int64_t block_tokens(int64_t chunk) { return std::max<int64_t>(chunk, (512 / chunk) * chunk); }
+
+// q, k (B, H, N, F), v (B, H, N, E) of one dtype, states (kv-like, z-like) in the state dtype (float32
+// for bf16 inputs, else q's), a BLAS gemm for the dtype: the checks shared by both passes.
+void check_inputs(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& kv,
+                  const at::Tensor& z, int64_t phi, int64_t chunk) {
+  TORCH_CHECK(q.dim() == 4 && k.sizes() == q.sizes() && v.dim() == 4 && v.sizes().slice(0, 3) == q.sizes().slice(0, 3),
+              op, " expects q, k (B, H, N, F) and v (B, H, N, E)");
+  TORCH_CHECK(phi == 0 || phi == 1, op, ": phi must be 0 (identity) or 1 (elu + 1)");
+  TORCH_CHECK(chunk > 0, op, ": chunk must be positive");
   const bool bf16 = q.scalar_type() == at::kBFloat16;
   for (const at::Tensor* t : {&k, &v}) {
-    TORCH_CHECK(t->scalar_type() == q.scalar_type(), "linattn_cpu::chunked: q, k, v must share a dtype");
+    TORCH_CHECK(t->scalar_type() == q.scalar_type(), op, ": q, k, v must share a dtype");
   }
-  for (const at::Tensor* t : {&kv0_in, &z0_in}) {
-    TORCH_CHECK(t->scalar_type() == (bf16 ? at::kFloat : q.scalar_type()),
-                "linattn_cpu::chunked: the state must be float32 for bf16 inputs, else of q's dtype");
+  for (const at::Tensor* t : {&kv, &z}) {
+    TORCH_CHECK(t->scalar_type() == (bf16 ? at::kFloat : q.scalar_type()), op,
+                ": the state must be float32 for bf16 inputs, else of q's dtype");
   }
-  TORCH_CHECK(bf16 ? has_blas_bf16() : has_blas(), "linattn_cpu::chunked: no BLAS gemm found in torch");
+  TORCH_CHECK(bf16 ? has_blas_bf16() : has_blas(), op, ": no BLAS gemm found in torch");
+}
+
+// Returns (o, kv, z, den, S_blocks, z_blocks); the last three are empty unless save (training).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> chunked(
+    const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in, const at::Tensor& kv0_in,
+    const at::Tensor& z0_in, int64_t phi, bool normalize, double eps, int64_t chunk, bool save) {
+  check_inputs("linattn_cpu::chunked", q_in, k_in, v_in, kv0_in, z0_in, phi, chunk);
+  const at::Tensor q = q_in.contiguous(), k = k_in.contiguous(), v = v_in.contiguous();
+  const int64_t N = q.size(2), F = q.size(3), E = v.size(3), rows = q.size(0) * q.size(1);
+  TORCH_CHECK(kv0_in.numel() == rows * F * E && z0_in.numel() == rows * F,
+              "linattn_cpu::chunked: the initial state must be (B, H, F, E), (B, H, F)");
   at::Tensor kv = kv0_in.contiguous().clone(), z = z0_in.contiguous().clone();
   at::Tensor o = empty_result(v.sizes(), v.options());
-  // φ is applied to blocks of this many tokens at a time (ATen's vectorized exp), then chunk by chunk
-  const int64_t block = std::max<int64_t>(chunk, (512 / chunk) * chunk);
+  const int64_t block = block_tokens(chunk), blocks = (N + block - 1) / block;
+  const auto acc = kv.options();
+  at::Tensor den = at::empty({save && normalize ? rows : 0, N}, acc);
+  at::Tensor S_blocks = at::empty({save ? rows : 0, blocks, F, E}, acc), z_blocks = at::empty({save ? rows : 0, blocks, F}, acc);
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "linattn_cpu_chunked", [&] {
-    chunked_rows<scalar_t>(q, k, v, o, kv, z, phi, normalize, eps, chunk, block);
+    using Acc = linattn_acc<scalar_t>;
+    const Saves<Acc> saves{normalize ? den.data_ptr<Acc>() : nullptr, S_blocks.data_ptr<Acc>(), z_blocks.data_ptr<Acc>(),
+                           blocks};
+    chunked_rows<scalar_t>(q, k, v, o, kv, z, phi, normalize, eps, chunk, block, save ? &saves : nullptr);
   });
-  return {o, kv, z};
+  return {o, kv, z, den, S_blocks, z_blocks};
+}
+
+// The backward of the causal chunked forward (DESIGN §3, the formulas of linattn/ops/chunked.py),
+// one (batch, head) row per task, blocks and chunks in reverse. Per block: its features again, and
+// the states entering each chunk from the saved state entering the block; per chunk, with R, r the
+// gradients flowing into S, z from later tokens (initially ∂L/∂kv, ∂L/∂z of the final state):
+//   A = M ⊙ Q̃K̃ᵀ, G = dO / den, g = -Σ_e dO ⊙ O / den, P = M ⊙ (G Vᵀ + g 1ᵀ),
+//   dV = Aᵀ G + K̃ R,  dQ̃ = P K̃ + G Sᵀ + g zᵀ,  dK̃ = Pᵀ Q̃ + V Rᵀ + 1 rᵀ,  R += Q̃ᵀ G, r += Q̃ᵀ g,
+// then dq = dQ̃ ⊙ φ'(q), dk likewise; the final R, r are the gradients of the initial state.
+// Without normalization G = dO and the g terms vanish.
+template <typename T>
+void chunked_backward_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& o,
+                           const at::Tensor& dout, const at::Tensor& den_all, const at::Tensor& S_blocks,
+                           const at::Tensor& z_blocks, at::Tensor& dq, at::Tensor& dk, at::Tensor& dv, at::Tensor& R_all,
+                           at::Tensor& r_all, int64_t phi, bool normalize, int64_t chunk, int64_t block) {
+  using Acc = linattn_acc<T>;
+  constexpr bool low = !std::is_same<T, Acc>::value;
+  const int64_t N = q.size(2), F = q.size(3), E = v.size(3), rows = q.size(0) * q.size(1);
+  const int64_t blocks = (N + block - 1) / block, per_block = block / chunk;
+  const T *pq = q.data_ptr<T>(), *pk = k.data_ptr<T>(), *pv = v.data_ptr<T>(), *po = o.data_ptr<T>();
+  const T* pdo = dout.data_ptr<T>();
+  const Acc* pden = normalize ? den_all.data_ptr<Acc>() : nullptr;
+  const Acc *pSb = S_blocks.data_ptr<Acc>(), *pzb = z_blocks.data_ptr<Acc>();
+  T *pdq = dq.data_ptr<T>(), *pdk = dk.data_ptr<T>(), *pdv = dv.data_ptr<T>();
+  Acc *pR = R_all.data_ptr<Acc>(), *pr = r_all.data_ptr<Acc>();
+  const int f = static_cast<int>(F), e = static_cast<int>(E);
+  at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
+    const int64_t cc = chunk * chunk;
+    std::vector<Acc> A(cc), P(cc), G(chunk * E), g(chunk), dQ(chunk * F), dK(chunk * F), dV(chunk * E);
+    std::vector<Acc> Sc(per_block * F * E), zc(per_block * F), wide(phi == 1 ? 2 * block * F : 0);
+    std::vector<T> feat(phi == 1 && low ? 2 * block * F : 0), A_low(low ? cc : 0), P_low(low ? cc : 0),
+        G_low(low ? chunk * E : 0), S_low(low ? F * E : 0), R_low(low ? F * E : 0);
+    for (int64_t r = r0; r < r1; ++r) {
+      Acc* R = pR + r * F * E;
+      Acc* rr = pr + r * F;
+      for (int64_t b = blocks - 1; b >= 0; --b) {
+        const int64_t s = b * block, m = std::min(N, s + block) - s, nch = (m + chunk - 1) / chunk;
+        const T* Q = pq + (r * N + s) * F;
+        const T* K = pk + (r * N + s) * F;
+        const Acc *fQ = nullptr, *fK = nullptr;  // the features as Acc, for φ'
+        if (phi == 1) {
+          if constexpr (low) {
+            block_features(Q, K, m * F, wide, feat, &Q, &K);
+          } else {
+            block_features(Q, K, m * F, wide, wide, &Q, &K);
+          }
+          fQ = wide.data();
+          fK = wide.data() + m * F;
+        }
+        std::copy(pSb + (r * blocks + b) * F * E, pSb + (r * blocks + b + 1) * F * E, Sc.begin());
+        std::copy(pzb + (r * blocks + b) * F, pzb + (r * blocks + b + 1) * F, zc.begin());
+        for (int64_t j = 0; j + 1 < nch; ++j) {  // the states entering the block's later chunks
+          const int c = static_cast<int>(std::min(chunk, m - j * chunk));
+          std::copy(Sc.begin() + j * F * E, Sc.begin() + (j + 1) * F * E, Sc.begin() + (j + 1) * F * E);
+          std::copy(zc.begin() + j * F, zc.begin() + (j + 1) * F, zc.begin() + (j + 1) * F);
+          gemm_rm<T>(true, false, f, e, c, K + j * chunk * F, f, pv + (r * N + s + j * chunk) * E, e, Acc(1),
+                     Sc.data() + (j + 1) * F * E, e);
+          add_column_sums(zc.data() + (j + 1) * F, K + j * chunk * F, c, F);
+        }
+        for (int64_t j = nch - 1; j >= 0; --j) {
+          const int64_t c0 = j * chunk, t0 = r * N + s + c0;
+          const int c = static_cast<int>(std::min(chunk, m - c0));
+          const T *Qc = Q + c0 * F, *Kc = K + c0 * F, *Vc = pv + t0 * E;
+          const Acc *S = Sc.data() + j * F * E, *z = zc.data() + j * F;
+          gemm_rm<T>(false, true, c, c, f, Qc, f, Kc, f, Acc(0), A.data(), c);  // A = Q̃K̃ᵀ
+          mask_upper(A.data(), c);
+          output_grads(pdo + t0 * E, po + t0 * E, normalize ? pden + t0 : nullptr, normalize, G.data(), g.data(), c, E);
+          const T* G_op = as_operand<T>(G.data(), G_low, int64_t(c) * E);
+          const T* R_op = as_operand<T>(R, R_low, F * E);
+          // dV = Aᵀ G + K̃ R
+          Acc* dV_out = low ? dV.data() : reinterpret_cast<Acc*>(pdv + t0 * E);
+          gemm_rm<T>(true, false, c, e, c, as_operand<T>(A.data(), A_low, int64_t(c) * c), c, G_op, e, Acc(0), dV_out, e);
+          gemm_rm<T>(false, false, c, e, f, Kc, f, R_op, e, Acc(1), dV_out, e);
+          if constexpr (low) chain_features<T, Acc>(dV.data(), nullptr, pdv + t0 * E, int64_t(c) * E);
+          // P = M ⊙ (G Vᵀ + g 1ᵀ)
+          gemm_rm<T>(false, true, c, c, e, G_op, e, Vc, e, Acc(0), P.data(), c);
+          if (normalize) {
+            add_rows_and_mask(P.data(), g.data(), c);
+          } else {
+            mask_upper(P.data(), c);
+          }
+          const T* P_op = as_operand<T>(P.data(), P_low, int64_t(c) * c);
+          // dQ̃ = P K̃ + G Sᵀ + g zᵀ
+          gemm_rm<T>(false, false, c, f, c, P_op, c, Kc, f, Acc(0), dQ.data(), f);
+          gemm_rm<T>(false, true, c, f, e, G_op, e, as_operand<T>(S, S_low, F * E), e, Acc(1), dQ.data(), f);
+          if (normalize) add_outer(dQ.data(), g.data(), z, c, F);
+          // dK̃ = Pᵀ Q̃ + V Rᵀ + 1 rᵀ
+          gemm_rm<T>(true, false, c, f, c, P_op, c, Qc, f, Acc(0), dK.data(), f);
+          gemm_rm<T>(false, true, c, f, e, Vc, e, R_op, e, Acc(1), dK.data(), f);
+          add_outer<Acc>(dK.data(), nullptr, rr, c, F);
+          // R += Q̃ᵀ G, r += Q̃ᵀ g
+          gemm_rm<T>(true, false, f, e, c, Qc, f, G_op, e, Acc(1), R, e);
+          if (normalize) add_weighted_rows(rr, g.data(), Qc, c, F);
+          chain_features(dQ.data(), fQ == nullptr ? nullptr : fQ + c0 * F, pdq + t0 * F, int64_t(c) * F);
+          chain_features(dK.data(), fK == nullptr ? nullptr : fK + c0 * F, pdk + t0 * F, int64_t(c) * F);
+        }
+      }
+    }
+  });
+}
+
+// Returns (dq, dk, dv, dkv0, dz0). dkv, dz: gradients of the final state (undefined: zero).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> chunked_backward(
+    const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in, const at::Tensor& o_in,
+    const at::Tensor& do_in, const at::Tensor& den, const at::Tensor& S_blocks, const at::Tensor& z_blocks,
+    const c10::optional<at::Tensor>& dkv, const c10::optional<at::Tensor>& dz, int64_t phi, bool normalize,
+    int64_t chunk) {
+  check_inputs("linattn_cpu::chunked_backward", q_in, k_in, v_in, S_blocks, z_blocks, phi, chunk);
+  const at::Tensor q = q_in.contiguous(), k = k_in.contiguous(), v = v_in.contiguous(), o = o_in.contiguous(),
+                   dout = do_in.to(v.scalar_type()).contiguous();
+  TORCH_CHECK(o.sizes() == v.sizes() && dout.sizes() == v.sizes(), "linattn_cpu::chunked_backward: o and do must be shaped like v");
+  const int64_t N = q.size(2), F = q.size(3), E = v.size(3), rows = q.size(0) * q.size(1);
+  const int64_t block = block_tokens(chunk), blocks = (N + block - 1) / block;
+  TORCH_CHECK(S_blocks.numel() == rows * blocks * F * E && z_blocks.numel() == rows * blocks * F &&
+                  (!normalize || den.numel() == rows * N),
+              "linattn_cpu::chunked_backward: the saved tensors do not match q, k, v");
+  const auto acc = S_blocks.options();
+  at::Tensor R = dkv.has_value() ? dkv->to(acc).contiguous().clone() : at::zeros({rows, F, E}, acc);
+  at::Tensor r = dz.has_value() ? dz->to(acc).contiguous().clone() : at::zeros({rows, F}, acc);
+  TORCH_CHECK(R.numel() == rows * F * E && r.numel() == rows * F, "linattn_cpu::chunked_backward: dkv, dz must be shaped like the state");
+  at::Tensor dq = empty_result(q.sizes(), q.options()), dk = empty_result(k.sizes(), k.options()),
+             dv = empty_result(v.sizes(), v.options());
+  const at::Tensor den_c = den.contiguous(), Sb = S_blocks.contiguous(), zb = z_blocks.contiguous();
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "linattn_cpu_chunked_backward", [&] {
+    chunked_backward_rows<scalar_t>(q, k, v, o, dout, den_c, Sb, zb, dq, dk, dv, R, r, phi, normalize, chunk, block);
+  });
+  return {dq, dk, dv, R.view({q.size(0), q.size(1), F, E}), r.view({q.size(0), q.size(1), F})};
 }
 
 }  // namespace
@@ -453,16 +670,21 @@ TORCH_LIBRARY(linattn_cpu, m) {
   m.def("has_blas() -> bool", has_blas);
   m.def("has_blas_bf16() -> bool", has_blas_bf16);
   m.def(
-      "chunked(Tensor q, Tensor k, Tensor v, Tensor kv0, Tensor z0, int phi, bool normalize, float eps, int chunk) "
-      "-> (Tensor, Tensor, Tensor)");
+      "chunked(Tensor q, Tensor k, Tensor v, Tensor kv0, Tensor z0, int phi, bool normalize, float eps, int chunk, "
+      "bool save) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def(
       "step(Tensor kv, Tensor z, Tensor q, Tensor k, Tensor v, int phi, bool normalize, float eps, "
       "Tensor? cos, Tensor? sin, int heads) -> (Tensor, Tensor, Tensor)");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def(
+      "chunked_backward(Tensor q, Tensor k, Tensor v, Tensor o, Tensor do, Tensor den, Tensor S_blocks, "
+      "Tensor z_blocks, Tensor? dkv, Tensor? dz, int phi, bool normalize, int chunk) "
+      "-> (Tensor, Tensor, Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(linattn_cpu, CPU, m) {
   m.impl("step", step);
   m.impl("rms_norm", rms_norm);
   m.impl("chunked", chunked);
+  m.impl("chunked_backward", chunked_backward);
 }
