@@ -413,3 +413,31 @@ def test_fused_training_in_bf16_is_as_close_to_the_oracle_as_the_torch_ops(monke
         ulp = 2.0 ** (math.floor(math.log2(ref.abs().max().item())) - 7)
         err_fused, err_plain = ((x.double() - ref).abs().max().item() for x in (a, b_))
         assert err_fused <= err_plain + ulp, (err_fused, err_plain)
+
+
+@needs_native
+def test_large_results_reuse_pooled_buffers(monkeypatch):
+    """A freed result of 8 MiB or more goes back to the pool and the next result of its size takes
+    it; the pool holds no more than LINATTN_POOL_MB; with 0 it is off; release_pool empties it."""
+    q = torch.rand(1, 1, 32768, 64)  # o: 8 MiB
+    state = (torch.zeros(1, 1, 64, 64), torch.zeros(1, 1, 64))
+
+    def forward():
+        with torch.no_grad():
+            return native.chunked(q, q, q, state, phi=0, normalize=True, eps=1e-6, chunk=64)[0]
+
+    native.release_pool()
+    first = forward()
+    ptr, want = first.data_ptr(), first.clone()
+    del first
+    second = forward()
+    assert second.data_ptr() == ptr and torch.equal(second, want)
+    third = forward()  # the pool is empty while `second` lives: a new buffer
+    assert third.data_ptr() != ptr
+    monkeypatch.setenv("LINATTN_POOL_MB", "8")
+    del second, third  # the cap keeps one of the two
+    assert native.release_pool() == 8 << 20
+    assert native.release_pool() == 0
+    monkeypatch.setenv("LINATTN_POOL_MB", "0")
+    forward()  # made and freed with the pool off: not kept
+    assert native.release_pool() == 0 and torch.equal(forward(), want)

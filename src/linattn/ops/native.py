@@ -148,6 +148,15 @@ class FusedChunkedCausal(torch.autograd.Function):
         return dq, dk, dv, dkv0.to(ctx.state_dtypes[0]), dz0.to(ctx.state_dtypes[1]), None, None, None, None
 
 
+def release_pool() -> int:
+    """Frees the buffers that the fused kernels keep for reuse; returns the bytes freed.
+
+    Results of 8 MiB and more (o, dq, dk, dv of long sequences) are taken from a pool of freed
+    buffers, at most LINATTN_POOL_MB (default 512) MiB held, 0 to turn the pool off: glibc returns
+    such buffers to the OS on free, and a fresh one costs page faults and zeroing on every call."""
+    return int(torch.ops.linattn_cpu.release_pool()) if available() else 0
+
+
 def rms_norm_fusable(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """RMSNorm of x can take the fused operator: CPU, fp32/fp64 x of weight's dtype, no gradient wanted."""
     return x.device.type == "cpu" and x.dtype in _DTYPES and weight.dtype is x.dtype and _inference(x, weight)

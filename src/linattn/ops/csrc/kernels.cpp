@@ -26,7 +26,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <mutex>
 #include <tuple>
 #include <type_traits>
 #include <vector>
@@ -477,17 +479,85 @@ void chunked_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   });
 }
 
-// A tensor for a large result, its pages backed by transparent huge pages where the kernel allows it
-// (Linux, THP "madvise" or "always"): a fresh 32 MiB output otherwise costs ~8,000 page faults.
+// Large results (o, dq, dk, dv) come from a small pool of reusable buffers. glibc hands allocations
+// of 32 MiB and more straight back to the OS when freed, so each fresh one costs a page fault per
+// 4 KiB page (or per 2 MiB huge page) and the kernel zeroing it: at N = 16384, B·H = 8, F = E = 64
+// about 3 ms of a 45 ms forward per buffer. A freed buffer goes back to the pool while it holds less
+// than the cap (LINATTN_POOL_MB, default 512; 0 turns the pool off), else to the OS;
+// `release_pool` empties it. New buffers are 2 MiB aligned, on transparent huge pages where Linux
+// allows it.
+struct BufferPool {
+  std::mutex mu;
+  std::vector<std::pair<size_t, void*>> free;  // (bytes, buffer)
+  size_t held = 0;
+};
+
+BufferPool& pool() {
+  static BufferPool* p = new BufferPool();  // never destroyed: buffers may be freed at exit
+  return *p;
+}
+
+size_t pool_cap() {
+  const char* env = std::getenv("LINATTN_POOL_MB");
+  const long mb = env == nullptr ? 512 : std::atol(env);
+  return mb <= 0 ? 0 : static_cast<size_t>(mb) << 20;
+}
+
+constexpr size_t kPooledBytes = size_t{8} << 20;  // results below this size use the default allocator
+constexpr size_t kHuge = size_t{2} << 20;
+
+void return_buffer(void* ctx) {
+  const size_t bytes = reinterpret_cast<size_t>(static_cast<void**>(ctx)[1]);
+  void* buf = static_cast<void**>(ctx)[0];
+  delete[] static_cast<void**>(ctx);
+  BufferPool& p = pool();
+  {
+    std::lock_guard<std::mutex> lock(p.mu);
+    if (p.held + bytes <= pool_cap()) {
+      p.free.emplace_back(bytes, buf);
+      p.held += bytes;
+      return;
+    }
+  }
+  std::free(buf);
+}
+
+int64_t release_pool() {
+  BufferPool& p = pool();
+  std::lock_guard<std::mutex> lock(p.mu);
+  const auto released = static_cast<int64_t>(p.held);
+  for (auto& entry : p.free) std::free(entry.second);
+  p.free.clear();
+  p.held = 0;
+  return released;
+}
+
 at::Tensor empty_result(at::IntArrayRef sizes, const at::TensorOptions& opts) {
-  at::Tensor t = at::empty(sizes, opts);
+  const size_t bytes = static_cast<size_t>(c10::multiply_integers(sizes)) * opts.dtype().itemsize();
+  if (bytes < kPooledBytes || pool_cap() == 0) return at::empty(sizes, opts);
+  void* buf = nullptr;
+  {
+    BufferPool& p = pool();
+    std::lock_guard<std::mutex> lock(p.mu);
+    for (size_t i = 0; i < p.free.size(); ++i) {
+      if (p.free[i].first == bytes) {
+        buf = p.free[i].second;
+        p.held -= bytes;
+        p.free[i] = p.free.back();
+        p.free.pop_back();
+        break;
+      }
+    }
+  }
+  if (buf == nullptr) {
+    buf = std::aligned_alloc(kHuge, (bytes + kHuge - 1) / kHuge * kHuge);
+    TORCH_CHECK(buf != nullptr, "linattn_cpu: out of memory allocating ", bytes, " bytes");
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
-  constexpr uintptr_t huge = uintptr_t{1} << 21;
-  const auto begin = reinterpret_cast<uintptr_t>(t.data_ptr());
-  const uintptr_t first = (begin + huge - 1) & ~(huge - 1), last = (begin + t.nbytes()) & ~(huge - 1);
-  if (t.nbytes() >= 4 * huge && last > first) madvise(reinterpret_cast<void*>(first), last - first, MADV_HUGEPAGE);
+    madvise(buf, (bytes + kHuge - 1) / kHuge * kHuge, MADV_HUGEPAGE);
 #endif
-  return t;
+  }
+  void** ctx = new void*[2]{buf, reinterpret_cast<void*>(bytes)};
+  return at::from_blob(buf, sizes, [ctx](void*) { return_buffer(ctx); }, opts);
 }
 
 // Tokens per block of a row: φ is computed for a block at a time, and the training forward saves the
@@ -669,6 +739,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> chunked_b
 TORCH_LIBRARY(linattn_cpu, m) {
   m.def("has_blas() -> bool", has_blas);
   m.def("has_blas_bf16() -> bool", has_blas_bf16);
+  m.def("release_pool() -> int", release_pool);
   m.def(
       "chunked(Tensor q, Tensor k, Tensor v, Tensor kv0, Tensor z0, int phi, bool normalize, float eps, int chunk, "
       "bool save) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
