@@ -1,5 +1,5 @@
-// Fused CPU operators for inference (linattn.ops.native): `step`, one recurrent step of linear
-// attention; `rms_norm`; `chunked`, the causal chunked forward.
+// Fused CPU operators (linattn.ops.native): `step`, one recurrent step of linear attention;
+// `rms_norm`; `chunked`, the causal chunked forward, and `chunked_backward`, its backward.
 //
 // step: per row r of the flattened (B·H), with φ the identity (phi = 0) or elu + 1 (phi = 1), and
 // R the RoPE rotation (rotate-half) given by (c, s), or none:
@@ -11,10 +11,11 @@
 // all one floating dtype; c, s (c_rows, …, F) with row r using angles (r / heads) mod c_rows.
 // Returns (o shaped like v, kv', z').
 //
-// chunked: the causal chunked forward (DESIGN §3) for inference, one (batch, head) row per task,
-// chunk by chunk: A = M ⊙ Q̃K̃ᵀ, O = (A V + Q̃ S) / (A 1 + Q̃ z + ε), S += K̃ᵀV, z += K̃ᵀ1, with the
-// state and the C×C scores kept in cache and the products done by the BLAS sgemm/dgemm that torch
-// links (looked up at run time; without it the op raises and linattn uses torch ops).
+// chunked: the causal chunked forward (DESIGN §3), one (batch, head) row per task, chunk by chunk:
+// A = M ⊙ Q̃K̃ᵀ, O = (A V + Q̃ S) / (A 1 + Q̃ z + ε), S += K̃ᵀV, z += K̃ᵀ1, with the state and the C×C
+// scores kept in cache and the products done by the BLAS gemm that torch links (looked up at run
+// time; without it the op raises and linattn uses torch ops). For training it also saves the
+// denominators and the state entering each block; chunked_backward walks the rows back from them.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -40,6 +41,42 @@ namespace {
 #else
 #define LINATTN_CLONES
 #endif
+
+// exp(x) for x ≤ 0 without a library call, so that the loop calling it vectorizes: x = n ln2 + r,
+// |r| ≤ ln2/2 (ln2 split in a part exact in Acc and a remainder); eʳ by its Taylor polynomial, of
+// degree 7 for float and 13 for double (the remainder r^(d+1)/(d+1)! is then under 2⁻²⁷ and 2⁻⁵⁷),
+// in Horner form; 2ⁿ through the exponent bits. Below the smallest normal it gives ≈ the smallest normal.
+template <typename Acc>
+inline Acc exp_nonpositive(Acc x) {
+  constexpr bool single = std::is_same<Acc, float>::value;
+  using Bits = typename std::conditional<single, int32_t, int64_t>::type;
+  constexpr int mant = single ? 23 : 52, bias = single ? 127 : 1023, degree = single ? 7 : 13;
+  constexpr Acc lowest = single ? Acc(-87.33654f) : Acc(-708.396418532264);  // ≈ ln of the smallest normal
+  constexpr Acc log2e = Acc(1.4426950408889634), ln2_hi = single ? Acc(0.693145751953125) : Acc(0.6931471803691238);
+  constexpr Acc ln2_lo = single ? Acc(1.428606765330187e-06) : Acc(1.9082149292705877e-10);
+  constexpr double inv_fact[14] = {1.0, 1.0, 1.0 / 2, 1.0 / 6, 1.0 / 24, 1.0 / 120, 1.0 / 720, 1.0 / 5040,
+                                   1.0 / 40320, 1.0 / 362880, 1.0 / 3628800, 1.0 / 39916800, 1.0 / 479001600,
+                                   1.0 / 6227020800.0};
+  const Acc xc = std::max(x, lowest);
+  constexpr Acc round = single ? Acc(12582912.0) : Acc(6755399441055744.0);  // 1.5·2^mant: adding it rounds
+  const Acc n = (xc * log2e + round) - round;
+  const Acc r = (xc - n * ln2_hi) - n * ln2_lo;
+  Acc p = Acc(inv_fact[degree]);
+  for (int d = degree - 1; d >= 0; --d) p = p * r + Acc(inv_fact[d]);
+  const Bits e = (static_cast<Bits>(n) + bias) << mant;
+  Acc scale;
+  std::memcpy(&scale, &e, sizeof(scale));
+  return p * scale;
+}
+
+// φ = elu + 1 = exp(min(x, 0)) + max(x, 0) of n values, in Acc
+template <typename T, typename Acc>
+LINATTN_CLONES void elu_plus_one(const T* __restrict__ x, Acc* __restrict__ out, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    const Acc v = static_cast<Acc>(x[i]);
+    out[i] = exp_nonpositive(std::min(v, Acc(0))) + std::max(v, Acc(0));
+  }
+}
 
 // kv' = kv + k̃ vᵀ (F×E), out = q̃ᵀ kv', for one row; the inner loops vectorize over E.
 template <typename T>
@@ -76,21 +113,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> step(const at::Tensor& kv_in, con
   }
   const at::Tensor kv = kv_in.contiguous(), z = z_in.contiguous(), v = v_in.contiguous();
   const at::Tensor q = q_in.reshape({rows, F}).contiguous(), k = k_in.reshape({rows, F}).contiguous();
-  // φ = elu + 1 = exp(min(x, 0)) + max(x, 0), the formula of linattn.feature_maps (so both paths give
-  // the same features): exp(min(x, 0)) of q and k with ATen's vectorized exp, the rest per row
-  at::Tensor ex;
+  // φ = elu + 1 of q and k, with the exp of the fused forward (so prefill and decoding agree)
+  at::Tensor feats;
   if (phi == 1) {
-    ex = at::empty({2 * rows, F}, kv.options());
-    AT_DISPATCH_FLOATING_TYPES(kv.scalar_type(), "linattn_cpu_step_min", [&] {
-      const scalar_t* pq = q.data_ptr<scalar_t>();
-      const scalar_t* pk = k.data_ptr<scalar_t>();
-      scalar_t* pe = ex.data_ptr<scalar_t>();
-      for (int64_t i = 0; i < rows * F; ++i) {
-        pe[i] = std::min(pq[i], scalar_t(0));
-        pe[rows * F + i] = std::min(pk[i], scalar_t(0));
-      }
+    feats = at::empty({2 * rows, F}, kv.options());
+    AT_DISPATCH_FLOATING_TYPES(kv.scalar_type(), "linattn_cpu_step_phi", [&] {
+      elu_plus_one(q.data_ptr<scalar_t>(), feats.data_ptr<scalar_t>(), rows * F);
+      elu_plus_one(k.data_ptr<scalar_t>(), feats.data_ptr<scalar_t>() + rows * F, rows * F);
     });
-    ex.exp_();
   }
   const bool rope = cos_in.has_value();
   at::Tensor c, s;
@@ -106,7 +136,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> step(const at::Tensor& kv_in, con
     const scalar_t* pz = z.data_ptr<scalar_t>();
     const scalar_t* pq = q.data_ptr<scalar_t>();
     const scalar_t* pk = k.data_ptr<scalar_t>();
-    const scalar_t* pex = phi == 1 ? ex.data_ptr<scalar_t>() : nullptr;  // exp(min(·, 0)) of q rows, then k rows
+    const scalar_t* pf = phi == 1 ? feats.data_ptr<scalar_t>() : nullptr;  // φ of the q rows, then of the k rows
     const scalar_t* pv = v.data_ptr<scalar_t>();
     const scalar_t* pc = rope ? c.data_ptr<scalar_t>() : nullptr;
     const scalar_t* ps = rope ? s.data_ptr<scalar_t>() : nullptr;
@@ -125,8 +155,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> step(const at::Tensor& kv_in, con
         scalar_t* kd = qd + F;
         for (int64_t f = 0; f < F; ++f) {
           const int64_t i = r * F + f;
-          qd[f] = phi == 1 ? pex[i] + std::max(pq[i], scalar_t(0)) : pq[i];
-          kd[f] = phi == 1 ? pex[rows * F + i] + std::max(pk[i], scalar_t(0)) : pk[i];
+          qd[f] = phi == 1 ? pf[i] : pq[i];
+          kd[f] = phi == 1 ? pf[rows * F + i] : pk[i];
         }
         const scalar_t* qr = qd;
         const scalar_t* kr = kd;
@@ -355,42 +385,6 @@ inline const T* as_operand(const Acc* src, std::vector<T>& buf, int64_t n) {
   } else {
     narrow_bf16(src, buf.data(), n);
     return buf.data();
-  }
-}
-
-// exp(x) for x ≤ 0 without a library call, so that the loop calling it vectorizes: x = n ln2 + r,
-// |r| ≤ ln2/2 (ln2 split in a part exact in Acc and a remainder); eʳ by its Taylor polynomial, of
-// degree 7 for float and 13 for double (the remainder r^(d+1)/(d+1)! is then under 2⁻²⁷ and 2⁻⁵⁷),
-// in Horner form; 2ⁿ through the exponent bits. Below the smallest normal it gives ≈ the smallest normal.
-template <typename Acc>
-inline Acc exp_nonpositive(Acc x) {
-  constexpr bool single = std::is_same<Acc, float>::value;
-  using Bits = typename std::conditional<single, int32_t, int64_t>::type;
-  constexpr int mant = single ? 23 : 52, bias = single ? 127 : 1023, degree = single ? 7 : 13;
-  constexpr Acc lowest = single ? Acc(-87.33654f) : Acc(-708.396418532264);  // ≈ ln of the smallest normal
-  constexpr Acc log2e = Acc(1.4426950408889634), ln2_hi = single ? Acc(0.693145751953125) : Acc(0.6931471803691238);
-  constexpr Acc ln2_lo = single ? Acc(1.428606765330187e-06) : Acc(1.9082149292705877e-10);
-  constexpr double inv_fact[14] = {1.0, 1.0, 1.0 / 2, 1.0 / 6, 1.0 / 24, 1.0 / 120, 1.0 / 720, 1.0 / 5040,
-                                   1.0 / 40320, 1.0 / 362880, 1.0 / 3628800, 1.0 / 39916800, 1.0 / 479001600,
-                                   1.0 / 6227020800.0};
-  const Acc xc = std::max(x, lowest);
-  constexpr Acc round = single ? Acc(12582912.0) : Acc(6755399441055744.0);  // 1.5·2^mant: adding it rounds
-  const Acc n = (xc * log2e + round) - round;
-  const Acc r = (xc - n * ln2_hi) - n * ln2_lo;
-  Acc p = Acc(inv_fact[degree]);
-  for (int d = degree - 1; d >= 0; --d) p = p * r + Acc(inv_fact[d]);
-  const Bits e = (static_cast<Bits>(n) + bias) << mant;
-  Acc scale;
-  std::memcpy(&scale, &e, sizeof(scale));
-  return p * scale;
-}
-
-// φ = elu + 1 = exp(min(x, 0)) + max(x, 0) of n values, in Acc
-template <typename T, typename Acc>
-LINATTN_CLONES void elu_plus_one(const T* __restrict__ x, Acc* __restrict__ out, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) {
-    const Acc v = static_cast<Acc>(x[i]);
-    out[i] = exp_nonpositive(std::min(v, Acc(0))) + std::max(v, Acc(0));
   }
 }
 
