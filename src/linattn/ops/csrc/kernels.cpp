@@ -412,8 +412,8 @@ LINATTN_CLONES void chain_features(const Acc* __restrict__ grad, const Acc* __re
   }
 }
 
-// A per-thread work buffer of n elements on a 64-byte boundary (a cache line; gemm operands, AMX tile
-// loads among them, are read faster from there than from malloc's 16-byte alignment)
+// A per-thread work buffer of n elements on a 64-byte boundary (a cache line, as torch aligns tensors:
+// the gemm operands made here are then laid out like the ones taken from q, k, v)
 template <typename X>
 class Aligned {
  public:
