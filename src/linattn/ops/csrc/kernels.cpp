@@ -113,7 +113,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> step(const at::Tensor& kv_in, con
     TORCH_CHECK(t->scalar_type() == kv_in.scalar_type(), "linattn_cpu::step: all tensors must share kv's dtype");
   }
   const at::Tensor kv = kv_in.contiguous(), z = z_in.contiguous(), v = v_in.contiguous();
-  const at::Tensor q = q_in.reshape({rows, F}).contiguous(), k = k_in.reshape({rows, F}).contiguous();
+  const at::Tensor q = q_in.contiguous(), k = k_in.contiguous();  // row r at r·F (one token per row)
   // φ = elu + 1 of q and k, with the exp of the fused forward (so prefill and decoding agree)
   at::Tensor feats;
   if (phi == 1) {
