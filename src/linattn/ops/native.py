@@ -1,12 +1,13 @@
-"""Fused CPU kernels for inference, compiled from C++ on first use with torch.utils.cpp_extension.
+"""Fused CPU kernels, compiled from C++ on first use with torch.utils.cpp_extension.
 
 One decoding step of linear attention is a dozen tiny tensor ops when written with torch ops, and on
-a CPU its time goes to operator dispatch rather than arithmetic. `csrc/kernels.cpp` does the whole
+a CPU its time goes to operator dispatch rather than arithmetic. `csrc/decode.cpp` does the whole
 step (φ = elu+1 or identity, optional RoPE, state update, output) in one operator,
 `linattn_cpu::step`, and RMSNorm (about six ops inside F.rms_norm) in one, `linattn_cpu::rms_norm`.
-`linattn_cpu::chunked` runs the causal chunked forward row by row with the state and the chunk scores
-kept in cache, its products by the BLAS gemm that torch itself links; for training it also saves the
-denominators and block states, and `linattn_cpu::chunked_backward` walks the rows back.
+In `csrc/chunked.cpp`, `linattn_cpu::chunked` runs the causal chunked forward row by row with the
+state and the chunk scores kept in cache, its products by the BLAS gemm that torch itself links; for
+training it also saves the denominators and block states, and `linattn_cpu::chunked_backward` walks
+the rows back. `csrc/common.h` holds what both files share (φ, the ISA clones).
 
 The extension is built the first time a kernel can be used (about 15 s; torch caches the build under
 ~/.cache/torch_extensions and rebuilds when the source changes). Where it cannot be built (no C++
@@ -25,7 +26,7 @@ import torch
 
 from ..feature_maps import EluPlusOne
 
-_SOURCE = Path(__file__).with_name("csrc") / "kernels.cpp"
+_SOURCES = [str(Path(__file__).with_name("csrc") / name) for name in ("decode.cpp", "chunked.cpp")]
 _lock = threading.Lock()
 _state: dict = {"loaded": None, "error": None}
 _OFF = ("0", "false", "off", "no")
@@ -46,7 +47,7 @@ def load() -> bool:
             try:
                 from torch.utils.cpp_extension import load as build
 
-                build("linattn_cpu", sources=[str(_SOURCE)], extra_cflags=["-O3", "-fopenmp", "-fno-trapping-math"],
+                build("linattn_cpu", sources=_SOURCES, extra_cflags=["-O3", "-fopenmp", "-fno-trapping-math"],
                       extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
                 _state["loaded"] = hasattr(torch.ops.linattn_cpu, "step")
             except Exception as exc:  # no compiler, no ninja, a failed build: keep the torch-op path

@@ -1,22 +1,10 @@
-// Fused CPU operators (linattn.ops.native): `step`, one recurrent step of linear attention;
-// `rms_norm`; `chunked`, the causal chunked forward, and `chunked_backward`, its backward.
-//
-// step: per row r of the flattened (B·H), with φ the identity (phi = 0) or elu + 1 (phi = 1), and
-// R the RoPE rotation (rotate-half) given by (c, s), or none:
-//
-//   q̃_d = φ(q), k̃_d = φ(k), q̃ = R q̃_d, k̃ = R k̃_d
-//   kv' = kv + k̃ vᵀ,  z' = z + k̃_d,  o = q̃ᵀ kv' / (q̃_d · z' + ε)   (o = q̃ᵀ kv' without normalize)
-//
-// kv (B, H, F, E), z (B, H, F), q, k (B, H, 1, F), v (B, H, 1, E) (any leading dims: rows = B·H),
-// all one floating dtype; c, s (c_rows, …, F) with row r using angles (r / heads) mod c_rows.
-// Returns (o shaped like v, kv', z').
-//
-// chunked: the causal chunked forward (DESIGN §3), one (batch, head) row per task, chunk by chunk:
-// A = M ⊙ Q̃K̃ᵀ, O = (A V + Q̃ S) / (A 1 + Q̃ z + ε), S += K̃ᵀV, z += K̃ᵀ1, with the state and the C×C
-// scores kept in cache and the products done by the BLAS gemm that torch links (looked up at run
-// time; without it the op raises and linattn uses torch ops). For training it also saves the
-// denominators and the state entering each block; chunked_backward walks the rows back from them.
-#include <ATen/ATen.h>
+// Fused CPU operators for the causal chunked algorithm (DESIGN §3; linattn.ops.native): `chunked`,
+// the forward, one (batch, head) row per task, chunk by chunk:
+//   A = M ⊙ Q̃K̃ᵀ, O = (A V + Q̃ S) / (A 1 + Q̃ z + ε), S += K̃ᵀV, z += K̃ᵀ1,
+// with the state and the C×C scores kept in cache and the products done by the BLAS gemm that torch
+// links (looked up at run time; without it the op raises and linattn uses torch ops). For training
+// it also saves the denominators and the state entering each block; `chunked_backward` walks the
+// rows back from them.
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -24,205 +12,15 @@
 #include <dlfcn.h>
 #include <sys/mman.h>
 
-#include <algorithm>
-#include <cmath>
-#include <cstdint>
 #include <cstdlib>
-#include <cstring>
 #include <mutex>
 #include <tuple>
-#include <type_traits>
+#include <utility>
 #include <vector>
 
+#include "common.h"
+
 namespace {
-
-#if defined(__GNUC__) && defined(__x86_64__) && !defined(__clang__)
-#define LINATTN_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
-#else
-#define LINATTN_CLONES
-#endif
-
-// exp(x) for x ≤ 0 without a library call, so that the loop calling it vectorizes: x = n ln2 + r,
-// |r| ≤ ln2/2 (ln2 split in a part exact in Acc and a remainder); eʳ by its Taylor polynomial, of
-// degree 7 for float and 13 for double (the remainder r^(d+1)/(d+1)! is then under 2⁻²⁷ and 2⁻⁵⁷),
-// in Horner form; 2ⁿ through the exponent bits. Below the smallest normal it gives ≈ the smallest normal.
-template <typename Acc>
-inline Acc exp_nonpositive(Acc x) {
-  constexpr bool single = std::is_same<Acc, float>::value;
-  using Bits = typename std::conditional<single, int32_t, int64_t>::type;
-  constexpr int mant = single ? 23 : 52, bias = single ? 127 : 1023, degree = single ? 7 : 13;
-  constexpr Acc lowest = single ? Acc(-87.33654f) : Acc(-708.396418532264);  // ≈ ln of the smallest normal
-  constexpr Acc log2e = Acc(1.4426950408889634), ln2_hi = single ? Acc(0.693145751953125) : Acc(0.6931471803691238);
-  constexpr Acc ln2_lo = single ? Acc(1.428606765330187e-06) : Acc(1.9082149292705877e-10);
-  constexpr double inv_fact[14] = {1.0, 1.0, 1.0 / 2, 1.0 / 6, 1.0 / 24, 1.0 / 120, 1.0 / 720, 1.0 / 5040,
-                                   1.0 / 40320, 1.0 / 362880, 1.0 / 3628800, 1.0 / 39916800, 1.0 / 479001600,
-                                   1.0 / 6227020800.0};
-  const Acc xc = std::max(x, lowest);
-  constexpr Acc round = single ? Acc(12582912.0) : Acc(6755399441055744.0);  // 1.5·2^mant: adding it rounds
-  const Acc n = (xc * log2e + round) - round;
-  const Acc r = (xc - n * ln2_hi) - n * ln2_lo;
-  Acc p = Acc(inv_fact[degree]);
-  for (int d = degree - 1; d >= 0; --d) p = p * r + Acc(inv_fact[d]);
-  const Bits e = (static_cast<Bits>(n) + bias) << mant;
-  Acc scale;
-  std::memcpy(&scale, &e, sizeof(scale));
-  return p * scale;
-}
-
-// φ = elu + 1 = exp(min(x, 0)) + max(x, 0) of n values, in Acc
-template <typename T, typename Acc>
-LINATTN_CLONES void elu_plus_one(const T* x, Acc* out, int64_t n) {  // out = x allowed
-#pragma omp simd simdlen(16)
-  for (int64_t i = 0; i < n; ++i) {
-    const Acc v = static_cast<Acc>(x[i]);
-    out[i] = exp_nonpositive(std::min(v, Acc(0))) + std::max(v, Acc(0));
-  }
-}
-
-// kv' = kv + k̃ vᵀ (F×E), out = q̃ᵀ kv', for one row; the inner loops vectorize over E.
-template <typename T>
-LINATTN_CLONES void update_row(const T* __restrict__ src, T* __restrict__ dst, const T* __restrict__ qr,
-                               const T* __restrict__ kr, const T* __restrict__ vr, T* __restrict__ out,
-                               int64_t F, int64_t E) {
-  for (int64_t e = 0; e < E; ++e) out[e] = T(0);
-  for (int64_t f = 0; f < F; ++f) {
-    const T kf = kr[f], qf = qr[f];
-    const T* __restrict__ s = src + f * E;
-    T* __restrict__ d = dst + f * E;
-    for (int64_t e = 0; e < E; ++e) {
-      const T x = s[e] + kf * vr[e];
-      d[e] = x;
-      out[e] += qf * x;
-    }
-  }
-}
-
-std::tuple<at::Tensor, at::Tensor, at::Tensor> step(const at::Tensor& kv_in, const at::Tensor& z_in,
-                                                    const at::Tensor& q_in, const at::Tensor& k_in,
-                                                    const at::Tensor& v_in, int64_t phi, bool normalize, double eps,
-                                                    const c10::optional<at::Tensor>& cos_in,
-                                                    const c10::optional<at::Tensor>& sin_in, int64_t heads) {
-  TORCH_CHECK(kv_in.dim() >= 2 && z_in.dim() == kv_in.dim() - 1, "linattn_cpu::step expects kv (..., F, E), z (..., F)");
-  TORCH_CHECK(phi == 0 || phi == 1, "linattn_cpu::step: phi must be 0 (identity) or 1 (elu + 1)");
-  TORCH_CHECK(cos_in.has_value() == sin_in.has_value(), "linattn_cpu::step: give both cos and sin, or neither");
-  const int64_t F = kv_in.size(-2), E = kv_in.size(-1), rows = kv_in.numel() / std::max<int64_t>(1, F * E);
-  TORCH_CHECK(z_in.numel() == rows * F && q_in.numel() == rows * F && k_in.numel() == rows * F &&
-                  v_in.numel() == rows * E && q_in.size(-1) == F && v_in.size(-1) == E,
-              "linattn_cpu::step: shapes of kv, z, q, k, v do not agree");
-  for (const at::Tensor* t : {&z_in, &q_in, &k_in, &v_in}) {
-    TORCH_CHECK(t->scalar_type() == kv_in.scalar_type(), "linattn_cpu::step: all tensors must share kv's dtype");
-  }
-  const at::Tensor kv = kv_in.contiguous(), z = z_in.contiguous(), v = v_in.contiguous();
-  const at::Tensor q = q_in.contiguous(), k = k_in.contiguous();  // row r at r·F (one token per row)
-  // φ = elu + 1 of q and k, with the exp of the fused forward (so prefill and decoding agree)
-  at::Tensor feats;
-  if (phi == 1) {
-    feats = at::empty({2 * rows, F}, kv.options());
-    AT_DISPATCH_FLOATING_TYPES(kv.scalar_type(), "linattn_cpu_step_phi", [&] {
-      elu_plus_one(q.data_ptr<scalar_t>(), feats.data_ptr<scalar_t>(), rows * F);
-      elu_plus_one(k.data_ptr<scalar_t>(), feats.data_ptr<scalar_t>() + rows * F, rows * F);
-    });
-  }
-  const bool rope = cos_in.has_value();
-  at::Tensor c, s;
-  if (rope) {
-    c = cos_in->to(kv.scalar_type()).contiguous();
-    s = sin_in->to(kv.scalar_type()).contiguous();
-    TORCH_CHECK(c.size(-1) == F && s.sizes() == c.sizes() && heads > 0,
-                "linattn_cpu::step: cos and sin must be (..., F)");
-  }
-  at::Tensor kv_new = at::empty_like(kv), z_new = at::empty_like(z), o = at::empty(v_in.sizes(), kv.options());
-  AT_DISPATCH_FLOATING_TYPES(kv.scalar_type(), "linattn_cpu_step", [&] {
-    const scalar_t* pkv = kv.data_ptr<scalar_t>();
-    const scalar_t* pz = z.data_ptr<scalar_t>();
-    const scalar_t* pq = q.data_ptr<scalar_t>();
-    const scalar_t* pk = k.data_ptr<scalar_t>();
-    const scalar_t* pf = phi == 1 ? feats.data_ptr<scalar_t>() : nullptr;  // φ of the q rows, then of the k rows
-    const scalar_t* pv = v.data_ptr<scalar_t>();
-    const scalar_t* pc = rope ? c.data_ptr<scalar_t>() : nullptr;
-    const scalar_t* ps = rope ? s.data_ptr<scalar_t>() : nullptr;
-    const int64_t c_rows = rope ? c.numel() / F : 1;
-    scalar_t* pkv2 = kv_new.data_ptr<scalar_t>();
-    scalar_t* pz2 = z_new.data_ptr<scalar_t>();
-    scalar_t* po = o.data_ptr<scalar_t>();
-    const scalar_t eps_t = static_cast<scalar_t>(eps);
-    // one row is F·E multiply-adds: only large batches are worth waking other threads for
-    const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, F * E));
-    at::parallel_for(0, rows, grain, [&](int64_t r0, int64_t r1) {
-      std::vector<scalar_t> buf((rope ? 4 : 2) * F);
-      const int64_t half = F / 2;
-      for (int64_t r = r0; r < r1; ++r) {
-        scalar_t* qd = buf.data();
-        scalar_t* kd = qd + F;
-        for (int64_t f = 0; f < F; ++f) {
-          const int64_t i = r * F + f;
-          qd[f] = phi == 1 ? pf[i] : pq[i];
-          kd[f] = phi == 1 ? pf[rows * F + i] : pk[i];
-        }
-        const scalar_t* qr = qd;
-        const scalar_t* kr = kd;
-        if (rope) {
-          const int64_t a = (r / heads) % c_rows;
-          const scalar_t* cr = pc + a * F;
-          const scalar_t* sr = ps + a * F;
-          scalar_t* qrot = kd + F;
-          scalar_t* krot = qrot + F;
-          for (int64_t f = 0; f < F; ++f) {
-            const int64_t g = f < half ? f + half : (f < 2 * half ? f - half : f);  // odd F: last kept
-            qrot[f] = qd[f] * cr[f] + qd[g] * sr[f];
-            krot[f] = kd[f] * cr[f] + kd[g] * sr[f];
-          }
-          qr = qrot;
-          kr = krot;
-        }
-        scalar_t* out = po + r * E;
-        update_row<scalar_t>(pkv + r * F * E, pkv2 + r * F * E, qr, kr, pv + r * E, out, F, E);
-        scalar_t den = scalar_t(0);
-        for (int64_t f = 0; f < F; ++f) {
-          const scalar_t zf = pz[r * F + f] + kd[f];
-          pz2[r * F + f] = zf;
-          den += qd[f] * zf;
-        }
-        if (normalize) {
-          const scalar_t inv = scalar_t(1) / (den + eps_t);
-          for (int64_t e = 0; e < E; ++e) out[e] *= inv;
-        }
-      }
-    });
-  });
-  return {o, kv_new, z_new};
-}
-
-// RMSNorm over the last dim: y = x / √(mean(x²) + eps) · w, x (…, d), w (d); sums in double.
-template <typename T>
-LINATTN_CLONES void rms_norm_rows(const T* __restrict__ x, const T* __restrict__ w, T* __restrict__ y,
-                                  int64_t r0, int64_t r1, int64_t d, double eps) {
-  for (int64_t r = r0; r < r1; ++r) {
-    const T* xr = x + r * d;
-    T* yr = y + r * d;
-    double ss = 0;
-    for (int64_t i = 0; i < d; ++i) ss += double(xr[i]) * double(xr[i]);
-    const T inv = static_cast<T>(1.0 / std::sqrt(ss / double(d) + eps));
-    for (int64_t i = 0; i < d; ++i) yr[i] = xr[i] * inv * w[i];
-  }
-}
-
-at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& w_in, double eps) {
-  TORCH_CHECK(x_in.dim() >= 1 && w_in.dim() == 1 && x_in.size(-1) == w_in.size(0),
-              "linattn_cpu::rms_norm expects x (..., d) and weight (d)");
-  TORCH_CHECK(x_in.scalar_type() == w_in.scalar_type(), "linattn_cpu::rms_norm: x and weight must share a dtype");
-  const at::Tensor x = x_in.contiguous(), w = w_in.contiguous();
-  const int64_t d = w.size(0), rows = d == 0 ? 0 : x.numel() / d;
-  at::Tensor y = at::empty_like(x);
-  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "linattn_cpu_rms_norm", [&] {
-    const scalar_t* px = x.data_ptr<scalar_t>();
-    const scalar_t* pw = w.data_ptr<scalar_t>();
-    scalar_t* py = y.data_ptr<scalar_t>();
-    at::parallel_for(0, rows, std::max<int64_t>(1, (int64_t{1} << 15) / std::max<int64_t>(1, d)),
-                     [&](int64_t r0, int64_t r1) { rms_norm_rows<scalar_t>(px, pw, py, r0, r1, d, eps); });
-  });
-  return y;
-}
 
 // A symbol of the loaded torch (its BLAS), or nullptr: global lookup first, then libtorch_cpu itself.
 void* torch_symbol(const char* name) {
@@ -797,18 +595,12 @@ TORCH_LIBRARY(linattn_cpu, m) {
       "chunked(Tensor q, Tensor k, Tensor v, Tensor kv0, Tensor z0, int phi, bool normalize, float eps, int chunk, "
       "bool save) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def(
-      "step(Tensor kv, Tensor z, Tensor q, Tensor k, Tensor v, int phi, bool normalize, float eps, "
-      "Tensor? cos, Tensor? sin, int heads) -> (Tensor, Tensor, Tensor)");
-  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
-  m.def(
       "chunked_backward(Tensor q, Tensor k, Tensor v, Tensor o, Tensor do, Tensor den, Tensor S_blocks, "
       "Tensor z_blocks, Tensor? dkv, Tensor? dz, int phi, bool normalize, int chunk) "
       "-> (Tensor, Tensor, Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(linattn_cpu, CPU, m) {
-  m.impl("step", step);
-  m.impl("rms_norm", rms_norm);
   m.impl("chunked", chunked);
   m.impl("chunked_backward", chunked_backward);
 }

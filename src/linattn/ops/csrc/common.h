@@ -1,0 +1,58 @@
+// Shared by the fused CPU kernels (decode.cpp, chunked.cpp): the ISA clones of elementwise loops and
+// φ = elu + 1 with an exp of its own. Everything here has internal linkage (one copy per file).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+namespace {
+
+#if defined(__GNUC__) && defined(__x86_64__) && !defined(__clang__)
+#define LINATTN_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define LINATTN_CLONES
+#endif
+
+// exp(x) for x ≤ 0 without a library call, so that the loop calling it vectorizes: x = n ln2 + r,
+// |r| ≤ ln2/2 (ln2 split in a part exact in Acc and a remainder); eʳ by its Taylor polynomial, of
+// degree 7 for float and 13 for double (the remainder r^(d+1)/(d+1)! is then under 2⁻²⁷ and 2⁻⁵⁷),
+// in Horner form; 2ⁿ through the exponent bits. Below the smallest normal it gives ≈ the smallest normal.
+template <typename Acc>
+inline Acc exp_nonpositive(Acc x) {
+  constexpr bool single = std::is_same<Acc, float>::value;
+  using Bits = typename std::conditional<single, int32_t, int64_t>::type;
+  constexpr int mant = single ? 23 : 52, bias = single ? 127 : 1023, degree = single ? 7 : 13;
+  constexpr Acc lowest = single ? Acc(-87.33654f) : Acc(-708.396418532264);  // ≈ ln of the smallest normal
+  constexpr Acc log2e = Acc(1.4426950408889634), ln2_hi = single ? Acc(0.693145751953125) : Acc(0.6931471803691238);
+  constexpr Acc ln2_lo = single ? Acc(1.428606765330187e-06) : Acc(1.9082149292705877e-10);
+  constexpr double inv_fact[14] = {1.0, 1.0, 1.0 / 2, 1.0 / 6, 1.0 / 24, 1.0 / 120, 1.0 / 720, 1.0 / 5040,
+                                   1.0 / 40320, 1.0 / 362880, 1.0 / 3628800, 1.0 / 39916800, 1.0 / 479001600,
+                                   1.0 / 6227020800.0};
+  const Acc xc = std::max(x, lowest);
+  constexpr Acc round = single ? Acc(12582912.0) : Acc(6755399441055744.0);  // 1.5·2^mant: adding it rounds
+  const Acc n = (xc * log2e + round) - round;
+  const Acc r = (xc - n * ln2_hi) - n * ln2_lo;
+  Acc p = Acc(inv_fact[degree]);
+  for (int d = degree - 1; d >= 0; --d) p = p * r + Acc(inv_fact[d]);
+  const Bits e = (static_cast<Bits>(n) + bias) << mant;
+  Acc scale;
+  std::memcpy(&scale, &e, sizeof(scale));
+  return p * scale;
+}
+
+// φ = elu + 1 = exp(min(x, 0)) + max(x, 0) of n values, in Acc
+template <typename T, typename Acc>
+LINATTN_CLONES void elu_plus_one(const T* x, Acc* out, int64_t n) {  // out = x allowed
+#pragma omp simd simdlen(16)
+  for (int64_t i = 0; i < n; ++i) {
+    const Acc v = static_cast<Acc>(x[i]);
+    out[i] = exp_nonpositive(std::min(v, Acc(0))) + std::max(v, Acc(0));
+  }
+}
+
+}  // namespace
