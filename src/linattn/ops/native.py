@@ -35,7 +35,8 @@ _DTYPES = (torch.float32, torch.float64)
 
 def enabled() -> bool:
     """False when the environment variable LINATTN_NATIVE is 0 / false / off / no."""
-    return os.environ.get("LINATTN_NATIVE", "1").lower() not in _OFF
+    value = os.environ.get("LINATTN_NATIVE")
+    return value is None or value.lower() not in _OFF
 
 
 def load() -> bool:
@@ -83,7 +84,7 @@ def fused_phi(feature_map, scale, key_padding_mask, state, q, k, v, *, bf16: boo
         return None
     kv, z = state
     low = bf16 and q.dtype is torch.bfloat16 and kv.dtype is torch.float32
-    if (scale is not None or key_padding_mask is not None or q.device.type != "cpu" or kv.dtype not in _DTYPES
+    if (scale is not None or key_padding_mask is not None or not q.is_cpu or kv.dtype not in _DTYPES
             or not (q.dtype is k.dtype is v.dtype) or kv.dtype is not z.dtype or (q.dtype is not kv.dtype and not low)):
         return None
     if train:
