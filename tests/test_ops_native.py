@@ -206,6 +206,20 @@ def test_rmsnorm_layer_is_the_same_with_and_without_gradients():
     assert not native.rms_norm_fusable(x.bfloat16(), norm.weight.detach())
 
 
+def _draw_chunked_case(b, h, n, f, e, elu, with_state, seed):
+    """float64 q, k (B, H, N, F), v (B, H, N, E), φ (elu+1, or None with positive q, k) and an initial
+    state (kv, z ≥ 1) or None."""
+    g = torch.Generator().manual_seed(seed)
+    q, k = (torch.randn(b, h, n, f, generator=g, dtype=torch.float64) for _ in range(2))
+    v = torch.randn(b, h, n, e, generator=g, dtype=torch.float64)
+    fm = EluPlusOne(f).double() if elu else None
+    if fm is None:
+        q, k = q.abs() + 0.1, k.abs() + 0.1
+    state = ((torch.rand(b, h, f, e, generator=g, dtype=torch.float64),
+              torch.rand(b, h, f, generator=g, dtype=torch.float64) + 1) if with_state else None)
+    return q, k, v, fm, state
+
+
 @needs_native
 @settings(max_examples=25, deadline=None)
 @given(b=st.integers(1, 2), h=st.integers(1, 3), n=st.integers(1, 140), f=st.integers(1, 9), e=st.integers(1, 9),
@@ -214,14 +228,7 @@ def test_rmsnorm_layer_is_the_same_with_and_without_gradients():
 def test_fused_chunked_forward_equals_the_oracle_in_float64(b, h, n, f, e, chunk, elu, normalize, with_state, seed):
     """Inference forward (no gradient wanted): outputs and final state against the quadratic oracle,
     N=1 and N not a multiple of the chunk included."""
-    g = torch.Generator().manual_seed(seed)
-    q, k = (torch.randn(b, h, n, f, generator=g, dtype=torch.float64) for _ in range(2))
-    v = torch.randn(b, h, n, e, generator=g, dtype=torch.float64)
-    fm = EluPlusOne(f).double() if elu else None
-    if fm is None:
-        q, k = q.abs() + 0.1, k.abs() + 0.1
-    state = ((torch.rand(b, h, f, e, generator=g, dtype=torch.float64),
-              torch.rand(b, h, f, generator=g, dtype=torch.float64)) if with_state else None)
+    q, k, v, fm, state = _draw_chunked_case(b, h, n, f, e, elu, with_state, seed)
     assert native.chunked_ready(torch.float64)
     with torch.no_grad():
         o, (kv, z) = linear_attention(q, k, v, causal=True, feature_map=fm, normalize=normalize, chunk_size=chunk,
@@ -326,18 +333,8 @@ def test_fused_training_forward_and_backward_equal_the_oracle_in_float64(b, h, n
     backward against the float64 oracle: outputs, final state, and the gradients of q, k, v and the
     initial state. N = 1, tails, and N past one 512-token block (the backward carries the state
     gradient across blocks and recomputes the chunk states inside each)."""
-    g = torch.Generator().manual_seed(seed)
-    q, k = (torch.randn(b, h, n, f, generator=g, dtype=torch.float64) for _ in range(2))
-    v = torch.randn(b, h, n, e, generator=g, dtype=torch.float64)
-    fm = EluPlusOne(f).double() if elu else None
-    if fm is None:
-        q, k = q.abs() + 0.1, k.abs() + 0.1
-    inputs = [q.requires_grad_(), k.requires_grad_(), v.requires_grad_()]
-    state = None
-    if with_state:
-        state = (torch.rand(b, h, f, e, generator=g, dtype=torch.float64).requires_grad_(),
-                 (torch.rand(b, h, f, generator=g, dtype=torch.float64) + 1).requires_grad_())
-        inputs += list(state)
+    q, k, v, fm, state = _draw_chunked_case(b, h, n, f, e, elu, with_state, seed)
+    inputs = [x.requires_grad_() for x in (q, k, v, *(state or ()))]
     o, (kv, z) = linear_attention(q, k, v, causal=True, feature_map=fm, normalize=normalize, chunk_size=chunk,
                                   initial_state=state, return_state=True)
     assert type(o.grad_fn).__name__ == "FusedChunkedCausalBackward"
