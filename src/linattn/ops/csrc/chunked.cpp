@@ -137,12 +137,12 @@ LINATTN_CLONES void mask_upper(Acc* __restrict__ A, int c) {
     for (int j = i + 1; j < c; ++j) A[int64_t(i) * c + j] = Acc(0);
 }
 
-// O = U / den row by row (U = O is allowed), or O = U without normalization
-template <typename T, typename Acc>
-LINATTN_CLONES void write_rows(const Acc* U, const Acc* __restrict__ den, bool normalize, T* O, int c, int64_t E) {
+// U /= den row by row (c rows of E)
+template <typename Acc>
+LINATTN_CLONES void divide_rows(Acc* __restrict__ U, const Acc* __restrict__ den, int c, int64_t E) {
   for (int i = 0; i < c; ++i) {
-    const Acc inv = normalize ? Acc(1) / den[i] : Acc(1);
-    for (int64_t x = 0; x < E; ++x) O[i * E + x] = static_cast<T>(U[i * E + x] * inv);
+    const Acc inv = Acc(1) / den[i];
+    for (int64_t x = 0; x < E; ++x) U[i * E + x] *= inv;
   }
 }
 
@@ -288,7 +288,7 @@ void chunked_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   const Acc eps_t = static_cast<Acc>(eps);
   at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
     const SequentialBlas one_thread;
-    Aligned<Acc> A(chunk * chunk), den(chunk), U(low ? chunk * E : 0), wide(low && phi == 1 ? 2 * block * F : 0);
+    Aligned<Acc> A(chunk * chunk), den(chunk), U(low ? chunk * E : 0), wide(low ? 2 * block * F : 0);
     Aligned<T> A_low(low ? chunk * chunk : 0), S_low(low ? F * E : 0), feat(phi == 1 ? 2 * block * F : 0);
     for (int64_t r = r0; r < r1; ++r) {
       Acc* S = pS + r * F * E;
@@ -303,6 +303,18 @@ void chunked_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
           std::copy(z, z + F, saves->z_blocks + b * F);
         }
         if (phi == 1) block_features(Q, K, m * F, wide, feat, &Q, &K);
+        // the features as Acc for the denominators and z (bf16: the rounded gemm operands, widened)
+        const Acc* Qa;
+        const Acc* Ka;
+        if constexpr (low) {
+          widen_bf16(Q, wide.data(), m * F);
+          widen_bf16(K, wide.data() + m * F, m * F);
+          Qa = wide.data();
+          Ka = wide.data() + m * F;
+        } else {
+          Qa = Q;
+          Ka = K;
+        }
         for (int64_t c0 = 0; c0 < m; c0 += chunk) {
           const int c = static_cast<int>(std::min(chunk, m - c0)), f = static_cast<int>(F), e = static_cast<int>(E);
           const T* Qc = Q + c0 * F;
@@ -311,7 +323,7 @@ void chunked_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
           T* Oc = po + (r * N + s + c0) * E;
           gemm_rm<T>(false, true, c, c, f, Qc, f, Kc, f, Acc(0), A.data(), c);  // A = Q̃K̃ᵀ
           if (normalize) {
-            mask_and_denominators(A.data(), c, Qc, z, F, eps_t, den.data());
+            mask_and_denominators(A.data(), c, Qa + c0 * F, z, F, eps_t, den.data());
             if (saves != nullptr) std::copy(den.begin(), den.begin() + c, saves->den + r * N + s + c0);
           } else {
             mask_upper(A.data(), c);
@@ -320,9 +332,10 @@ void chunked_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
           gemm_rm<T>(false, false, c, e, c, as_operand<T>(A.data(), A_low, int64_t(c) * c), c, Vc, e, Acc(0), U_out,
                      e);                                                                              // A V
           gemm_rm<T>(false, false, c, e, f, Qc, f, as_operand<T>(S, S_low, F * E), e, Acc(1), U_out, e);  // + Q̃ S
-          write_rows(U_out, den.data(), normalize, Oc, c, E);
+          if (normalize) divide_rows(U_out, den.data(), c, E);
+          if constexpr (low) narrow_bf16(U_out, Oc, int64_t(c) * E);
           gemm_rm<T>(true, false, f, e, c, Kc, f, Vc, e, Acc(1), S, e);  // S += K̃ᵀV
-          add_column_sums(z, Kc, c, F);
+          add_column_sums(z, Ka + c0 * F, c, F);
         }
       }
     }
