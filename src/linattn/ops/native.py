@@ -64,11 +64,16 @@ def available() -> bool:
     return enabled() and load()
 
 
+def _ready() -> bool:
+    """torch.compile is not tracing, and the kernels are enabled and built."""
+    return not torch.compiler.is_compiling() and available()
+
+
 def _inference(*tensors) -> bool:
-    """No gradient is wanted of `tensors`, torch.compile is not tracing, and the kernels are built."""
+    """No gradient is wanted of `tensors`, and the kernels are ready (`_ready`)."""
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         return False
-    return not torch.compiler.is_compiling() and available()
+    return _ready()
 
 
 def fused_phi(feature_map, scale, key_padding_mask, state, q, k, v, *, bf16: bool = False, train: bool = False):
@@ -87,9 +92,7 @@ def fused_phi(feature_map, scale, key_padding_mask, state, q, k, v, *, bf16: boo
     if (scale is not None or key_padding_mask is not None or not q.is_cpu or kv.dtype not in _DTYPES
             or not (q.dtype is k.dtype is v.dtype) or kv.dtype is not z.dtype or (q.dtype is not kv.dtype and not low)):
         return None
-    if train:
-        return phi if not torch.compiler.is_compiling() and available() else None
-    return phi if _inference(q, k, v, kv, z) else None
+    return phi if (_ready() if train else _inference(q, k, v, kv, z)) else None
 
 
 def step(state, q, k, v, *, phi: int, normalize: bool, eps: float, angles=None):

@@ -104,7 +104,6 @@ LINATTN_CLONES void widen_bf16(const at::BFloat16* __restrict__ src, float* __re
 // float -> bf16, round to nearest even (NaN stays NaN), written so that it vectorizes
 LINATTN_CLONES void narrow_bf16(const float* __restrict__ src, at::BFloat16* __restrict__ dst, int64_t n) {
   uint16_t* __restrict__ out = reinterpret_cast<uint16_t*>(dst);
-#pragma omp simd simdlen(16)
   for (int64_t i = 0; i < n; ++i) {
     uint32_t u;
     std::memcpy(&u, src + i, sizeof(u));
@@ -216,7 +215,7 @@ template <typename X>
 class Aligned {
  public:
   explicit Aligned(int64_t n)
-      : n_(n), p_(n > 0 ? static_cast<X*>(std::aligned_alloc(64, (n * sizeof(X) + 63) / 64 * 64)) : nullptr) {
+      : p_(n > 0 ? static_cast<X*>(std::aligned_alloc(64, (n * sizeof(X) + 63) / 64 * 64)) : nullptr) {
     TORCH_CHECK(n == 0 || p_ != nullptr, "linattn_cpu: out of memory for a work buffer");
   }
   ~Aligned() { std::free(p_); }
@@ -226,7 +225,6 @@ class Aligned {
   X* begin() { return p_; }
 
  private:
-  int64_t n_;
   X* p_;
 };
 

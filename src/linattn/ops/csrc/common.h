@@ -47,8 +47,8 @@ inline Acc exp_nonpositive(Acc x) {
 
 // φ = elu + 1 = exp(min(x, 0)) + max(x, 0) of n values, in Acc
 template <typename T, typename Acc>
-LINATTN_CLONES void elu_plus_one(const T* x, Acc* out, int64_t n) {  // out = x allowed
-#pragma omp simd simdlen(16)
+LINATTN_CLONES void elu_plus_one(const T* x, Acc* out, int64_t n) {
+#pragma omp simd  // out = x is allowed: element i reads and writes only index i
   for (int64_t i = 0; i < n; ++i) {
     const Acc v = static_cast<Acc>(x[i]);
     out[i] = exp_nonpositive(std::min(v, Acc(0))) + std::max(v, Acc(0));

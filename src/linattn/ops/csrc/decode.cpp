@@ -91,23 +91,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> step(const at::Tensor& kv_in, con
     // one row is F·E multiply-adds: only large batches are worth waking other threads for
     const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, F * E));
     at::parallel_for(0, rows, grain, [&](int64_t r0, int64_t r1) {
-      std::vector<scalar_t> buf((rope ? 4 : 2) * F);
+      std::vector<scalar_t> rotated(rope ? 2 * F : 0);
       const int64_t half = F / 2;
       for (int64_t r = r0; r < r1; ++r) {
-        scalar_t* qd = buf.data();
-        scalar_t* kd = qd + F;
-        for (int64_t f = 0; f < F; ++f) {
-          const int64_t i = r * F + f;
-          qd[f] = phi == 1 ? pf[i] : pq[i];
-          kd[f] = phi == 1 ? pf[rows * F + i] : pk[i];
-        }
+        const scalar_t* qd = (phi == 1 ? pf : pq) + r * F;  // the denominator features of row r
+        const scalar_t* kd = (phi == 1 ? pf + rows * F : pk) + r * F;
         const scalar_t* qr = qd;
         const scalar_t* kr = kd;
         if (rope) {
           const int64_t a = (r / heads) % c_rows;
           const scalar_t* cr = pc + a * F;
           const scalar_t* sr = ps + a * F;
-          scalar_t* qrot = kd + F;
+          scalar_t* qrot = rotated.data();
           scalar_t* krot = qrot + F;
           for (int64_t f = 0; f < F; ++f) {
             const int64_t g = f < half ? f + half : (f < 2 * half ? f - half : f);  // odd F: last kept
