@@ -9,14 +9,17 @@ state and the chunk scores kept in cache, its products by the BLAS gemm that tor
 training it also saves the denominators and block states, and `linattn_cpu::chunked_backward` walks
 the rows back. `csrc/common.h` holds what both files share (φ, the ISA clones).
 
-The extension is built the first time a kernel can be used (about 15 s; torch caches the build under
-~/.cache/torch_extensions and rebuilds when the source changes). Where it cannot be built (no C++
+The extension is built the first time a kernel can be used (about 15 s) into a folder named after a
+hash of its sources and flags, under torch's extension cache (~/.cache/torch_extensions, or
+TORCH_EXTENSIONS_DIR): two checkouts or versions of linattn keep one build each instead of
+rebuilding over each other. Where it cannot be built (no C++
 compiler or no ninja) linattn warns once, and with `LINATTN_NATIVE=0` it stays off; either way the
 torch-op paths run, with the same numbers up to rounding (tests/test_ops_native.py).
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import threading
 import warnings
@@ -26,7 +29,9 @@ import torch
 
 from ..feature_maps import EluPlusOne
 
-_SOURCES = [str(Path(__file__).with_name("csrc") / name) for name in ("decode.cpp", "chunked.cpp")]
+_CSRC = Path(__file__).with_name("csrc")
+_SOURCES = [str(_CSRC / name) for name in ("decode.cpp", "chunked.cpp")]
+_CFLAGS = ["-O3", "-fopenmp", "-fno-trapping-math"]
 _lock = threading.Lock()
 _state: dict = {"loaded": None, "error": None}
 _OFF = ("0", "false", "off", "no")
@@ -48,8 +53,8 @@ def load() -> bool:
             try:
                 from torch.utils.cpp_extension import load as build
 
-                build("linattn_cpu", sources=_SOURCES, extra_cflags=["-O3", "-fopenmp", "-fno-trapping-math"],
-                      extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+                build("linattn_cpu", sources=_SOURCES, extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"],
+                      build_directory=_build_directory(), is_python_module=False, verbose=False)
                 _state["loaded"] = hasattr(torch.ops.linattn_cpu, "step")
             except Exception as exc:  # no compiler, no ninja, a failed build: keep the torch-op path
                 _state["loaded"], _state["error"] = False, f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
@@ -57,6 +62,20 @@ def load() -> bool:
                               "torch ops run instead (same numbers, slower). Set LINATTN_NATIVE=0 to silence.",
                               RuntimeWarning, stacklevel=3)
     return _state["loaded"]
+
+
+def _build_directory() -> str:
+    """<torch extension cache>/linattn_cpu-<hash of the sources, headers, flags and torch version>."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    digest = hashlib.sha256(" ".join(_CFLAGS + [torch.__version__]).encode())
+    for path in sorted(_CSRC.iterdir()):
+        if path.suffix in (".cpp", ".h"):
+            digest.update(path.name.encode() + path.read_bytes())
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
+    folder = root / f"linattn_cpu-{digest.hexdigest()[:16]}"
+    folder.mkdir(parents=True, exist_ok=True)
+    return str(folder)
 
 
 def available() -> bool:
