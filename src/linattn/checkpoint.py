@@ -15,13 +15,14 @@ the architecture, the config, the tensor names and the shapes, naming whatever d
 from __future__ import annotations
 
 import json
-import os
 import struct
 import uuid
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
+
+from ._io import atomic_write
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -30,33 +31,6 @@ FORMAT_VERSION = 1
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be loaded into the requested model (names the mismatch)."""
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:  # pragma: no cover - platforms without directory fds
-        return
-    try:
-        os.fsync(fd)
-    except OSError:  # pragma: no cover
-        pass
-    finally:
-        os.close(fd)
-
-
-def _atomic_write(path: Path, write) -> None:
-    """write(tmp_path) then fsync and rename over `path`; the temporary is removed on failure."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-    try:
-        write(tmp)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-    _fsync_dir(path.parent)
 
 
 def _alias_names(model: torch.nn.Module) -> set[str]:
@@ -81,10 +55,10 @@ def save_pretrained(model: torch.nn.Module, directory) -> Path:
     aliases = _alias_names(model)
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items() if k not in aliases}
     meta = {"format": "pt", "linattn_checkpoint_id": ckpt_id, "architecture": type(model).__name__}
-    _atomic_write(directory / WEIGHTS_NAME, lambda p: save_file(tensors, str(p), metadata=meta))
+    atomic_write(directory / WEIGHTS_NAME, lambda p: save_file(tensors, str(p), metadata=meta))
     doc = {"format": "linattn", "format_version": FORMAT_VERSION, "architecture": type(model).__name__,
            "checkpoint_id": ckpt_id, "config": model.config.to_dict()}
-    _atomic_write(directory / CONFIG_NAME, lambda p: p.write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n"))
+    atomic_write(directory / CONFIG_NAME, lambda p: p.write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n"))
     return directory
 
 

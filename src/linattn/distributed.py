@@ -58,7 +58,16 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from ._checks import FLOAT_DTYPES, check_positions, check_positive_int, check_qkv, check_tensor
+from ._checks import (
+    FLOAT_DTYPES,
+    check_bool,
+    check_int,
+    check_number,
+    check_positions,
+    check_positive_int,
+    check_qkv,
+    check_tensor,
+)
 from .ops._features import Featurizer
 from .ops.chunked import block_tokens, compute_dtype, state_dtype
 from .ops.linear import _linear_attention, _prepare, advance_schedule
@@ -110,8 +119,7 @@ def init_distributed(
     """
     if not dist.is_available():
         raise RuntimeError("torch.distributed is not available in this build of torch")
-    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
-        raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+    check_number("timeout_s", timeout_s, minimum=0, low_open=True)
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     if backend is None:
@@ -214,10 +222,8 @@ def _resolve_group(group):
 def shard_bounds(n: int, rank: int, world_size: int) -> tuple[int, int]:
     """[start, end) of rank's contiguous shard of n tokens; the first n mod P shards get one extra."""
     check_positive_int("world_size", world_size)
-    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-        raise ValueError(f"n must be a non-negative int, got {n!r}")
-    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
-        raise ValueError(f"rank must be an int in [0, world_size={world_size}), got {rank!r}")
+    check_int("n", n, minimum=0)
+    check_int("rank", rank, minimum=0, below=world_size)
     base, extra = divmod(n, world_size)
     start = rank * base + min(rank, extra)
     return start, start + base + (1 if rank < extra else 0)
@@ -665,8 +671,7 @@ def sequence_parallel_linear_attention(
     error, feat, e = None, -1, -1
     try:
         check_positive_int("chunk_size", chunk_size)
-        if not isinstance(causal, bool):
-            raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+        check_bool("causal", causal, error=TypeError)
         check_qkv(q, k, v)
         if q.shape[2] != k.shape[2]:
             raise ValueError(f"k must have q's shard length {q.shape[2]}, got {k.shape[2]}")
@@ -746,8 +751,7 @@ def sequence_parallel_softmax_attention(
     group, rank, world = _resolve_group(group)
     error = None
     try:
-        if not isinstance(causal, bool):
-            raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+        check_bool("causal", causal, error=TypeError)
         check_qkv(q, k, v)
         if q.shape[2] != k.shape[2]:
             raise ValueError(f"k must have q's shard length {q.shape[2]}, got {k.shape[2]}")

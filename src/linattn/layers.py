@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ._checks import check_number, check_positive_int
 from .feature_maps import make_feature_map
 from .ops import linear_attention, linear_attention_step, native, softmax_attention
 from .positional import RotaryEmbedding
@@ -148,22 +149,19 @@ def _column_major(linear: nn.Linear) -> nn.Linear:
 
 
 def _check_heads(d_model: int, n_heads: int, qk_dim: int | None) -> tuple[int, int]:
-    for name, val in (("d_model", d_model), ("n_heads", n_heads)):
-        if isinstance(val, bool) or not isinstance(val, int) or val <= 0:
-            raise ValueError(f"{name} must be a positive int, got {val!r}")
+    check_positive_int("d_model", d_model)
+    check_positive_int("n_heads", n_heads)
     if d_model % n_heads:
         raise ValueError(f"d_model ({d_model}) must be divisible by n_heads ({n_heads})")
     head_dim = d_model // n_heads
     if qk_dim is None:
         return head_dim, head_dim
-    if isinstance(qk_dim, bool) or not isinstance(qk_dim, int) or qk_dim <= 0:
-        raise ValueError(f"qk_dim must be a positive int or None, got {qk_dim!r}")
+    check_positive_int("qk_dim", qk_dim, allow_none=True)
     return head_dim, qk_dim
 
 
 def _check_dropout(p) -> float:
-    if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= p < 1.0:
-        raise ValueError(f"dropout must be a float in [0, 1), got {p!r}")
+    check_number("dropout", p, minimum=0, maximum=1, high_open=True)
     return float(p)
 
 
@@ -415,8 +413,7 @@ class FeedForward(nn.Module):
         super().__init__()
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
-        if isinstance(d_ff, bool) or not isinstance(d_ff, int) or d_ff <= 0:
-            raise ValueError(f"d_ff must be a positive int, got {d_ff!r}")
+        check_positive_int("d_ff", d_ff)
         self.activation = activation
         self.up = _column_major(nn.Linear(d_model, d_ff * (2 if activation == "swiglu" else 1), bias=bias))
         self.down = _column_major(nn.Linear(d_ff, d_model, bias=bias))

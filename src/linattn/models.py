@@ -24,7 +24,14 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from ._checks import dataclass_from_dict
+from ._checks import (
+    check_bool,
+    check_choice,
+    check_int,
+    check_number,
+    check_positive_int,
+    dataclass_from_dict,
+)
 from .checkpoint import PretrainedMixin
 from .feature_maps import FEATURE_MAPS, make_feature_map
 from .layers import (
@@ -42,18 +49,6 @@ from .positional import RotaryEmbedding
 ATTENTION_KINDS = ("linear", "softmax")
 POSITIONS = ("rope", "learned", "none")
 POOLINGS = ("mean", "first")
-
-
-def _positive_int(name, value, allow_none=False):
-    if value is None and allow_none:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name} must be a positive int{' or None' if allow_none else ''}, got {value!r}")
-
-
-def _choice(name, value, choices):
-    if value not in choices:
-        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
 
 
 @dataclass
@@ -97,9 +92,9 @@ class ModelConfig:
 
     def __post_init__(self):
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "max_len"):
-            _positive_int(name, getattr(self, name))
+            check_positive_int(name, getattr(self, name))
         for name in ("d_ff", "qk_dim", "num_classes"):
-            _positive_int(name, getattr(self, name), allow_none=True)
+            check_positive_int(name, getattr(self, name), allow_none=True)
         if self.d_model % self.n_heads:
             raise ValueError(f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})")
         if isinstance(self.attention, str):
@@ -108,26 +103,21 @@ class ModelConfig:
             raise ValueError(f"attention must be a non-empty list of kinds or a pattern string, got {self.attention!r}")
         self.attention = list(self.attention)
         for kind in self.attention:
-            _choice("attention", kind, ATTENTION_KINDS)
+            check_choice("attention", kind, ATTENTION_KINDS)
         if self.n_layers % len(self.attention):
             raise ValueError(f"attention pattern of length {len(self.attention)} does not divide "
                              f"n_layers={self.n_layers}")
-        _choice("feature_map", self.feature_map, tuple(sorted(FEATURE_MAPS)))
-        _choice("positions", self.positions, POSITIONS)
-        _choice("norm", self.norm, NORMS)
-        _choice("activation", self.activation, ACTIVATIONS)
-        _choice("pooling", self.pooling, POOLINGS)
-        if isinstance(self.dropout, bool) or not isinstance(self.dropout, (int, float)) or not 0 <= self.dropout < 1:
-            raise ValueError(f"dropout must be a float in [0, 1), got {self.dropout!r}")
+        check_choice("feature_map", self.feature_map, tuple(sorted(FEATURE_MAPS)))
+        check_choice("positions", self.positions, POSITIONS)
+        check_choice("norm", self.norm, NORMS)
+        check_choice("activation", self.activation, ACTIVATIONS)
+        check_choice("pooling", self.pooling, POOLINGS)
+        check_number("dropout", self.dropout, minimum=0, maximum=1, high_open=True)
         for name in ("rope_base", "norm_eps"):
-            val = getattr(self, name)
-            if isinstance(val, bool) or not isinstance(val, (int, float)) or not val > 0:
-                raise ValueError(f"{name} must be a positive float, got {val!r}")
+            check_number(name, getattr(self, name), minimum=0, low_open=True)
         for name in ("tie_embeddings", "bias"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an int, got {self.seed!r}")
+            check_bool(name, getattr(self, name))
+        check_int("seed", self.seed)
         if not isinstance(self.feature_map_options, dict):
             raise ValueError(f"feature_map_options must be a dict, got {type(self.feature_map_options).__name__}")
         try:

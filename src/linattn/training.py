@@ -50,7 +50,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime as _dt
-import hashlib
 import json
 import math
 import os
@@ -67,7 +66,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._checks import dataclass_from_dict
+from ._checks import dataclass_from_dict, is_int, is_number, resolve_device
+from ._io import fsync_path, sha256_file
 from . import data as D
 from .checkpoint import CONFIG_NAME, WEIGHTS_NAME, CheckpointError, load_state, read_config, save_pretrained
 from .models import LinearTransformerEncoder, LinearTransformerLM, ModelConfig
@@ -121,14 +121,6 @@ RESUMABLE_CHANGES = frozenset({
 # ----------------------------------------------------------------------------------------------
 # configuration
 # ----------------------------------------------------------------------------------------------
-
-
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_num(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 @dataclass
@@ -219,35 +211,35 @@ class TrainConfig:
         for name in ("seq_len", "batch_size", "grad_accum", "steps", "eval_batches", "eval_samples", "log_interval",
                      "keep_checkpoints", "sequence_parallel"):
             v = getattr(self, name)
-            if not _is_int(v) or v < 1:
+            if not is_int(v) or v < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {v!r}")
         for name in ("warmup_steps", "eval_interval", "checkpoint_interval"):
             v = getattr(self, name)
-            if not _is_int(v) or v < 0:
+            if not is_int(v) or v < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {v!r}")
         for name in ("corpus_max_bytes", "eval_batch_size"):
             v = getattr(self, name)
-            if v is not None and (not _is_int(v) or v < 1):
+            if v is not None and (not is_int(v) or v < 1):
                 raise ValueError(f"{name} must be None or an int >= 1, got {v!r}")
-        if not _is_int(self.seed):
+        if not is_int(self.seed):
             raise ValueError(f"seed must be an int, got {self.seed!r}")
-        if not (_is_num(self.lr) and self.lr > 0 and math.isfinite(self.lr)):
+        if not (is_number(self.lr) and self.lr > 0 and math.isfinite(self.lr)):
             raise ValueError(f"lr must be a positive number, got {self.lr!r}")
-        if not (_is_num(self.min_lr_ratio) and 0 <= self.min_lr_ratio <= 1):
+        if not (is_number(self.min_lr_ratio) and 0 <= self.min_lr_ratio <= 1):
             raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio!r}")
-        if not (_is_num(self.val_fraction) and 0 < self.val_fraction < 1):
+        if not (is_number(self.val_fraction) and 0 < self.val_fraction < 1):
             raise ValueError(f"val_fraction must be in (0, 1), got {self.val_fraction!r}")
-        if not (_is_num(self.weight_decay) and self.weight_decay >= 0):
+        if not (is_number(self.weight_decay) and self.weight_decay >= 0):
             raise ValueError(f"weight_decay must be a number >= 0, got {self.weight_decay!r}")
         if not (isinstance(self.betas, (list, tuple)) and len(self.betas) == 2
-                and all(_is_num(b) and 0 <= b < 1 for b in self.betas)):
+                and all(is_number(b) and 0 <= b < 1 for b in self.betas)):
             raise ValueError(f"betas must be two numbers in [0, 1), got {self.betas!r}")
         self.betas = [float(b) for b in self.betas]
-        if not (_is_num(self.eps) and self.eps > 0):
+        if not (is_number(self.eps) and self.eps > 0):
             raise ValueError(f"eps must be a positive number, got {self.eps!r}")
-        if self.grad_clip == 0 and _is_num(self.grad_clip):
+        if self.grad_clip == 0 and is_number(self.grad_clip):
             self.grad_clip = None  # TOML has no null: 0 turns clipping off
-        if self.grad_clip is not None and not (_is_num(self.grad_clip) and self.grad_clip > 0):
+        if self.grad_clip is not None and not (is_number(self.grad_clip) and self.grad_clip > 0):
             raise ValueError(f"grad_clip must be None (or 0: off) or a positive number, got {self.grad_clip!r}")
         if self.dtype not in DTYPES:
             hint = " (float16 would need loss scaling; use bfloat16)" if self.dtype == "float16" else ""
@@ -265,7 +257,7 @@ class TrainConfig:
             raise ValueError(f"distributed must be one of {DISTRIBUTED}, got {self.distributed!r}")
         if self.backend not in (None, "gloo", "nccl"):
             raise ValueError(f"backend must be None, 'gloo' or 'nccl', got {self.backend!r}")
-        if not (_is_num(self.dist_timeout_s) and self.dist_timeout_s > 0):
+        if not (is_number(self.dist_timeout_s) and self.dist_timeout_s > 0):
             raise ValueError(f"dist_timeout_s must be a positive number, got {self.dist_timeout_s!r}")
         if self.out_dir is not None:
             self.out_dir = str(self.out_dir)
@@ -364,12 +356,6 @@ def load_config_file(path) -> dict:
 # ----------------------------------------------------------------------------------------------
 
 
-def _mix(*parts) -> int:
-    """A 63-bit seed from a tuple of ints/strings; distinct tuples give unrelated seeds."""
-    digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 1
-
-
 _TASK_DEFAULTS = {
     "copy": {"max_len": 32, "n_symbols": 10, "min_len": 1},
     "mqar": {"seq_len": 64, "n_pairs": 4, "vocab_size": 8192},
@@ -451,7 +437,7 @@ class Task:
         if self.name == "bytes":
             x, y = self.stream.batch(step)
             return D.TaskBatch(x, y, 256)
-        return self._draw(self.cfg.batch_size, _mix(self.cfg.seed, "train", step))
+        return self._draw(self.cfg.batch_size, D.mix_seed(self.cfg.seed, "train", step))
 
     def validation_batches(self, batch_size: int):
         """The fixed validation data in batches of at most `batch_size`."""
@@ -461,7 +447,7 @@ class Task:
                 yield D.TaskBatch(x, y, 256)
             return
         if self._validation is None:
-            self._validation = self._draw(self.cfg.eval_samples, _mix(self.cfg.seed, "validation"))
+            self._validation = self._draw(self.cfg.eval_samples, D.mix_seed(self.cfg.seed, "validation"))
         for i in range(0, self.cfg.eval_samples, batch_size):
             yield _rows(self._validation, i, i + batch_size)
 
@@ -608,27 +594,6 @@ def _make_optimizer(model: nn.Module, cfg: TrainConfig):
 # ----------------------------------------------------------------------------------------------
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def _fsync_path(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:  # pragma: no cover
-        return
-    try:
-        os.fsync(fd)
-    except OSError:  # pragma: no cover - directories on some filesystems
-        pass
-    finally:
-        os.close(fd)
-
-
 def _jsonable(value) -> bool:
     try:
         json.dumps(value, allow_nan=False)
@@ -704,9 +669,9 @@ def save_training_checkpoint(ckpt_root: Path, step: int, model: nn.Module, opt, 
         tensors, opt_meta = _optimizer_to_flat(opt)
         tensors.update(_rng_tensors())
         save_file(tensors, str(tmp / TRAINER_TENSORS), metadata={"format": "pt", "step": str(step)})
-        _fsync_path(tmp / TRAINER_TENSORS)
+        fsync_path(tmp / TRAINER_TENSORS)
         sched_state = {k: v for k, v in sched.state_dict().items() if k != "lr_lambdas" and _jsonable(v)}
-        manifest = {name: {"sha256": _sha256(tmp / name), "bytes": (tmp / name).stat().st_size}
+        manifest = {name: {"sha256": sha256_file(tmp / name), "bytes": (tmp / name).stat().st_size}
                     for name in (CONFIG_NAME, WEIGHTS_NAME, TRAINER_TENSORS)}
         doc = {
             "format": TRAINER_FORMAT,
@@ -726,14 +691,14 @@ def save_training_checkpoint(ckpt_root: Path, step: int, model: nn.Module, opt, 
             f.write(json.dumps(doc, indent=2, allow_nan=False) + "\n")
             f.flush()
             os.fsync(f.fileno())
-        _fsync_path(tmp)
+        fsync_path(tmp)
         if final.exists():  # re-saving the same step (e.g. interrupt right after a periodic save)
             shutil.rmtree(final)
         os.replace(tmp, final)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
-    _fsync_path(ckpt_root)
+    fsync_path(ckpt_root)
     _point_last(ckpt_root, final.name)
     _prune(ckpt_root, keep, final.name)
     return final
@@ -749,7 +714,7 @@ def _point_last(ckpt_root: Path, name: str) -> None:
     except (OSError, NotImplementedError):
         tmp.write_text(name + "\n", encoding="utf-8")
     os.replace(tmp, link)
-    _fsync_path(ckpt_root)
+    fsync_path(ckpt_root)
 
 
 def _prune(ckpt_root: Path, keep: int, current: str) -> None:
@@ -828,7 +793,7 @@ def load_training_checkpoint(path, model: nn.Module, opt=None, sched=None, *, ve
             raise FileNotFoundError(f"checkpoint {ckpt} is incomplete: {name} is missing")
         if verify:
             size = f.stat().st_size
-            if size != info.get("bytes") or _sha256(f) != info.get("sha256"):
+            if size != info.get("bytes") or sha256_file(f) != info.get("sha256"):
                 raise CheckpointError(f"checkpoint {ckpt} is corrupted: {name} does not match the checksum recorded "
                                       f"in {TRAINER_JSON} ({size} bytes, expected {info.get('bytes')}); resume from "
                                       "an earlier checkpoint")
@@ -1030,18 +995,6 @@ class _StopFlag:
         return False
 
 
-def _resolve_device(name: str, local_rank: int) -> torch.device:
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    dev = torch.device(name)
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(f"device={name!r} but CUDA is not available; use device='cpu'")
-        if dev.index is None:
-            dev = torch.device("cuda", local_rank % torch.cuda.device_count())
-    return dev
-
-
 def _setup_distributed(cfg: TrainConfig, device_name: str):
     """-> (use_ddp, rank, world, local_rank, created_group, groups); groups is a
     linattn.distributed.ParallelGroups when sequence_parallel > 1, else None."""
@@ -1060,7 +1013,7 @@ def _setup_distributed(cfg: TrainConfig, device_name: str):
     if created:
         from .distributed import init_distributed
 
-        dev = _resolve_device(device_name, local_rank)
+        dev = resolve_device(device_name, local_rank)
         backend = cfg.backend or ("nccl" if dev.type == "cuda" else "gloo")
         init_distributed(backend, timeout_s=cfg.dist_timeout_s)
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -1109,7 +1062,7 @@ def _train(cfg: TrainConfig, *, progress: bool, callback, console, use_ddp: bool
     if cfg.batch_size % (dp_size * cfg.grad_accum):
         raise ValueError(f"batch_size={cfg.batch_size} (global) must be divisible by data-parallel replicas × "
                          f"grad_accum = {dp_size} × {cfg.grad_accum}")
-    device = _resolve_device(cfg.device, local_rank)
+    device = resolve_device(cfg.device, local_rank)
     if cfg.dtype == "bfloat16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
         raise ValueError("dtype='bfloat16' but this GPU does not support bf16; use float32")
     is_main = rank == 0
@@ -1238,7 +1191,7 @@ def _train(cfg: TrainConfig, *, progress: bool, callback, console, use_ddp: bool
                     _restore_rng(resume_rng)
                 while step < cfg.steps:
                     t0 = time.perf_counter()
-                    torch.manual_seed(_mix(cfg.seed, "step", step, rank))
+                    torch.manual_seed(D.mix_seed(cfg.seed, "step", step, rank))
                     batch = task.train_batch(step)
                     n_scored = max(1, task.scored(batch))
                     mine = _rows(batch, dp_rank * per_rank, (dp_rank + 1) * per_rank)
