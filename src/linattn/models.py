@@ -18,6 +18,7 @@ import dataclasses
 import json
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -32,7 +33,7 @@ from ._checks import (
     check_positive_int,
     dataclass_from_dict,
 )
-from .checkpoint import PretrainedMixin
+from .checkpoint import CONFIG_NAME, CheckpointError, load_weights, read_config, save_pretrained
 from .feature_maps import FEATURE_MAPS, make_feature_map
 from .layers import (
     ACTIVATIONS,
@@ -232,7 +233,7 @@ def _no_redraw(module: nn.Module):
             m.redraw_interval = r
 
 
-class _Transformer(PretrainedMixin, nn.Module):
+class _Transformer(nn.Module):
     """Embeddings, blocks and final norm shared by the LM and the encoder."""
 
     causal = True
@@ -274,6 +275,16 @@ class _Transformer(PretrainedMixin, nn.Module):
                 mod.weight.copy_(torch.randn(mod.weight.shape, generator=g) * std)
                 if getattr(mod, "bias", None) is not None:
                     mod.bias.zero_()
+
+    def save_pretrained(self, directory) -> Path:
+        """Writes `directory`/config.json and model.safetensors (linattn.checkpoint's format)."""
+        return save_pretrained(self, directory)
+
+    @classmethod
+    def from_pretrained(cls, directory, *, config: ModelConfig | None = None, device="cpu"):
+        """The model saved in `directory` (by save_pretrained or a training checkpoint), on `device`.
+        config: the expected ModelConfig; if given and different, a CheckpointError lists the fields."""
+        return load_pretrained(directory, cls, config=config, device=device)
 
     def set_activation_checkpointing(self, enabled: bool = True) -> None:
         """Recompute each block's activations in the backward (torch.utils.checkpoint) in training."""
@@ -416,6 +427,32 @@ class LinearTransformerEncoder(_Transformer):
         return self.head(pooled)
 
 
+def load_pretrained(directory, cls=None, *, config: ModelConfig | None = None, device="cpu"):
+    """Builds the model saved in `directory` and loads its weights (JSON + safetensors only).
+
+    cls: the expected model class (None: the one recorded in config.json). config: an expected
+    ModelConfig; if given and different, a CheckpointError lists the differing fields.
+    """
+    directory = Path(directory)
+    arch, saved, ckpt_id = read_config(directory, ModelConfig)
+    classes = {c.__name__: c for c in (LinearTransformerLM, LinearTransformerEncoder)}
+    if cls is None:
+        if arch not in classes:
+            raise CheckpointError(f"unknown architecture {arch!r} in {directory / CONFIG_NAME}; "
+                                  f"known: {sorted(classes)}")
+        cls = classes[arch]
+    elif arch != cls.__name__:
+        raise CheckpointError(f"{directory} holds a {arch}, not a {cls.__name__}")
+    if config is not None:
+        diff = config.diff(saved)
+        if diff:
+            desc = ", ".join(f"{k}: expected {a!r}, checkpoint has {b!r}" for k, (a, b) in sorted(diff.items()))
+            raise CheckpointError(f"config mismatch with {directory / CONFIG_NAME}: {desc}")
+    model = cls(saved)
+    load_weights(directory, model, ckpt_id)
+    return model.to(device)
+
+
 __all__ = [
     "ATTENTION_KINDS",
     "POSITIONS",
@@ -423,4 +460,5 @@ __all__ = [
     "LinearTransformerLM",
     "ModelCache",
     "ModelConfig",
+    "load_pretrained",
 ]

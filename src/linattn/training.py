@@ -798,7 +798,7 @@ def load_training_checkpoint(path, model: nn.Module, opt=None, sched=None, *, ve
                                       f"in {TRAINER_JSON} ({size} bytes, expected {info.get('bytes')}); resume from "
                                       "an earlier checkpoint")
     try:
-        arch, saved_config, _ = read_config(ckpt)
+        arch, saved_config, _ = read_config(ckpt, type(model.config))
         if arch != type(model).__name__:
             raise CheckpointError(f"checkpoint {ckpt} holds a {arch}, this run trains a {type(model).__name__}")
         diff = model.config.diff(saved_config)
