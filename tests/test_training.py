@@ -368,7 +368,7 @@ def test_ddp_two_processes_equal_one_process(tmp_path, sequence_parallel):
     exactly like one process with the same global batch."""
     from safetensors.torch import load_file
 
-    from linattn.distributed import free_port
+    from linattn.parallel import free_port
 
     mp.start_processes(_ddp_worker, args=(2, free_port(), str(tmp_path), sequence_parallel), nprocs=2, join=True,
                        start_method="spawn")

@@ -28,6 +28,7 @@ from torch import nn
 from ._checks import check_number, check_positive_int
 from .feature_maps import make_feature_map
 from .ops import linear_attention, linear_attention_step, native, softmax_attention
+from .parallel import sequence_parallel_linear_attention, sequence_parallel_softmax_attention
 from .positional import RotaryEmbedding
 
 # --------------------------------------------------------------------------------------------
@@ -265,8 +266,6 @@ class LinearAttention(_Attention):
             if self.sequence_parallel_group is not None:
                 if mask is not None:
                     raise ValueError("sequence parallelism does not take a padding mask")
-                from linattn.distributed import sequence_parallel_linear_attention
-
                 if positions is not None:  # global indices of this shard (default: the shard's offset + arange)
                     opts["positions"] = positions
                 o = sequence_parallel_linear_attention(q, k, v, group=self.sequence_parallel_group, causal=self.causal,
@@ -332,8 +331,6 @@ class SoftmaxAttention(_Attention):
         elif self.sequence_parallel_group is not None:
             if mask is not None:
                 raise ValueError("sequence parallelism does not take a padding mask")
-            from linattn.distributed import sequence_parallel_softmax_attention
-
             o = sequence_parallel_softmax_attention(q, k, v, group=self.sequence_parallel_group, causal=self.causal,
                                                     scale=None)
             return self._merge(o), None

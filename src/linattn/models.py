@@ -30,6 +30,7 @@ from ._checks import (
     check_choice,
     check_int,
     check_number,
+    check_positions,
     check_positive_int,
     dataclass_from_dict,
 )
@@ -209,15 +210,6 @@ class ModelCache(PositionCounter):
         return [c.nbytes for c in self.layers]
 
 
-def _shard_offset(n: int, group, device) -> int:
-    """Global index of this rank's first token: the sum of the shard lengths of the ranks before it."""
-    import torch.distributed as dist
-
-    lengths = [torch.zeros(1, dtype=torch.long, device=device) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(lengths, torch.tensor([n], dtype=torch.long, device=device), group=group)
-    return int(sum(int(t) for t in lengths[: dist.get_rank(group)]))
-
-
 @contextlib.contextmanager
 def _no_redraw(module: nn.Module):
     """Suspends the redraw schedule of random feature maps (FAVOR+, trig) inside `module`, so that
@@ -293,7 +285,8 @@ class _Transformer(nn.Module):
     def set_sequence_parallel_group(self, group) -> None:
         """Run every attention layer sequence-parallel over `group` (a torch.distributed process
         group; None: local) when no cache is used. Each rank then passes its contiguous shard of
-        every sequence, in rank order, and gets the logits of its shard (positions are global)."""
+        every sequence, in rank order, with `positions` = the global indices of the shard's tokens
+        (start + arange(n), see linattn.parallel.shard_bounds), and gets the logits of its shard."""
         self.sequence_parallel_group = group
         for block in self.blocks:
             block.attn.sequence_parallel_group = group
@@ -306,19 +299,25 @@ class _Transformer(nn.Module):
                                  or mask.shape != ids.shape):
             raise ValueError(f"mask must be a bool tensor of ids' shape {tuple(ids.shape)} (True = real token)")
 
-    def _trunk(self, ids, mask=None, cache: ModelCache | None = None):
-        """ids (B, N) -> hidden (B, N, d) after the final norm; advances the cache."""
+    def _trunk(self, ids, mask=None, cache: ModelCache | None = None, positions=None):
+        """ids (B, N) -> hidden (B, N, d) after the final norm; advances the cache. positions: (N,) or
+        (B, N) global token indices (default: counted from each row's first real token, or by the
+        cache; required under sequence parallelism)."""
         self._check_ids(ids, mask)
         n = ids.shape[1]
-        positions = None
+        if positions is not None:
+            if cache is not None:
+                raise ValueError("positions: a cache counts the positions itself; pass positions or a cache")
+            check_positions(positions, ids.shape[0], n, ids.device)
         if cache is not None:
             positions = cache.next_positions(n, mask, ids.device)
         elif self.sequence_parallel_group is not None:
             if mask is not None:
                 raise ValueError("sequence parallelism does not take a padding mask")
-            offset = _shard_offset(n, self.sequence_parallel_group, ids.device)
-            positions = torch.arange(offset, offset + n, device=ids.device)  # global positions of this shard
-        elif mask is not None or self.pos_emb is not None:
+            if positions is None:
+                raise ValueError("positions: under sequence parallelism pass the global indices of this shard's "
+                                 "tokens (start + arange(n), start from linattn.parallel.shard_bounds)")
+        elif positions is None and (mask is not None or self.pos_emb is not None):
             positions = token_positions(n, mask, device=ids.device)
         x = self.tok_emb(ids)
         if self.pos_emb is not None:
@@ -341,8 +340,9 @@ class _Transformer(nn.Module):
 class LinearTransformerLM(_Transformer):
     """Decoder-only language model with linear (and optionally softmax) attention layers.
 
-    forward(ids (B, N), mask=None, cache=None, last_only=False) -> (logits (B, N, V), cache)
-    With last_only, logits are (B, 1, V) for the last position only (generation).
+    forward(ids (B, N), mask=None, cache=None, last_only=False, positions=None) -> (logits (B, N, V), cache)
+    With last_only, logits are (B, 1, V) for the last position only (generation). positions: the
+    tokens' global indices, needed under sequence parallelism (see set_sequence_parallel_group).
     """
 
     causal = True
@@ -359,8 +359,8 @@ class LinearTransformerLM(_Transformer):
         return ModelCache(layers=[block.attn.new_cache() for block in self.blocks])
 
     def forward(self, ids: torch.Tensor, mask: torch.Tensor | None = None, cache: ModelCache | None = None,
-                last_only: bool = False):
-        h = self._trunk(ids, mask, cache)
+                last_only: bool = False, positions: torch.Tensor | None = None):
+        h = self._trunk(ids, mask, cache, positions)
         if last_only:
             h = h[:, -1:]
         return self.lm_head(h), cache
@@ -394,7 +394,7 @@ class LinearTransformerLM(_Transformer):
 class LinearTransformerEncoder(_Transformer):
     """Bidirectional encoder with a classification head (e.g. ListOps).
 
-    encode(ids (B, N), mask) -> hidden (B, N, d); forward(ids, mask) -> logits (B, num_classes) from
+    encode(ids (B, N), mask, positions=None) -> hidden (B, N, d); forward(ids, mask) -> logits (B, num_classes) from
     the mean of the real tokens' hidden states (pooling="mean") or the first real token ("first").
     With a mask, positions count real tokens only, so left- or right-padding leaves the output as is.
     """
@@ -408,8 +408,9 @@ class LinearTransformerEncoder(_Transformer):
         self.head = nn.Linear(config.d_model, config.num_classes)
         self._init_weights()
 
-    def encode(self, ids: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-        return self._trunk(ids, mask)
+    def encode(self, ids: torch.Tensor, mask: torch.Tensor | None = None,
+               positions: torch.Tensor | None = None) -> torch.Tensor:
+        return self._trunk(ids, mask, positions=positions)
 
     def forward(self, ids: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         if self.sequence_parallel_group is not None:

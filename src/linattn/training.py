@@ -154,7 +154,7 @@ class TrainConfig:
         backend (None: gloo on CPU, nccl on CUDA), dist_timeout_s.
     sequence_parallel: P processes per sequence (LM tasks): each sequence of the batch is split into
         P contiguous shards and the model runs sequence-parallel over those P processes (only the
-        (kv, z) states cross shards, linattn.distributed); the world (torchrun's processes) must be
+        (kv, z) states cross shards, linattn.parallel); the world (torchrun's processes) must be
         a multiple of P, and the data-parallel size is world / P.
     """
 
@@ -479,10 +479,10 @@ class Task:
     def tokens(self, batch) -> int:
         return int(batch.inputs.numel())
 
-    def loss_stats(self, model: nn.Module, batch) -> tuple[torch.Tensor, torch.Tensor]:
+    def loss_stats(self, model: nn.Module, batch, positions=None) -> tuple[torch.Tensor, torch.Tensor]:
         """(Σ cross-entropy over scored targets (float32, differentiable), number correct)."""
         if self.kind == "lm":
-            logits, _ = model(batch.inputs)
+            logits, _ = model(batch.inputs, positions=positions)
             logits = logits.float().flatten(0, 1)
             targets = batch.targets.flatten()
             loss = F.cross_entropy(logits, targets, ignore_index=D.IGNORE_INDEX, reduction="sum")
@@ -508,11 +508,12 @@ def _rows(batch, start: int, end: int):
 
 def _sequence_shard(batch, rank: int, world: int):
     """This process's contiguous slice of every sequence of an LM TaskBatch (inputs and their
-    already-shifted targets), as linattn.distributed.shard_bounds splits it."""
-    from .distributed import shard_bounds
+    already-shifted targets), as linattn.parallel.shard_bounds splits it, and the slice's global
+    positions."""
+    from .parallel import shard_bounds
 
     start, end = shard_bounds(batch.inputs.shape[1], rank, world)
-    return D.TaskBatch(batch.inputs[:, start:end], batch.targets[:, start:end], batch.vocab_size)
+    return D.TaskBatch(batch.inputs[:, start:end], batch.targets[:, start:end], batch.vocab_size), (start, end)
 
 
 def build_model(cfg: TrainConfig) -> nn.Module:
@@ -997,7 +998,7 @@ class _StopFlag:
 
 def _setup_distributed(cfg: TrainConfig, device_name: str):
     """-> (use_ddp, rank, world, local_rank, created_group, groups); groups is a
-    linattn.distributed.ParallelGroups when sequence_parallel > 1, else None."""
+    linattn.parallel.ParallelGroups when sequence_parallel > 1, else None."""
     import torch.distributed as dist
 
     env_world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -1011,7 +1012,7 @@ def _setup_distributed(cfg: TrainConfig, device_name: str):
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     created = not dist.is_initialized()
     if created:
-        from .distributed import init_distributed
+        from .parallel import init_distributed
 
         dev = resolve_device(device_name, local_rank)
         backend = cfg.backend or ("nccl" if dev.type == "cuda" else "gloo")
@@ -1019,7 +1020,7 @@ def _setup_distributed(cfg: TrainConfig, device_name: str):
     rank, world = dist.get_rank(), dist.get_world_size()
     groups = None
     if cfg.sequence_parallel > 1:
-        from .distributed import make_parallel_groups
+        from .parallel import make_parallel_groups
 
         if world % cfg.sequence_parallel:
             raise ValueError(f"sequence_parallel={cfg.sequence_parallel} must divide the number of processes ({world})")
@@ -1195,8 +1196,10 @@ def _train(cfg: TrainConfig, *, progress: bool, callback, console, use_ddp: bool
                     batch = task.train_batch(step)
                     n_scored = max(1, task.scored(batch))
                     mine = _rows(batch, dp_rank * per_rank, (dp_rank + 1) * per_rank)
+                    positions = None
                     if groups is not None:
-                        mine = _sequence_shard(mine, groups.sp_rank, groups.sp_size)
+                        mine, (start, end) = _sequence_shard(mine, groups.sp_rank, groups.sp_size)
+                        positions = torch.arange(start, end, device=device)
                     phase = "forward-backward"
                     loss_sum = torch.zeros((), dtype=torch.float64)
                     for m in range(cfg.grad_accum):
@@ -1204,7 +1207,7 @@ def _train(cfg: TrainConfig, *, progress: bool, callback, console, use_ddp: bool
                         sync = not use_ddp or m == cfg.grad_accum - 1
                         with (contextlib.nullcontext() if sync else ddp_model.no_sync()):
                             with _autocast(device, cfg.dtype):
-                                s, _ = task.loss_stats(ddp_model, mb)
+                                s, _ = task.loss_stats(ddp_model, mb, positions)
                             (s * (world / n_scored)).backward()
                         loss_sum += s.detach().double().cpu()
                     flags = torch.tensor([float(loss_sum), 1.0 if stop.requested else 0.0], dtype=torch.float64,

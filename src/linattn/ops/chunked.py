@@ -43,6 +43,8 @@ from ._features import Featurizer
 
 #: Target number of elements of one block temporary of shape (B·H, tokens, max(F, E, C)).
 BLOCK_ELEMENTS = 1 << 18
+#: Rows per chunk C when the caller does not choose (the ops, the layers, ModelConfig.chunk_size).
+DEFAULT_CHUNK_SIZE = 64
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
