@@ -37,7 +37,7 @@ from typing import Iterator, Sequence, Union
 
 import torch
 
-from ._checks import check_int
+from ._checks import check_int, check_number
 
 __all__ = [
     "IGNORE_INDEX",
@@ -253,8 +253,7 @@ class Corpus:
         suffixes: Sequence[str] | None = None,
     ) -> "Corpus":
         """Read the corpus (see :func:`corpus_files`, :func:`load_corpus`) and split it."""
-        if not (isinstance(val_fraction, (int, float)) and 0.0 < val_fraction < 1.0):
-            raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction!r}")
+        check_number("val_fraction", val_fraction, minimum=0, maximum=1, low_open=True, high_open=True)
         files = corpus_files(paths, suffixes)
         data, n_files = _read_files(files, max_bytes)
         if len(data) < 2:
