@@ -28,6 +28,7 @@ from torch import nn
 from ._checks import check_number, check_positive_int
 from .feature_maps import make_feature_map
 from .ops import linear_attention, linear_attention_step, native, softmax_attention
+from .ops.chunked import DEFAULT_CHUNK_SIZE
 from .parallel import sequence_parallel_linear_attention, sequence_parallel_softmax_attention
 from .positional import RotaryEmbedding
 
@@ -232,7 +233,7 @@ class LinearAttention(_Attention):
     def __init__(self, d_model: int, n_heads: int, *, feature_map="elu", feature_map_options: dict | None = None,
                  causal: bool = True, rope: bool = False, rope_base: float = 10_000.0, qk_dim: int | None = None,
                  normalize: bool = True, eps: float = 1e-6, dropout: float = 0.0, bias: bool = False,
-                 chunk_size: int = 64):
+                 chunk_size: int = DEFAULT_CHUNK_SIZE):
         super().__init__(d_model, n_heads, qk_dim, causal, dropout, bias)
         if isinstance(feature_map, str):
             self.feature_map = make_feature_map(feature_map, self.qk_dim, **(feature_map_options or {}))
@@ -245,6 +246,7 @@ class LinearAttention(_Attention):
         else:
             raise ValueError(f"feature_map must be a name or a linattn feature map module, got {feature_map!r}")
         self.rope = RotaryEmbedding(self.feature_map.feature_dim, rope_base) if rope else None
+        check_positive_int("chunk_size", chunk_size)
         self.normalize, self.eps, self.chunk_size = bool(normalize), float(eps), chunk_size
         self._needs_positions = rope or getattr(self.feature_map, "needs_positions", False)
 

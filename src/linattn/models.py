@@ -46,6 +46,7 @@ from .layers import (
     make_norm,
     token_positions,
 )
+from .ops.chunked import DEFAULT_CHUNK_SIZE
 from .positional import RotaryEmbedding
 
 ATTENTION_KINDS = ("linear", "softmax")
@@ -68,6 +69,8 @@ class ModelConfig:
         "learned" (absolute embeddings, at most max_len positions) or "none".
     d_ff: FFN hidden width (default 4·d_model). num_classes / pooling: the encoder's head.
     seed: seeds the weight initialization (and, by default, the random feature maps).
+    chunk_size: rows per chunk C of the linear layers' chunked causal operator (design §3); any
+        positive int, the sequence length need not be a multiple. Numbers equal up to rounding.
     """
 
     vocab_size: int = 256
@@ -91,9 +94,10 @@ class ModelConfig:
     num_classes: int | None = None
     pooling: str = "mean"
     seed: int = 0
+    chunk_size: int = DEFAULT_CHUNK_SIZE
 
     def __post_init__(self):
-        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "max_len"):
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "max_len", "chunk_size"):
             check_positive_int(name, getattr(self, name))
         for name in ("d_ff", "qk_dim", "num_classes"):
             check_positive_int(name, getattr(self, name), allow_none=True)
@@ -249,7 +253,7 @@ class _Transformer(nn.Module):
                       dropout=c.dropout, bias=c.bias)
         if kind == "linear":
             attn = LinearAttention(c.d_model, c.n_heads, feature_map=c.feature_map,
-                                   feature_map_options=c.feature_map_options_for(i), **common)
+                                   feature_map_options=c.feature_map_options_for(i), chunk_size=c.chunk_size, **common)
         else:
             attn = SoftmaxAttention(c.d_model, c.n_heads, **common)
         return Block(attn, c.ffn_dim, activation=c.activation, norm=c.norm, norm_eps=c.norm_eps, dropout=c.dropout,

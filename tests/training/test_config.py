@@ -96,3 +96,11 @@ def test_resumable_changes():
         cfg.check_resumable(mqar_config(seed=1).to_dict(), "ckpt")
     with pytest.raises(ValueError, match=r"model: checkpoint .*'d_model': 32"):
         cfg.check_resumable(mqar_config(model={"d_model": 32, "n_layers": 2, "n_heads": 2}).to_dict(), "ckpt")
+
+
+def test_model_chunk_size_is_a_config_value():
+    cfg = mqar_config(model={"d_model": 16, "n_layers": 2, "n_heads": 2, "chunk_size": 8})
+    assert cfg.model_config().chunk_size == 8
+    assert [b.attn.chunk_size for b in build_model(cfg).blocks] == [8, 8]
+    with pytest.raises(ValueError, match="model: chunk_size must be a positive int"):
+        mqar_config(model={"d_model": 16, "n_layers": 2, "n_heads": 2, "chunk_size": 0})

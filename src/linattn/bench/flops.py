@@ -14,10 +14,13 @@ from __future__ import annotations
 
 import torch
 
+from ..ops.chunked import DEFAULT_CHUNK_SIZE
+
 from .timing import measure
 
 
-def chunked_linear_flops(batch: int, heads: int, n: int, feat: int, value_dim: int, chunk: int = 64) -> int:
+def chunked_linear_flops(batch: int, heads: int, n: int, feat: int, value_dim: int,
+                         chunk: int = DEFAULT_CHUNK_SIZE) -> int:
     """Forward FLOPs of causal chunked linear attention, all heads: B·H·2·N·(2FE + CF + CE)."""
     return batch * heads * 2 * n * (2 * feat * value_dim + chunk * feat + chunk * value_dim)
 
