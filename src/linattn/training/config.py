@@ -113,60 +113,9 @@ class TrainConfig:
     sequence_parallel: int = 1
 
     def __post_init__(self):
-        self._check_fields()
+        _check_fields(self)
         self._task = TASK_CLASSES[self.task].from_config(self)
         self._model_config = self._task.model_config(self.model, self.seed)
-
-    def _check_fields(self) -> None:
-        if not isinstance(self.model, dict):
-            raise ValueError(f"model must be a dict of ModelConfig fields, got {type(self.model).__name__}")
-        self.model = dict(self.model)
-        check_choice("task", self.task, TASKS)
-        if not isinstance(self.task_options, dict):
-            raise ValueError(f"task_options must be a dict, got {type(self.task_options).__name__}")
-        self.task_options = dict(self.task_options)
-        if self.corpus is not None:
-            if isinstance(self.corpus, (str, os.PathLike)):
-                self.corpus = [self.corpus]
-            if not isinstance(self.corpus, (list, tuple)) or not self.corpus:
-                raise ValueError(f"corpus must be None or a non-empty list of paths, got {self.corpus!r}")
-            self.corpus = [str(p) for p in self.corpus]
-        for name in ("seq_len", "batch_size", "grad_accum", "steps", "eval_batches", "eval_samples", "log_interval",
-                     "keep_checkpoints", "sequence_parallel"):
-            check_int(name, getattr(self, name), minimum=1)
-        for name in ("warmup_steps", "eval_interval", "checkpoint_interval"):
-            check_int(name, getattr(self, name), minimum=0)
-        for name in ("corpus_max_bytes", "eval_batch_size"):
-            check_int(name, getattr(self, name), minimum=1, allow_none=True)
-        check_int("seed", self.seed)
-        check_number("lr", self.lr, minimum=0, low_open=True)
-        check_number("min_lr_ratio", self.min_lr_ratio, minimum=0, maximum=1)
-        check_number("val_fraction", self.val_fraction, minimum=0, maximum=1, low_open=True, high_open=True)
-        check_number("weight_decay", self.weight_decay, minimum=0)
-        if not (isinstance(self.betas, (list, tuple)) and len(self.betas) == 2
-                and all(is_number(b) and 0 <= b < 1 for b in self.betas)):
-            raise ValueError(f"betas must be two numbers in [0, 1), got {self.betas!r}")
-        self.betas = [float(b) for b in self.betas]
-        check_number("eps", self.eps, minimum=0, low_open=True)
-        if self.grad_clip == 0 and is_number(self.grad_clip):
-            self.grad_clip = None  # TOML has no null: 0 turns clipping off
-        if self.grad_clip is not None and not (is_number(self.grad_clip) and self.grad_clip > 0):
-            raise ValueError(f"grad_clip must be None (or 0: off) or a positive number, got {self.grad_clip!r}")
-        if self.dtype not in DTYPES:
-            hint = " (float16 would need loss scaling; use bfloat16)" if self.dtype == "float16" else ""
-            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}{hint}")
-        check_bool("activation_checkpointing", self.activation_checkpointing)
-        check_device("device", self.device)
-        check_choice("distributed", self.distributed, DISTRIBUTED)
-        check_choice("backend", self.backend, (None, "gloo", "nccl"))
-        check_number("dist_timeout_s", self.dist_timeout_s, minimum=0, low_open=True)
-        if self.out_dir is not None:
-            self.out_dir = str(self.out_dir)
-        if self.resume is not None:
-            self.resume = str(self.resume)
-        if self.sequence_parallel > 1 and self.task == "listops":
-            raise ValueError("sequence_parallel > 1 needs an LM task (bytes, copy, mqar); the ListOps encoder pools "
-                             "over the whole sequence")
 
     # ---- derived
     def model_config(self) -> ModelConfig:
@@ -219,6 +168,59 @@ class TrainConfig:
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+
+def _check_fields(cfg: TrainConfig) -> None:
+    """Checks every field of `cfg` (normalizing corpus, betas, grad_clip 0, out_dir and resume)."""
+    if not isinstance(cfg.model, dict):
+        raise ValueError(f"model must be a dict of ModelConfig fields, got {type(cfg.model).__name__}")
+    cfg.model = dict(cfg.model)
+    check_choice("task", cfg.task, TASKS)
+    if not isinstance(cfg.task_options, dict):
+        raise ValueError(f"task_options must be a dict, got {type(cfg.task_options).__name__}")
+    cfg.task_options = dict(cfg.task_options)
+    if cfg.corpus is not None:
+        if isinstance(cfg.corpus, (str, os.PathLike)):
+            cfg.corpus = [cfg.corpus]
+        if not isinstance(cfg.corpus, (list, tuple)) or not cfg.corpus:
+            raise ValueError(f"corpus must be None or a non-empty list of paths, got {cfg.corpus!r}")
+        cfg.corpus = [str(p) for p in cfg.corpus]
+    for name in ("seq_len", "batch_size", "grad_accum", "steps", "eval_batches", "eval_samples", "log_interval",
+                 "keep_checkpoints", "sequence_parallel"):
+        check_int(name, getattr(cfg, name), minimum=1)
+    for name in ("warmup_steps", "eval_interval", "checkpoint_interval"):
+        check_int(name, getattr(cfg, name), minimum=0)
+    for name in ("corpus_max_bytes", "eval_batch_size"):
+        check_int(name, getattr(cfg, name), minimum=1, allow_none=True)
+    check_int("seed", cfg.seed)
+    check_number("lr", cfg.lr, minimum=0, low_open=True)
+    check_number("min_lr_ratio", cfg.min_lr_ratio, minimum=0, maximum=1)
+    check_number("val_fraction", cfg.val_fraction, minimum=0, maximum=1, low_open=True, high_open=True)
+    check_number("weight_decay", cfg.weight_decay, minimum=0)
+    if not (isinstance(cfg.betas, (list, tuple)) and len(cfg.betas) == 2
+            and all(is_number(b) and 0 <= b < 1 for b in cfg.betas)):
+        raise ValueError(f"betas must be two numbers in [0, 1), got {cfg.betas!r}")
+    cfg.betas = [float(b) for b in cfg.betas]
+    check_number("eps", cfg.eps, minimum=0, low_open=True)
+    if cfg.grad_clip == 0 and is_number(cfg.grad_clip):
+        cfg.grad_clip = None  # TOML has no null: 0 turns clipping off
+    if cfg.grad_clip is not None and not (is_number(cfg.grad_clip) and cfg.grad_clip > 0):
+        raise ValueError(f"grad_clip must be None (or 0: off) or a positive number, got {cfg.grad_clip!r}")
+    if cfg.dtype not in DTYPES:
+        hint = " (float16 would need loss scaling; use bfloat16)" if cfg.dtype == "float16" else ""
+        raise ValueError(f"dtype must be one of {DTYPES}, got {cfg.dtype!r}{hint}")
+    check_bool("activation_checkpointing", cfg.activation_checkpointing)
+    check_device("device", cfg.device)
+    check_choice("distributed", cfg.distributed, DISTRIBUTED)
+    check_choice("backend", cfg.backend, (None, "gloo", "nccl"))
+    check_number("dist_timeout_s", cfg.dist_timeout_s, minimum=0, low_open=True)
+    if cfg.out_dir is not None:
+        cfg.out_dir = str(cfg.out_dir)
+    if cfg.resume is not None:
+        cfg.resume = str(cfg.resume)
+    if cfg.sequence_parallel > 1 and cfg.task == "listops":
+        raise ValueError("sequence_parallel > 1 needs an LM task (bytes, copy, mqar); the ListOps encoder pools "
+                         "over the whole sequence")
 
 
 def load_config_file(path) -> dict:
