@@ -141,6 +141,16 @@ def check_device(name: str, value) -> None:
             raise ValueError(f"{name} must be 'cpu', 'cuda', 'cuda:N' or 'auto', got {value!r}") from None
 
 
+#: dtype names accepted where a user names a dtype (command line, demo), and the torch dtype of each.
+DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype a name of DTYPE_NAMES means."""
+    check_choice("dtype", name, tuple(DTYPE_NAMES))
+    return DTYPE_NAMES[name]
+
+
 def resolve_device(name: str, local_rank: int = 0) -> torch.device:
     """The torch.device a device name means here: 'auto' is cuda when CUDA is available, else cpu;
     'cuda' without an index is this process's GPU (local_rank modulo the GPU count). ValueError when
