@@ -1,4 +1,4 @@
-"""Feature maps φ for linear attention (DESIGN §5), one interface for all.
+"""Feature maps φ for linear attention (design §5), one interface for all.
 
 A feature map is an nn.Module built for a head dim D with a known output dim `feature_dim` (F):
 

@@ -1,4 +1,4 @@
-"""Autoregressive generation with per-layer caches (DESIGN §8).
+"""Autoregressive generation with per-layer caches (design §8).
 
     prefill:  logits, cache = model(prompt (B, N), mask, cache=model.new_cache(), last_only=True)
               (chunked parallel path; returns the (kv, z) state of every linear layer and the K/V

@@ -1,4 +1,4 @@
-"""Attention layers, feed-forward networks, norms and the pre-norm block (DESIGN §6–8).
+"""Attention layers, feed-forward networks, norms and the pre-norm block (design §6–8).
 
 Both attention layers share one interface, so the same module serves training and decoding:
 
@@ -218,7 +218,7 @@ class LinearAttention(_Attention):
 
         y_i = W_o · concat_h [ Σ_j (R_i φ(q_i))ᵀ (R_j φ(k_j)) v_j / (Σ_j φ(q_i)ᵀ φ(k_j) + ε) ],  j ≤ i if causal,
 
-    R_i the RoPE rotation of the *features* (numerator only, DESIGN §6) when rope=True, identity
+    R_i the RoPE rotation of the *features* (numerator only, design §6) when rope=True, identity
     otherwise. q, k: (B, H, N, qk_dim) (default qk_dim = d_model / n_heads; use a small one, e.g. 16,
     for Taylor features, F = 1 + D + D²), v: (B, H, N, d_model / n_heads). One φ per layer, shared
     by the heads. Dropout applies to the output projection (there is no attention matrix to drop).
@@ -430,7 +430,7 @@ class FeedForward(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm Transformer block (DESIGN §8):
+    """Pre-norm Transformer block (design §8):
 
         x ← x + Attn(Norm₁(x)),   x ← x + FFN(Norm₂(x)).
 

@@ -1,4 +1,4 @@
-"""Models: one config, a decoder-only LM and a bidirectional encoder (DESIGN §8).
+"""Models: one config, a decoder-only LM and a bidirectional encoder (design §8).
 
     ids (B, N) ─ tok_emb (+ pos_emb) ─ dropout ─ Block × n_layers ─ Norm ─ head
 
@@ -65,7 +65,7 @@ class ModelConfig:
         linattn.feature_maps. A "seed" option (FAVOR+, trig, Hedgehog) is offset per layer so layers
         draw different projections; cosFormer's max_len defaults to `max_len`.
     qk_dim: per-head q/k dim (default d_model / n_heads); values always have d_model / n_heads.
-    positions: "rope" (on φ features in linear layers, DESIGN §6; on q/k in softmax layers),
+    positions: "rope" (on φ features in linear layers, design §6; on q/k in softmax layers),
         "learned" (absolute embeddings, at most max_len positions) or "none".
     d_ff: FFN hidden width (default 4·d_model). num_classes / pooling: the encoder's head.
     seed: seeds the weight initialization (and, by default, the random feature maps).

@@ -1,6 +1,6 @@
 """FLOP counts and the machine's measured matmul peak.
 
-Causal chunked linear attention, forward, per (batch, head), chunk size C (DESIGN §3): per token
+Causal chunked linear attention, forward, per (batch, head), chunk size C (design §3): per token
 2·F·E for the inter-chunk product Q̃S and as much again for the chunk state K̃ᵀV, 2·C·F for the
 intra-chunk scores Q̃K̃ᵀ and 2·C·E for applying them to V:
 

@@ -205,7 +205,7 @@ def linear_attention_step(
     positions: torch.Tensor | None = None,
     rope=None,
 ):
-    """Recurrent form (DESIGN §4): returns (o, new_state); `state` is not modified.
+    """Recurrent form (design §4): returns (o, new_state); `state` is not modified.
 
         kv ← kv + φ(k_t) v_tᵀ,   z ← z + φ(k_t),   o_t = φ(q_t)ᵀ kv / (φ(q_t)ᵀ z + ε)
 
