@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from linattn.training import TrainConfig, build_model, lr_factor
 from linattn.training.optim import make_optimizer

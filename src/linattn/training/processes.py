@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from .._checks import resolve_device
@@ -53,8 +54,6 @@ class Processes:
 
     def sum(self, values: list[float], device: torch.device) -> list[float]:
         """Element-wise sum of `values` over all processes (float64; one all-reduce with DDP)."""
-        import torch.distributed as dist
-
         on = device if (self.ddp and dist.get_backend() == "nccl") else torch.device("cpu")
         t = torch.tensor(values, dtype=torch.float64, device=on)
         if self.ddp:
@@ -67,8 +66,6 @@ def processes_for(cfg) -> Iterator[Processes]:
     """The processes of a run of TrainConfig `cfg`: DDP when `distributed` is "on", or "auto" and
     launched with WORLD_SIZE > 1 (or a process group exists); the default group is created here
     when needed and destroyed (after a barrier) when the run ends."""
-    import torch.distributed as dist
-
     env_world = int(os.environ.get("WORLD_SIZE", "1"))
     want = cfg.distributed == "on" or (cfg.distributed == "auto" and (env_world > 1 or
                                                                      (dist.is_available() and dist.is_initialized())))
