@@ -114,6 +114,10 @@ class TrainConfig:
 
     def __post_init__(self):
         _check_fields(self)
+        if self.sequence_parallel > 1 and not TASK_CLASSES[self.task].shards_sequences:
+            lm = ", ".join(name for name, cls in TASK_CLASSES.items() if cls.shards_sequences)
+            raise ValueError(f"sequence_parallel > 1 needs an LM task ({lm}); the {self.task} model pools over the "
+                             "whole sequence")
         self._task = TASK_CLASSES[self.task].from_config(self)
         self._model_config = self._task.model_config(self.model, self.seed)
 
@@ -218,9 +222,6 @@ def _check_fields(cfg: TrainConfig) -> None:
         cfg.out_dir = str(cfg.out_dir)
     if cfg.resume is not None:
         cfg.resume = str(cfg.resume)
-    if cfg.sequence_parallel > 1 and cfg.task == "listops":
-        raise ValueError("sequence_parallel > 1 needs an LM task (bytes, copy, mqar); the ListOps encoder pools "
-                         "over the whole sequence")
 
 
 def load_config_file(path) -> dict:

@@ -63,6 +63,8 @@ class Task:
     seq_len: int
     #: losses are per byte: metrics add bits per byte, plots show bits
     bits = False
+    #: a sequence can be split over processes (sequence parallelism; LM tasks)
+    shards_sequences = False
 
     def __init__(self, *, batch_size: int, seed: int, eval_batch_size: int | None = None):
         self.batch_size, self.seed = batch_size, seed
@@ -149,6 +151,8 @@ class Task:
 
 class LMTask(Task):
     """Next-token prediction with a decoder LM; batches are data.TaskBatch."""
+
+    shards_sequences = True
 
     def build_model(self, config: ModelConfig) -> nn.Module:
         return LinearTransformerLM(config)
