@@ -50,16 +50,16 @@ def _reset_peak() -> None:
 
 def _run(rank: int, world: int, n: int, threads: int, reps: int, init: str, out_dir: str) -> None:
     torch.set_num_threads(threads)
-    from linattn import distributed as dist_la
+    from linattn import parallel as parallel
     from linattn.feature_maps import make_feature_map
     from linattn.ops import linear_attention
 
     barrier = lambda: None  # noqa: E731
     if world > 1:
-        dist_la.init_distributed("gloo", init_method=init, rank=rank, world_size=world, timeout_s=1800)
+        parallel.init_distributed("gloo", init_method=init, rank=rank, world_size=world, timeout_s=1800)
         barrier = torch.distributed.barrier
     fmap = make_feature_map("elu", D)
-    s, t = dist_la.shard_bounds(n, rank, world)
+    s, t = parallel.shard_bounds(n, rank, world)
     base = _status("VmRSS")
     _reset_peak()
     g = torch.Generator().manual_seed(rank)
@@ -70,7 +70,7 @@ def _run(rank: int, world: int, n: int, threads: int, reps: int, init: str, out_
         for x in (q, k, v):
             x.grad = None
         if world > 1:
-            o = dist_la.sequence_parallel_linear_attention(q, k, v, feature_map=fmap, chunk_size=64)
+            o = parallel.sequence_parallel_linear_attention(q, k, v, feature_map=fmap, chunk_size=64)
         else:
             o = linear_attention(q, k, v, causal=True, feature_map=fmap, chunk_size=64)
         o.backward(do)
@@ -85,12 +85,12 @@ def _run(rank: int, world: int, n: int, threads: int, reps: int, init: str, out_
         if i:
             times.append(time.perf_counter() - t0)
             cpu.append(c1 - c0)
-    dist_la.comm_stats.reset()
+    parallel.comm_stats.reset()
     if world > 1:
         step()
     result = dict(rank=rank, world=world, n=n, threads=threads, time_s=statistics.median(times),
                   cpu_s=statistics.median(cpu),
-                  peak_rss=_status("VmHWM"), base_rss=base, comm_bytes=dist_la.comm_stats.total)
+                  peak_rss=_status("VmHWM"), base_rss=base, comm_bytes=parallel.comm_stats.total)
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as fh:
         json.dump(result, fh)
     if world > 1:

@@ -9,7 +9,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from linattn import checkpoint
-from linattn.checkpoint import CheckpointError, load_pretrained
+from linattn.checkpoint import CheckpointError
+from linattn.models import load_pretrained
 from linattn.models import LinearTransformerEncoder, LinearTransformerLM, ModelConfig
 
 

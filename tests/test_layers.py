@@ -1,13 +1,12 @@
 """linattn.layers: attention layers (parallel == recurrent, masks, RoPE), norms, FFN, block."""
 
 import math
-import sys
-import types
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from linattn import layers as layers_module
 from linattn.feature_maps import FEATURE_MAPS
 from linattn.layers import (
     Block,
@@ -272,9 +271,8 @@ def test_bad_forward_arguments():
 
 
 def test_sequence_parallel_hook(monkeypatch):
-    """With a group set and no cache, the layers call linattn.distributed's functions."""
+    """With a group set and no cache, the layers call linattn.parallel's functions."""
     calls = {}
-    fake = types.ModuleType("linattn.distributed")
 
     def sp_linear(q, k, v, **kw):
         calls["linear"] = kw
@@ -284,9 +282,8 @@ def test_sequence_parallel_hook(monkeypatch):
         calls["softmax"] = kw
         return torch.zeros_like(v)
 
-    fake.sequence_parallel_linear_attention = sp_linear
-    fake.sequence_parallel_softmax_attention = sp_softmax
-    monkeypatch.setitem(sys.modules, "linattn.distributed", fake)
+    monkeypatch.setattr(layers_module, "sequence_parallel_linear_attention", sp_linear)
+    monkeypatch.setattr(layers_module, "sequence_parallel_softmax_attention", sp_softmax)
     lin, soft = LinearAttention(16, 2, rope=True), SoftmaxAttention(16, 2)
     for layer in (lin, soft):
         layer.sequence_parallel_group = "GROUP"

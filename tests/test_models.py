@@ -61,10 +61,36 @@ def test_config_attention_forms():
     (dict(pooling="max"), "pooling"),
     (dict(tie_embeddings="yes"), "tie_embeddings"),
     (dict(max_len=0), "max_len"),
+    (dict(chunk_size=0), "chunk_size"),
+    (dict(chunk_size=True), "chunk_size"),
 ])
 def test_config_rejects_bad_values(kw, field):
     with pytest.raises(ValueError, match=field):
         tiny(**kw)
+
+
+def test_chunk_size_reaches_the_linear_layers_and_keeps_the_numbers(monkeypatch):
+    """ModelConfig.chunk_size (default 64) is the chunk of every linear layer's chunked operator;
+    other chunk sizes give the same logits up to rounding (float64 here)."""
+    from linattn import layers
+
+    assert tiny().chunk_size == 64
+    cfg = tiny(attention=["linear", "softmax"], chunk_size=5)
+    model = spread(LinearTransformerLM(cfg)).double()
+    assert [b.attn.chunk_size for b in model.blocks if b.attn.kind == "linear"] == [5]
+    seen = []
+    op = layers.linear_attention
+    monkeypatch.setattr(layers, "linear_attention", lambda *a, **kw: seen.append(kw["chunk_size"]) or op(*a, **kw))
+    ids = torch.randint(0, 40, (2, 23), generator=torch.Generator().manual_seed(0))
+    logits, _ = model(ids)
+    assert seen == [5]
+    ref = LinearTransformerLM(ModelConfig.from_dict({**cfg.to_dict(), "chunk_size": 64})).double()
+    ref.load_state_dict(model.state_dict())
+    torch.testing.assert_close(logits, ref(ids)[0], rtol=1e-10, atol=1e-10)
+    # a checkpoint written before the field existed loads with the default
+    d = tiny().to_dict()
+    del d["chunk_size"]
+    assert ModelConfig.from_dict(d).chunk_size == 64
 
 
 def test_config_from_dict_rejects_unknown_fields():
@@ -354,7 +380,7 @@ def _check_sequence_parallel(rank):
     full, _ = model(ids)
     model.set_sequence_parallel_group(dist.group.WORLD)
     a, b = [(0, 4), (4, 10)][rank]
-    out, _ = model(ids[:, a:b])
+    out, _ = model(ids[:, a:b], positions=torch.arange(a, b))
     torch.testing.assert_close(out, full[:, a:b], rtol=1e-9, atol=1e-9)
 
 

@@ -1,9 +1,14 @@
-"""Argument checks shared by the operators: each error names the argument, what was expected and
-what came, so a user never sees a bare broadcasting error from deep inside."""
+"""Argument checks shared by every part of linattn: each error names the argument, what was expected
+and what came, so a user never sees a bare broadcasting error from deep inside.
+
+Generic values (ints, numbers, bools, choices, device names) raise ValueError by default: config
+validation and the command line report ValueErrors as one clear line. Tensor checks raise TypeError
+for a wrong type or dtype and ValueError for a wrong shape or device."""
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 
@@ -50,9 +55,115 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         raise ValueError(f"k head dim must equal q's ({q.shape[3]}), got {k.shape[3]}")
 
 
-def check_positive_int(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
+def is_int(value) -> bool:
+    """An int that is not a bool (True is an int to Python, never to a config)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_number(value) -> bool:
+    """An int or float that is not a bool."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def check_int(name: str, value, *, minimum: int | None = None, below: int | None = None, allow_none: bool = False,
+              error: type[Exception] = ValueError) -> None:
+    """value is an int (not a bool) in [minimum, below) (either bound optional), or None with allow_none.
+
+    Message: "<name> must be [None or ]an int[ >= minimum | in [minimum, below)], got <value>"."""
+    if value is None and allow_none:
+        return
+    if is_int(value) and (minimum is None or value >= minimum) and (below is None or value < below):
+        return
+    if minimum is not None and below is not None:
+        bounds = f" in [{minimum}, {below})"
+    elif minimum is not None:
+        bounds = f" >= {minimum}"
+    else:
+        bounds = "" if below is None else f" < {below}"
+    raise error(f"{name} must be {'None or ' if allow_none else ''}an int{bounds}, got {value!r}")
+
+
+def check_positive_int(name: str, value, *, allow_none: bool = False) -> None:
+    """value is an int > 0 (not a bool), or None with allow_none."""
+    if value is None and allow_none:
+        return
+    if not is_int(value) or value <= 0:
+        raise ValueError(f"{name} must be a positive int{' or None' if allow_none else ''}, got {value!r}")
+
+
+def check_number(name: str, value, *, minimum: float | None = None, maximum: float | None = None,
+                 low_open: bool = False, high_open: bool = False, allow_none: bool = False) -> None:
+    """value is a finite int or float (not a bool) between minimum and maximum (each bound optional,
+    closed unless low_open / high_open; NaN and ±inf never pass), or None with allow_none.
+
+    Message: "<name> must be [None or ]a positive number | a number >= m | a number in [m, M), got <value>"."""
+    if value is None and allow_none:
+        return
+    ok = is_number(value) and math.isfinite(value)
+    if ok and minimum is not None:
+        ok = value > minimum if low_open else value >= minimum
+    if ok and maximum is not None:
+        ok = value < maximum if high_open else value <= maximum
+    if ok:
+        return
+    if minimum is not None and maximum is not None:
+        what = f"a number in {'(' if low_open else '['}{minimum:g}, {maximum:g}{')' if high_open else ']'}"
+    elif minimum == 0 and low_open:
+        what = "a positive number"
+    elif minimum is not None:
+        what = f"a number {'>' if low_open else '>='} {minimum:g}"
+    elif maximum is not None:
+        what = f"a number {'<' if high_open else '<='} {maximum:g}"
+    else:
+        what = "a number"
+    raise ValueError(f"{name} must be {'None or ' if allow_none else ''}{what}, got {value!r}")
+
+
+def check_bool(name: str, value, *, error: type[Exception] = ValueError) -> None:
+    if not isinstance(value, bool):
+        raise error(f"{name} must be a bool, got {value!r}")
+
+
+def check_choice(name: str, value, choices) -> None:
+    """value is one of `choices` (a tuple, shown in the message)."""
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {tuple(choices)}, got {value!r}")
+
+
+def check_device(name: str, value) -> None:
+    """value names a torch device ('cpu', 'cuda', 'cuda:1', ...) or is 'auto'."""
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"{name} must be a string such as 'cpu', 'cuda', 'cuda:1' or 'auto', got {value!r}")
+    if value != "auto":
+        try:
+            torch.device(value)
+        except RuntimeError:
+            raise ValueError(f"{name} must be 'cpu', 'cuda', 'cuda:N' or 'auto', got {value!r}") from None
+
+
+#: dtype names accepted where a user names a dtype (command line, demo), and the torch dtype of each.
+DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype a name of DTYPE_NAMES means."""
+    check_choice("dtype", name, tuple(DTYPE_NAMES))
+    return DTYPE_NAMES[name]
+
+
+def resolve_device(name: str, local_rank: int = 0) -> torch.device:
+    """The torch.device a device name means here: 'auto' is cuda when CUDA is available, else cpu;
+    'cuda' without an index is this process's GPU (local_rank modulo the GPU count). ValueError when
+    CUDA is asked for and not available."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = torch.device(name)
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device={name!r} but CUDA is not available; use device='cpu'")
+        if dev.index is None:
+            dev = torch.device("cuda", local_rank % torch.cuda.device_count())
+    return dev
 
 
 def check_key_padding_mask(mask, batch: int, length: int, device: torch.device) -> None:

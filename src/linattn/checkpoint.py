@@ -1,27 +1,33 @@
-"""Checkpoints: a directory with `config.json` and `model.safetensors` (DESIGN §8). No pickle.
+"""The model checkpoint format: a directory with `config.json` and `model.safetensors` (design §8).
+No pickle.
 
     config.json        {"format": "linattn", "format_version": 1, "architecture": <class name>,
-                        "checkpoint_id": <uuid>, "config": ModelConfig.to_dict()}
+                        "checkpoint_id": <uuid>, "config": <the model config as a dict>}
     model.safetensors  every parameter and persistent buffer (FAVOR+/trig projections ω included),
                        tied weights stored once; header metadata carries the same checkpoint_id.
 
 Saving writes each file to a temporary name in the directory, fsyncs it and renames it over the
-final name (an atomic replace), weights first, config last: an interrupted save leaves either the
-old file or the new one, never a torn one, and the shared checkpoint_id tells a config and weights
-from different saves apart. Loading reads JSON and `safetensors.torch.load_file` only, and checks
-the architecture, the config, the tensor names and the shapes, naming whatever does not match.
+final name (linattn._io.atomic_write), weights first, config last: an interrupted save leaves either
+the old file or the new one, never a torn one, and the shared checkpoint_id tells a config and
+weights from different saves apart. Reading uses JSON and `safetensors.torch.load_file` only, and
+checks the format, the tensor names and the shapes, naming whatever does not match.
+
+This module knows the files only. The model classes own their loading
+(`LinearTransformerLM.from_pretrained`, `linattn.models.load_pretrained`): they hand their config
+class to `read_config` and their module to `load_weights`.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import struct
 import uuid
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
+
+from ._io import atomic_write, read_json
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -30,33 +36,6 @@ FORMAT_VERSION = 1
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be loaded into the requested model (names the mismatch)."""
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:  # pragma: no cover - platforms without directory fds
-        return
-    try:
-        os.fsync(fd)
-    except OSError:  # pragma: no cover
-        pass
-    finally:
-        os.close(fd)
-
-
-def _atomic_write(path: Path, write) -> None:
-    """write(tmp_path) then fsync and rename over `path`; the temporary is removed on failure."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-    try:
-        write(tmp)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-    _fsync_dir(path.parent)
 
 
 def _alias_names(model: torch.nn.Module) -> set[str]:
@@ -72,7 +51,8 @@ def _alias_names(model: torch.nn.Module) -> set[str]:
 
 
 def save_pretrained(model: torch.nn.Module, directory) -> Path:
-    """Writes `directory`/config.json and `directory`/model.safetensors (creating the directory)."""
+    """Writes `directory`/config.json and `directory`/model.safetensors (creating the directory).
+    `model` is a module with a `.config` that has `to_dict()`."""
     if not hasattr(model, "config") or not hasattr(model.config, "to_dict"):
         raise TypeError(f"save_pretrained needs a linattn model with a .config, got {type(model).__name__}")
     directory = Path(directory)
@@ -81,10 +61,10 @@ def save_pretrained(model: torch.nn.Module, directory) -> Path:
     aliases = _alias_names(model)
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items() if k not in aliases}
     meta = {"format": "pt", "linattn_checkpoint_id": ckpt_id, "architecture": type(model).__name__}
-    _atomic_write(directory / WEIGHTS_NAME, lambda p: save_file(tensors, str(p), metadata=meta))
+    atomic_write(directory / WEIGHTS_NAME, lambda p: save_file(tensors, str(p), metadata=meta))
     doc = {"format": "linattn", "format_version": FORMAT_VERSION, "architecture": type(model).__name__,
            "checkpoint_id": ckpt_id, "config": model.config.to_dict()}
-    _atomic_write(directory / CONFIG_NAME, lambda p: p.write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n"))
+    atomic_write(directory / CONFIG_NAME, lambda p: p.write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n"))
     return directory
 
 
@@ -104,23 +84,22 @@ def _safetensors_metadata(path: Path) -> dict:
     return header.get("__metadata__") or {}
 
 
-def read_config(directory):
-    """(architecture name, ModelConfig, checkpoint_id) from `directory`/config.json."""
-    from .models import ModelConfig
-
+def read_config(directory, config_class):
+    """(architecture name, config, checkpoint_id) from `directory`/config.json, the config built
+    with `config_class.from_dict` (e.g. linattn.models.ModelConfig)."""
     path = Path(directory) / CONFIG_NAME
     if not path.is_file():
         raise FileNotFoundError(f"no {CONFIG_NAME} in {directory}")
     try:
-        doc = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise CheckpointError(f"{path} is not valid JSON: {exc}") from None
+        doc = read_json(path)
+    except ValueError as exc:
+        raise CheckpointError(str(exc)) from None
     if not isinstance(doc, dict) or doc.get("format") != "linattn":
         raise CheckpointError(f"{path} is not a linattn checkpoint config (no \"format\": \"linattn\")")
     if doc.get("format_version") != FORMAT_VERSION:
         raise CheckpointError(f"{path} has format_version {doc.get('format_version')!r}; this linattn reads {FORMAT_VERSION}")
     try:
-        config = ModelConfig.from_dict(doc.get("config"))
+        config = config_class.from_dict(doc.get("config"))
     except (TypeError, ValueError) as exc:
         raise CheckpointError(f"{path}: bad model config: {exc}") from None
     return doc.get("architecture"), config, doc.get("checkpoint_id")
@@ -147,50 +126,19 @@ def load_state(model: torch.nn.Module, tensors: dict, source: str = "checkpoint"
     model.load_state_dict(tensors, strict=False)
 
 
-def load_pretrained(directory, cls=None, *, config=None, device="cpu"):
-    """Builds the model saved in `directory` and loads its weights (JSON + safetensors only).
-
-    cls: the expected model class (None: the one recorded in config.json). config: an expected
-    ModelConfig; if given and different, a CheckpointError lists the differing fields.
-    """
-    from . import models
-
+def load_weights(directory, model: torch.nn.Module, checkpoint_id: str | None = None) -> None:
+    """Loads `directory`/model.safetensors into `model` (see load_state). checkpoint_id: the id
+    read from the same directory's config.json; a weights file from another save is refused."""
     directory = Path(directory)
-    arch, saved, ckpt_id = read_config(directory)
-    classes = {c.__name__: c for c in (models.LinearTransformerLM, models.LinearTransformerEncoder)}
-    if cls is None:
-        if arch not in classes:
-            raise CheckpointError(f"unknown architecture {arch!r} in {directory / CONFIG_NAME}; known: {sorted(classes)}")
-        cls = classes[arch]
-    elif arch != cls.__name__:
-        raise CheckpointError(f"{directory} holds a {arch}, not a {cls.__name__}")
-    if config is not None:
-        diff = config.diff(saved)
-        if diff:
-            desc = ", ".join(f"{k}: expected {a!r}, checkpoint has {b!r}" for k, (a, b) in sorted(diff.items()))
-            raise CheckpointError(f"config mismatch with {directory / CONFIG_NAME}: {desc}")
     weights = directory / WEIGHTS_NAME
     if not weights.is_file():
         raise FileNotFoundError(f"no {WEIGHTS_NAME} in {directory}")
     meta_id = _safetensors_metadata(weights).get("linattn_checkpoint_id")
-    if ckpt_id is not None and meta_id is not None and meta_id != ckpt_id:
-        raise CheckpointError(f"{CONFIG_NAME} (checkpoint_id {ckpt_id}) and {WEIGHTS_NAME} (checkpoint_id {meta_id}) "
-                              f"in {directory} come from different saves (an interrupted save?)")
-    model = cls(saved)
+    if checkpoint_id is not None and meta_id is not None and meta_id != checkpoint_id:
+        raise CheckpointError(f"{CONFIG_NAME} (checkpoint_id {checkpoint_id}) and {WEIGHTS_NAME} (checkpoint_id "
+                              f"{meta_id}) in {directory} come from different saves (an interrupted save?)")
     load_state(model, load_file(str(weights)), source=str(weights))
-    return model.to(device)
 
 
-class PretrainedMixin:
-    """`model.save_pretrained(dir)` and `Model.from_pretrained(dir, config=None, device="cpu")`."""
-
-    def save_pretrained(self, directory) -> Path:
-        return save_pretrained(self, directory)
-
-    @classmethod
-    def from_pretrained(cls, directory, *, config=None, device="cpu"):
-        return load_pretrained(directory, cls, config=config, device=device)
-
-
-__all__ = ["CONFIG_NAME", "WEIGHTS_NAME", "CheckpointError", "PretrainedMixin", "load_pretrained", "load_state",
-           "read_config", "save_pretrained"]
+__all__ = ["CONFIG_NAME", "WEIGHTS_NAME", "CheckpointError", "load_state", "load_weights", "read_config",
+           "save_pretrained"]

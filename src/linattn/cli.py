@@ -17,8 +17,13 @@ import pkgutil
 
 import torch
 
+from ._checks import DTYPE_NAMES as DTYPES
+from ._checks import resolve_device, torch_dtype
+
+__all__ = ["add_common_options", "build_parser", "device_arg", "dtype_arg", "float_in", "int_list", "main",
+           "positive_float", "positive_int", "resolve_device", "torch_dtype"]
+
 DEVICES = ("cpu", "cuda", "auto")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def device_arg(value: str) -> str:
@@ -117,17 +122,6 @@ def add_common_options(parser: argparse.ArgumentParser, *, device: bool = True, 
         parser.add_argument("--out", metavar="DIR", default=None,
                             help="output folder for the report (JSON, plots); created if missing "
                                  "(default: ./reports/<command>-<timestamp>)")
-
-
-def resolve_device(name: str) -> torch.device:
-    """'auto' -> cuda if available else cpu; other names as given."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
-def torch_dtype(name: str) -> torch.dtype:
-    return DTYPES[name]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -37,6 +37,8 @@ from typing import Iterator, Sequence, Union
 
 import torch
 
+from ._checks import check_int, check_number
+
 __all__ = [
     "IGNORE_INDEX",
     "MQAR_CONFIGS",
@@ -58,6 +60,7 @@ __all__ = [
     "listops_expression",
     "listops_decode",
     "listops_evaluate",
+    "mix_seed",
 ]
 
 IGNORE_INDEX = -100
@@ -69,11 +72,6 @@ PathLike = Union[str, os.PathLike]
 # ----------------------------------------------------------------------------------------------
 # Small helpers
 # ----------------------------------------------------------------------------------------------
-
-
-def _check_int(name: str, value, minimum: int = 1) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
 
 
 def _generator(seed: int | None, generator: torch.Generator | None) -> torch.Generator | None:
@@ -88,14 +86,14 @@ def _generator(seed: int | None, generator: torch.Generator | None) -> torch.Gen
             raise ValueError(f"generator must be a CPU generator, got one on {generator.device}")
         return generator
     if seed is not None:
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise TypeError(f"seed must be an int, got {type(seed).__name__}")
+        check_int("seed", seed, error=TypeError)
         return torch.Generator().manual_seed(seed)
     return None
 
 
-def _mix(*parts: int) -> int:
-    """A 63-bit seed derived from integers; distinct tuples give unrelated seeds."""
+def mix_seed(*parts: int | str) -> int:
+    """A 63-bit seed derived from ints and strings (BLAKE2b of their repr); distinct tuples give
+    unrelated seeds. The one seed mixer of linattn: data streams, task batches and per-step RNGs."""
     digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 1
 
@@ -193,7 +191,7 @@ def _read_files(files: Sequence[Path], max_bytes: int | None) -> tuple[bytes, in
     """Concatenate the files' bytes (no separator), stopping once ``max_bytes`` are read; the
     last file may be cut. Returns the bytes and the number of files that contributed."""
     if max_bytes is not None:
-        _check_int("max_bytes", max_bytes)
+        check_int("max_bytes", max_bytes, minimum=1)
     chunks, total, used = [], 0, 0
     for f in files:
         if max_bytes is not None and total >= max_bytes:
@@ -255,8 +253,7 @@ class Corpus:
         suffixes: Sequence[str] | None = None,
     ) -> "Corpus":
         """Read the corpus (see :func:`corpus_files`, :func:`load_corpus`) and split it."""
-        if not (isinstance(val_fraction, (int, float)) and 0.0 < val_fraction < 1.0):
-            raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction!r}")
+        check_number("val_fraction", val_fraction, minimum=0, maximum=1, low_open=True, high_open=True)
         files = corpus_files(paths, suffixes)
         data, n_files = _read_files(files, max_bytes)
         if len(data) < 2:
@@ -315,10 +312,9 @@ class ByteLMBatches:
 
     def __init__(self, data, seq_len: int, batch_size: int, seed: int = 0):
         data = _as_byte_tensor(data)
-        _check_int("seq_len", seq_len)
-        _check_int("batch_size", batch_size)
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise TypeError(f"seed must be an int, got {type(seed).__name__}")
+        check_int("seq_len", seq_len, minimum=1)
+        check_int("batch_size", batch_size, minimum=1)
+        check_int("seed", seed, error=TypeError)
         if data.numel() < seq_len + 1:
             raise ValueError(
                 f"data has {data.numel()} bytes, fewer than seq_len + 1 = {seq_len + 1}: "
@@ -333,7 +329,7 @@ class ByteLMBatches:
 
     def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Batch number ``step`` of the stream (does not move the position)."""
-        g = torch.Generator().manual_seed(_mix(self.seed, step))
+        g = torch.Generator().manual_seed(mix_seed(self.seed, step))
         high = self.data.numel() - self.seq_len  # starts in [0, high)
         starts = torch.randint(high, (self.batch_size,), generator=g)
         chunk = self.data[starts[:, None] + self._window].long()
@@ -377,8 +373,8 @@ def eval_batches(data, seq_len: int, batch_size: int, max_batches: int | None = 
     per-byte loss of ``data`` at context length up to ``seq_len``.
     """
     data = _as_byte_tensor(data)
-    _check_int("seq_len", seq_len)
-    _check_int("batch_size", batch_size)
+    check_int("seq_len", seq_len, minimum=1)
+    check_int("batch_size", batch_size, minimum=1)
     n_windows = (data.numel() - 1) // seq_len
     if n_windows == 0:
         raise ValueError(f"data has {data.numel()} bytes, fewer than seq_len + 1 = {seq_len + 1}")
@@ -473,10 +469,10 @@ def copy_task(
 
     (The paper trains on sequences of up to 128 symbols from 10 with a separator.)
     """
-    _check_int("n", n)
-    _check_int("max_len", max_len)
-    _check_int("n_symbols", n_symbols)
-    _check_int("min_len", min_len)
+    check_int("n", n, minimum=1)
+    check_int("max_len", max_len, minimum=1)
+    check_int("n_symbols", n_symbols, minimum=1)
+    check_int("min_len", min_len, minimum=1)
     if min_len > max_len:
         raise ValueError(f"min_len ({min_len}) must be <= max_len ({max_len})")
     g = _generator(seed, generator)
@@ -557,10 +553,10 @@ def mqar_task(
     (256, 16), with ``vocab_size=8192``. Requires ``seq_len >= 4 * n_pairs`` and
     ``vocab_size // 2 - 1 >= n_pairs``.
     """
-    _check_int("n", n)
-    _check_int("seq_len", seq_len)
-    _check_int("n_pairs", n_pairs)
-    _check_int("vocab_size", vocab_size)
+    check_int("n", n, minimum=1)
+    check_int("seq_len", seq_len, minimum=1)
+    check_int("n_pairs", n_pairs, minimum=1)
+    check_int("vocab_size", vocab_size, minimum=1)
     if 4 * n_pairs > seq_len:
         raise ValueError(f"seq_len ({seq_len}) must be >= 4 * n_pairs ({4 * n_pairs}) to fit the pairs and the queries")
     half = vocab_size // 2
@@ -665,10 +661,10 @@ def _listops_sample(rng: random.Random, max_depth: int, max_args: int, min_len: 
 
 
 def _listops_check(max_depth: int, max_args: int, min_len: int, max_len: int) -> None:
-    _check_int("max_depth", max_depth, 2)
-    _check_int("max_args", max_args, 2)
-    _check_int("min_len", min_len)
-    _check_int("max_len", max_len, 4)
+    check_int("max_depth", max_depth, minimum=2)
+    check_int("max_args", max_args, minimum=2)
+    check_int("min_len", min_len, minimum=1)
+    check_int("max_len", max_len, minimum=4)
     if min_len > max_len:
         raise ValueError(f"min_len ({min_len}) must be <= max_len ({max_len})")
     longest = _listops_max_length(max_depth, max_args)
@@ -737,7 +733,7 @@ def listops_task(
         inputs: 13 6 5 12 4 5 16 3 2 16 1 0 0      labels: 4
         mask:   1  1 1 1  1 1 1  1 1 1  1 0 0      cls_index: 10
     """
-    _check_int("n", n)
+    check_int("n", n, minimum=1)
     _listops_check(max_depth, max_args, min_len, max_len)
     if cls_position not in ("first", "last"):
         raise ValueError(f"cls_position must be 'first' or 'last', got {cls_position!r}")

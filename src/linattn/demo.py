@@ -286,7 +286,7 @@ def run_demo(cfg: DemoConfig, out: Path, console: Console, args=None) -> dict:
     from .bench.decode import DecodeConfig, plot_decode, render_decode, run_decode
     from .bench.methods import Shape
     from .bench.ops import OpsConfig, plot_ops, render_ops, run_ops
-    from .cli import torch_dtype
+    from ._checks import torch_dtype
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)

@@ -29,6 +29,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ._checks import check_positive_int
 from .training import TrainConfig, train
 
 __all__ = [
@@ -251,11 +252,9 @@ def run_eval(preset: str | Preset = "quick", *, kinds=None, tasks=None, seeds=No
     seeds = list(p.seeds if seeds is None else seeds)
     if not seeds:
         raise ValueError("seeds must not be empty")
-    if steps is not None and (not isinstance(steps, int) or isinstance(steps, bool) or steps < 1):
-        raise ValueError(f"steps must be a positive int, got {steps!r}")
-    for name, value in (("jobs", jobs), ("threads_per_job", threads_per_job)):
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    check_positive_int("steps", steps, allow_none=True)
+    check_positive_int("jobs", jobs)
+    check_positive_int("threads_per_job", threads_per_job, allow_none=True)
     # build (and so validate) every config before the first run
     plan = [(task_map[t], k, s, _train_config(p, task_map[t], k, s, steps, device))
             for t in task_names for k in kinds for s in seeds]

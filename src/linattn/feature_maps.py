@@ -1,4 +1,4 @@
-"""Feature maps φ for linear attention (DESIGN §5), one interface for all.
+"""Feature maps φ for linear attention (design §5), one interface for all.
 
 A feature map is an nn.Module built for a head dim D with a known output dim `feature_dim` (F):
 
@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
+from ._checks import check_number, check_positive_int
 from .positional import broadcast_positions
 
 
@@ -33,8 +34,7 @@ class FeatureMap(nn.Module):
 
     def __init__(self, head_dim: int):
         super().__init__()
-        if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim <= 0:
-            raise ValueError(f"head_dim must be a positive int, got {head_dim!r}")
+        check_positive_int("head_dim", head_dim)
         self.head_dim = head_dim
         self.feature_dim = head_dim
 
@@ -101,8 +101,7 @@ class ReLUFeatureMap(FeatureMap):
 
     def __init__(self, head_dim: int, eps: float = 1e-6):
         super().__init__(head_dim)
-        if eps < 0:
-            raise ValueError(f"eps must be >= 0, got {eps}")
+        check_number("eps", eps, minimum=0)
         self.eps = float(eps)
 
     def forward(self, x, *, is_query: bool = True, positions=None):
@@ -131,10 +130,8 @@ class _RandomFeatures(FeatureMap):
     def __init__(self, head_dim: int, num_features: int | None, orthogonal: bool, seed: int, redraw_interval: int | None):
         super().__init__(head_dim)
         m = head_dim if num_features is None else num_features
-        if isinstance(m, bool) or not isinstance(m, int) or m <= 0:
-            raise ValueError(f"num_features must be a positive int, got {num_features!r}")
-        if redraw_interval is not None and (not isinstance(redraw_interval, int) or redraw_interval <= 0):
-            raise ValueError(f"redraw_interval must be a positive int or None, got {redraw_interval!r}")
+        check_positive_int("num_features", m)
+        check_positive_int("redraw_interval", redraw_interval, allow_none=True)
         self.num_features = m
         self.orthogonal = orthogonal
         self.seed = int(seed)
@@ -246,8 +243,7 @@ class CosFormer(FeatureMap):
 
     def __init__(self, head_dim: int, max_len: int = 2048):
         super().__init__(head_dim)
-        if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len <= 0:
-            raise ValueError(f"max_len must be a positive int, got {max_len!r}")
+        check_positive_int("max_len", max_len)
         self.max_len = max_len
         self.feature_dim = 2 * head_dim
 
@@ -329,8 +325,7 @@ class Hedgehog(FeatureMap):
     def __init__(self, head_dim: int, num_features: int | None = None, *, seed: int = 0):
         super().__init__(head_dim)
         m = head_dim if num_features is None else num_features
-        if isinstance(m, bool) or not isinstance(m, int) or m <= 0:
-            raise ValueError(f"num_features must be a positive int, got {num_features!r}")
+        check_positive_int("num_features", m)
         self.num_features = m
         self.feature_dim = 2 * m
         if m == head_dim:

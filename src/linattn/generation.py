@@ -1,4 +1,4 @@
-"""Autoregressive generation with per-layer caches (DESIGN §8).
+"""Autoregressive generation with per-layer caches (design §8).
 
     prefill:  logits, cache = model(prompt (B, N), mask, cache=model.new_cache(), last_only=True)
               (chunked parallel path; returns the (kv, z) state of every linear layer and the K/V
@@ -17,6 +17,8 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 
 import torch
+
+from ._checks import check_int, check_positive_int
 
 
 def prepare_prompts(prompt_ids, mask: torch.Tensor | None = None, pad_id: int = 0, device=None):
@@ -61,12 +63,10 @@ def prepare_prompts(prompt_ids, mask: torch.Tensor | None = None, pad_id: int = 
 
 
 def _check_sampling(max_new_tokens, temperature, top_k, top_p):
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+    check_int("max_new_tokens", max_new_tokens, minimum=0)
     if not isinstance(temperature, (int, float)) or temperature < 0:
         raise ValueError(f"temperature must be a float >= 0 (0 = greedy), got {temperature!r}")
-    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k <= 0):
-        raise ValueError(f"top_k must be a positive int or None, got {top_k!r}")
+    check_positive_int("top_k", top_k, allow_none=True)
     if top_p is not None and (not isinstance(top_p, (int, float)) or not 0 < top_p <= 1):
         raise ValueError(f"top_p must be in (0, 1] or None, got {top_p!r}")
 

@@ -1,4 +1,4 @@
-"""Attention layers, feed-forward networks, norms and the pre-norm block (DESIGN §6–8).
+"""Attention layers, feed-forward networks, norms and the pre-norm block (design §6–8).
 
 Both attention layers share one interface, so the same module serves training and decoding:
 
@@ -25,8 +25,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ._checks import check_number, check_positive_int
 from .feature_maps import make_feature_map
 from .ops import linear_attention, linear_attention_step, native, softmax_attention
+from .ops.chunked import DEFAULT_CHUNK_SIZE
+from .parallel import sequence_parallel_linear_attention, sequence_parallel_softmax_attention
 from .positional import RotaryEmbedding
 
 # --------------------------------------------------------------------------------------------
@@ -148,22 +151,19 @@ def _column_major(linear: nn.Linear) -> nn.Linear:
 
 
 def _check_heads(d_model: int, n_heads: int, qk_dim: int | None) -> tuple[int, int]:
-    for name, val in (("d_model", d_model), ("n_heads", n_heads)):
-        if isinstance(val, bool) or not isinstance(val, int) or val <= 0:
-            raise ValueError(f"{name} must be a positive int, got {val!r}")
+    check_positive_int("d_model", d_model)
+    check_positive_int("n_heads", n_heads)
     if d_model % n_heads:
         raise ValueError(f"d_model ({d_model}) must be divisible by n_heads ({n_heads})")
     head_dim = d_model // n_heads
     if qk_dim is None:
         return head_dim, head_dim
-    if isinstance(qk_dim, bool) or not isinstance(qk_dim, int) or qk_dim <= 0:
-        raise ValueError(f"qk_dim must be a positive int or None, got {qk_dim!r}")
+    check_positive_int("qk_dim", qk_dim, allow_none=True)
     return head_dim, qk_dim
 
 
 def _check_dropout(p) -> float:
-    if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= p < 1.0:
-        raise ValueError(f"dropout must be a float in [0, 1), got {p!r}")
+    check_number("dropout", p, minimum=0, maximum=1, high_open=True)
     return float(p)
 
 
@@ -218,7 +218,7 @@ class LinearAttention(_Attention):
 
         y_i = W_o · concat_h [ Σ_j (R_i φ(q_i))ᵀ (R_j φ(k_j)) v_j / (Σ_j φ(q_i)ᵀ φ(k_j) + ε) ],  j ≤ i if causal,
 
-    R_i the RoPE rotation of the *features* (numerator only, DESIGN §6) when rope=True, identity
+    R_i the RoPE rotation of the *features* (numerator only, design §6) when rope=True, identity
     otherwise. q, k: (B, H, N, qk_dim) (default qk_dim = d_model / n_heads; use a small one, e.g. 16,
     for Taylor features, F = 1 + D + D²), v: (B, H, N, d_model / n_heads). One φ per layer, shared
     by the heads. Dropout applies to the output projection (there is no attention matrix to drop).
@@ -233,7 +233,7 @@ class LinearAttention(_Attention):
     def __init__(self, d_model: int, n_heads: int, *, feature_map="elu", feature_map_options: dict | None = None,
                  causal: bool = True, rope: bool = False, rope_base: float = 10_000.0, qk_dim: int | None = None,
                  normalize: bool = True, eps: float = 1e-6, dropout: float = 0.0, bias: bool = False,
-                 chunk_size: int = 64):
+                 chunk_size: int = DEFAULT_CHUNK_SIZE):
         super().__init__(d_model, n_heads, qk_dim, causal, dropout, bias)
         if isinstance(feature_map, str):
             self.feature_map = make_feature_map(feature_map, self.qk_dim, **(feature_map_options or {}))
@@ -246,6 +246,7 @@ class LinearAttention(_Attention):
         else:
             raise ValueError(f"feature_map must be a name or a linattn feature map module, got {feature_map!r}")
         self.rope = RotaryEmbedding(self.feature_map.feature_dim, rope_base) if rope else None
+        check_positive_int("chunk_size", chunk_size)
         self.normalize, self.eps, self.chunk_size = bool(normalize), float(eps), chunk_size
         self._needs_positions = rope or getattr(self.feature_map, "needs_positions", False)
 
@@ -267,8 +268,6 @@ class LinearAttention(_Attention):
             if self.sequence_parallel_group is not None:
                 if mask is not None:
                     raise ValueError("sequence parallelism does not take a padding mask")
-                from linattn.distributed import sequence_parallel_linear_attention
-
                 if positions is not None:  # global indices of this shard (default: the shard's offset + arange)
                     opts["positions"] = positions
                 o = sequence_parallel_linear_attention(q, k, v, group=self.sequence_parallel_group, causal=self.causal,
@@ -334,8 +333,6 @@ class SoftmaxAttention(_Attention):
         elif self.sequence_parallel_group is not None:
             if mask is not None:
                 raise ValueError("sequence parallelism does not take a padding mask")
-            from linattn.distributed import sequence_parallel_softmax_attention
-
             o = sequence_parallel_softmax_attention(q, k, v, group=self.sequence_parallel_group, causal=self.causal,
                                                     scale=None)
             return self._merge(o), None
@@ -415,8 +412,7 @@ class FeedForward(nn.Module):
         super().__init__()
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
-        if isinstance(d_ff, bool) or not isinstance(d_ff, int) or d_ff <= 0:
-            raise ValueError(f"d_ff must be a positive int, got {d_ff!r}")
+        check_positive_int("d_ff", d_ff)
         self.activation = activation
         self.up = _column_major(nn.Linear(d_model, d_ff * (2 if activation == "swiglu" else 1), bias=bias))
         self.down = _column_major(nn.Linear(d_ff, d_model, bias=bias))
@@ -434,7 +430,7 @@ class FeedForward(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm Transformer block (DESIGN §8):
+    """Pre-norm Transformer block (design §8):
 
         x ← x + Attn(Norm₁(x)),   x ← x + FFN(Norm₂(x)).
 

@@ -1,4 +1,4 @@
-"""Models: one config, a decoder-only LM and a bidirectional encoder (DESIGN §8).
+"""Models: one config, a decoder-only LM and a bidirectional encoder (design §8).
 
     ids (B, N) ─ tok_emb (+ pos_emb) ─ dropout ─ Block × n_layers ─ Norm ─ head
 
@@ -18,14 +18,23 @@ import dataclasses
 import json
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from ._checks import dataclass_from_dict
-from .checkpoint import PretrainedMixin
+from ._checks import (
+    check_bool,
+    check_choice,
+    check_int,
+    check_number,
+    check_positions,
+    check_positive_int,
+    dataclass_from_dict,
+)
+from .checkpoint import CONFIG_NAME, CheckpointError, load_weights, read_config, save_pretrained
 from .feature_maps import FEATURE_MAPS, make_feature_map
 from .layers import (
     ACTIVATIONS,
@@ -37,23 +46,12 @@ from .layers import (
     make_norm,
     token_positions,
 )
+from .ops.chunked import DEFAULT_CHUNK_SIZE
 from .positional import RotaryEmbedding
 
 ATTENTION_KINDS = ("linear", "softmax")
 POSITIONS = ("rope", "learned", "none")
 POOLINGS = ("mean", "first")
-
-
-def _positive_int(name, value, allow_none=False):
-    if value is None and allow_none:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name} must be a positive int{' or None' if allow_none else ''}, got {value!r}")
-
-
-def _choice(name, value, choices):
-    if value not in choices:
-        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
 
 
 @dataclass
@@ -67,10 +65,12 @@ class ModelConfig:
         linattn.feature_maps. A "seed" option (FAVOR+, trig, Hedgehog) is offset per layer so layers
         draw different projections; cosFormer's max_len defaults to `max_len`.
     qk_dim: per-head q/k dim (default d_model / n_heads); values always have d_model / n_heads.
-    positions: "rope" (on φ features in linear layers, DESIGN §6; on q/k in softmax layers),
+    positions: "rope" (on φ features in linear layers, design §6; on q/k in softmax layers),
         "learned" (absolute embeddings, at most max_len positions) or "none".
     d_ff: FFN hidden width (default 4·d_model). num_classes / pooling: the encoder's head.
     seed: seeds the weight initialization (and, by default, the random feature maps).
+    chunk_size: rows per chunk C of the linear layers' chunked causal operator (design §3); any
+        positive int, the sequence length need not be a multiple. Numbers equal up to rounding.
     """
 
     vocab_size: int = 256
@@ -94,12 +94,13 @@ class ModelConfig:
     num_classes: int | None = None
     pooling: str = "mean"
     seed: int = 0
+    chunk_size: int = DEFAULT_CHUNK_SIZE
 
     def __post_init__(self):
-        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "max_len"):
-            _positive_int(name, getattr(self, name))
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "max_len", "chunk_size"):
+            check_positive_int(name, getattr(self, name))
         for name in ("d_ff", "qk_dim", "num_classes"):
-            _positive_int(name, getattr(self, name), allow_none=True)
+            check_positive_int(name, getattr(self, name), allow_none=True)
         if self.d_model % self.n_heads:
             raise ValueError(f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})")
         if isinstance(self.attention, str):
@@ -108,26 +109,21 @@ class ModelConfig:
             raise ValueError(f"attention must be a non-empty list of kinds or a pattern string, got {self.attention!r}")
         self.attention = list(self.attention)
         for kind in self.attention:
-            _choice("attention", kind, ATTENTION_KINDS)
+            check_choice("attention", kind, ATTENTION_KINDS)
         if self.n_layers % len(self.attention):
             raise ValueError(f"attention pattern of length {len(self.attention)} does not divide "
                              f"n_layers={self.n_layers}")
-        _choice("feature_map", self.feature_map, tuple(sorted(FEATURE_MAPS)))
-        _choice("positions", self.positions, POSITIONS)
-        _choice("norm", self.norm, NORMS)
-        _choice("activation", self.activation, ACTIVATIONS)
-        _choice("pooling", self.pooling, POOLINGS)
-        if isinstance(self.dropout, bool) or not isinstance(self.dropout, (int, float)) or not 0 <= self.dropout < 1:
-            raise ValueError(f"dropout must be a float in [0, 1), got {self.dropout!r}")
+        check_choice("feature_map", self.feature_map, tuple(sorted(FEATURE_MAPS)))
+        check_choice("positions", self.positions, POSITIONS)
+        check_choice("norm", self.norm, NORMS)
+        check_choice("activation", self.activation, ACTIVATIONS)
+        check_choice("pooling", self.pooling, POOLINGS)
+        check_number("dropout", self.dropout, minimum=0, maximum=1, high_open=True)
         for name in ("rope_base", "norm_eps"):
-            val = getattr(self, name)
-            if isinstance(val, bool) or not isinstance(val, (int, float)) or not val > 0:
-                raise ValueError(f"{name} must be a positive float, got {val!r}")
+            check_number(name, getattr(self, name), minimum=0, low_open=True)
         for name in ("tie_embeddings", "bias"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an int, got {self.seed!r}")
+            check_bool(name, getattr(self, name))
+        check_int("seed", self.seed)
         if not isinstance(self.feature_map_options, dict):
             raise ValueError(f"feature_map_options must be a dict, got {type(self.feature_map_options).__name__}")
         try:
@@ -218,15 +214,6 @@ class ModelCache(PositionCounter):
         return [c.nbytes for c in self.layers]
 
 
-def _shard_offset(n: int, group, device) -> int:
-    """Global index of this rank's first token: the sum of the shard lengths of the ranks before it."""
-    import torch.distributed as dist
-
-    lengths = [torch.zeros(1, dtype=torch.long, device=device) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(lengths, torch.tensor([n], dtype=torch.long, device=device), group=group)
-    return int(sum(int(t) for t in lengths[: dist.get_rank(group)]))
-
-
 @contextlib.contextmanager
 def _no_redraw(module: nn.Module):
     """Suspends the redraw schedule of random feature maps (FAVOR+, trig) inside `module`, so that
@@ -242,7 +229,7 @@ def _no_redraw(module: nn.Module):
             m.redraw_interval = r
 
 
-class _Transformer(PretrainedMixin, nn.Module):
+class _Transformer(nn.Module):
     """Embeddings, blocks and final norm shared by the LM and the encoder."""
 
     causal = True
@@ -266,7 +253,7 @@ class _Transformer(PretrainedMixin, nn.Module):
                       dropout=c.dropout, bias=c.bias)
         if kind == "linear":
             attn = LinearAttention(c.d_model, c.n_heads, feature_map=c.feature_map,
-                                   feature_map_options=c.feature_map_options_for(i), **common)
+                                   feature_map_options=c.feature_map_options_for(i), chunk_size=c.chunk_size, **common)
         else:
             attn = SoftmaxAttention(c.d_model, c.n_heads, **common)
         return Block(attn, c.ffn_dim, activation=c.activation, norm=c.norm, norm_eps=c.norm_eps, dropout=c.dropout,
@@ -285,6 +272,16 @@ class _Transformer(PretrainedMixin, nn.Module):
                 if getattr(mod, "bias", None) is not None:
                     mod.bias.zero_()
 
+    def save_pretrained(self, directory) -> Path:
+        """Writes `directory`/config.json and model.safetensors (linattn.checkpoint's format)."""
+        return save_pretrained(self, directory)
+
+    @classmethod
+    def from_pretrained(cls, directory, *, config: ModelConfig | None = None, device="cpu"):
+        """The model saved in `directory` (by save_pretrained or a training checkpoint), on `device`.
+        config: the expected ModelConfig; if given and different, a CheckpointError lists the fields."""
+        return load_pretrained(directory, cls, config=config, device=device)
+
     def set_activation_checkpointing(self, enabled: bool = True) -> None:
         """Recompute each block's activations in the backward (torch.utils.checkpoint) in training."""
         self.activation_checkpointing = bool(enabled)
@@ -292,7 +289,8 @@ class _Transformer(PretrainedMixin, nn.Module):
     def set_sequence_parallel_group(self, group) -> None:
         """Run every attention layer sequence-parallel over `group` (a torch.distributed process
         group; None: local) when no cache is used. Each rank then passes its contiguous shard of
-        every sequence, in rank order, and gets the logits of its shard (positions are global)."""
+        every sequence, in rank order, with `positions` = the global indices of the shard's tokens
+        (start + arange(n), see linattn.parallel.shard_bounds), and gets the logits of its shard."""
         self.sequence_parallel_group = group
         for block in self.blocks:
             block.attn.sequence_parallel_group = group
@@ -305,19 +303,25 @@ class _Transformer(PretrainedMixin, nn.Module):
                                  or mask.shape != ids.shape):
             raise ValueError(f"mask must be a bool tensor of ids' shape {tuple(ids.shape)} (True = real token)")
 
-    def _trunk(self, ids, mask=None, cache: ModelCache | None = None):
-        """ids (B, N) -> hidden (B, N, d) after the final norm; advances the cache."""
+    def _trunk(self, ids, mask=None, cache: ModelCache | None = None, positions=None):
+        """ids (B, N) -> hidden (B, N, d) after the final norm; advances the cache. positions: (N,) or
+        (B, N) global token indices (default: counted from each row's first real token, or by the
+        cache; required under sequence parallelism)."""
         self._check_ids(ids, mask)
         n = ids.shape[1]
-        positions = None
+        if positions is not None:
+            if cache is not None:
+                raise ValueError("positions: a cache counts the positions itself; pass positions or a cache")
+            check_positions(positions, ids.shape[0], n, ids.device)
         if cache is not None:
             positions = cache.next_positions(n, mask, ids.device)
         elif self.sequence_parallel_group is not None:
             if mask is not None:
                 raise ValueError("sequence parallelism does not take a padding mask")
-            offset = _shard_offset(n, self.sequence_parallel_group, ids.device)
-            positions = torch.arange(offset, offset + n, device=ids.device)  # global positions of this shard
-        elif mask is not None or self.pos_emb is not None:
+            if positions is None:
+                raise ValueError("positions: under sequence parallelism pass the global indices of this shard's "
+                                 "tokens (start + arange(n), start from linattn.parallel.shard_bounds)")
+        elif positions is None and (mask is not None or self.pos_emb is not None):
             positions = token_positions(n, mask, device=ids.device)
         x = self.tok_emb(ids)
         if self.pos_emb is not None:
@@ -340,8 +344,9 @@ class _Transformer(PretrainedMixin, nn.Module):
 class LinearTransformerLM(_Transformer):
     """Decoder-only language model with linear (and optionally softmax) attention layers.
 
-    forward(ids (B, N), mask=None, cache=None, last_only=False) -> (logits (B, N, V), cache)
-    With last_only, logits are (B, 1, V) for the last position only (generation).
+    forward(ids (B, N), mask=None, cache=None, last_only=False, positions=None) -> (logits (B, N, V), cache)
+    With last_only, logits are (B, 1, V) for the last position only (generation). positions: the
+    tokens' global indices, needed under sequence parallelism (see set_sequence_parallel_group).
     """
 
     causal = True
@@ -358,8 +363,8 @@ class LinearTransformerLM(_Transformer):
         return ModelCache(layers=[block.attn.new_cache() for block in self.blocks])
 
     def forward(self, ids: torch.Tensor, mask: torch.Tensor | None = None, cache: ModelCache | None = None,
-                last_only: bool = False):
-        h = self._trunk(ids, mask, cache)
+                last_only: bool = False, positions: torch.Tensor | None = None):
+        h = self._trunk(ids, mask, cache, positions)
         if last_only:
             h = h[:, -1:]
         return self.lm_head(h), cache
@@ -393,7 +398,7 @@ class LinearTransformerLM(_Transformer):
 class LinearTransformerEncoder(_Transformer):
     """Bidirectional encoder with a classification head (e.g. ListOps).
 
-    encode(ids (B, N), mask) -> hidden (B, N, d); forward(ids, mask) -> logits (B, num_classes) from
+    encode(ids (B, N), mask, positions=None) -> hidden (B, N, d); forward(ids, mask) -> logits (B, num_classes) from
     the mean of the real tokens' hidden states (pooling="mean") or the first real token ("first").
     With a mask, positions count real tokens only, so left- or right-padding leaves the output as is.
     """
@@ -407,8 +412,9 @@ class LinearTransformerEncoder(_Transformer):
         self.head = nn.Linear(config.d_model, config.num_classes)
         self._init_weights()
 
-    def encode(self, ids: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-        return self._trunk(ids, mask)
+    def encode(self, ids: torch.Tensor, mask: torch.Tensor | None = None,
+               positions: torch.Tensor | None = None) -> torch.Tensor:
+        return self._trunk(ids, mask, positions=positions)
 
     def forward(self, ids: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         if self.sequence_parallel_group is not None:
@@ -426,6 +432,32 @@ class LinearTransformerEncoder(_Transformer):
         return self.head(pooled)
 
 
+def load_pretrained(directory, cls=None, *, config: ModelConfig | None = None, device="cpu"):
+    """Builds the model saved in `directory` and loads its weights (JSON + safetensors only).
+
+    cls: the expected model class (None: the one recorded in config.json). config: an expected
+    ModelConfig; if given and different, a CheckpointError lists the differing fields.
+    """
+    directory = Path(directory)
+    arch, saved, ckpt_id = read_config(directory, ModelConfig)
+    classes = {c.__name__: c for c in (LinearTransformerLM, LinearTransformerEncoder)}
+    if cls is None:
+        if arch not in classes:
+            raise CheckpointError(f"unknown architecture {arch!r} in {directory / CONFIG_NAME}; "
+                                  f"known: {sorted(classes)}")
+        cls = classes[arch]
+    elif arch != cls.__name__:
+        raise CheckpointError(f"{directory} holds a {arch}, not a {cls.__name__}")
+    if config is not None:
+        diff = config.diff(saved)
+        if diff:
+            desc = ", ".join(f"{k}: expected {a!r}, checkpoint has {b!r}" for k, (a, b) in sorted(diff.items()))
+            raise CheckpointError(f"config mismatch with {directory / CONFIG_NAME}: {desc}")
+    model = cls(saved)
+    load_weights(directory, model, ckpt_id)
+    return model.to(device)
+
+
 __all__ = [
     "ATTENTION_KINDS",
     "POSITIONS",
@@ -433,4 +465,5 @@ __all__ = [
     "LinearTransformerLM",
     "ModelCache",
     "ModelConfig",
+    "load_pretrained",
 ]

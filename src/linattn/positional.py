@@ -16,6 +16,8 @@ import functools
 import torch
 from torch import nn
 
+from ._checks import check_int
+
 
 def broadcast_positions(positions: torch.Tensor, ndim: int) -> torch.Tensor:
     """(N,) -> (N, 1); (B, N) -> (B, 1, N, 1): broadcastable against (B, H, N, F) features."""
@@ -95,8 +97,7 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, dim: int, base: float = 10_000.0):
         super().__init__()
-        if isinstance(dim, bool) or not isinstance(dim, int) or dim < 2:
-            raise ValueError(f"RotaryEmbedding dim must be an int >= 2, got {dim!r}")
+        check_int("RotaryEmbedding dim", dim, minimum=2)
         self.dim = dim
         self.base = float(base)
         self.register_buffer("inv_freq", _inv_freq(dim, self.base), persistent=False)

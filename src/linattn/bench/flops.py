@@ -1,6 +1,6 @@
 """FLOP counts and the machine's measured matmul peak.
 
-Causal chunked linear attention, forward, per (batch, head), chunk size C (DESIGN §3): per token
+Causal chunked linear attention, forward, per (batch, head), chunk size C (design §3): per token
 2·F·E for the inter-chunk product Q̃S and as much again for the chunk state K̃ᵀV, 2·C·F for the
 intra-chunk scores Q̃K̃ᵀ and 2·C·E for applying them to V:
 
@@ -14,10 +14,13 @@ from __future__ import annotations
 
 import torch
 
+from ..ops.chunked import DEFAULT_CHUNK_SIZE
+
 from .timing import measure
 
 
-def chunked_linear_flops(batch: int, heads: int, n: int, feat: int, value_dim: int, chunk: int = 64) -> int:
+def chunked_linear_flops(batch: int, heads: int, n: int, feat: int, value_dim: int,
+                         chunk: int = DEFAULT_CHUNK_SIZE) -> int:
     """Forward FLOPs of causal chunked linear attention, all heads: B·H·2·N·(2FE + CF + CE)."""
     return batch * heads * 2 * n * (2 * feat * value_dim + chunk * feat + chunk * value_dim)
 

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from ..feature_maps import EluPlusOne
 from ..ops import linear_attention, linear_attention_step
+from ..ops.chunked import DEFAULT_CHUNK_SIZE
 from ..ops.reference import kernel_attention
 from .flops import chunked_linear_flops
 from .memory import nbytes, peak_memory
@@ -37,7 +38,7 @@ class Shape:
     heads: int = 8
     head_dim: int = 64
     value_dim: int = 64
-    chunk: int = 64
+    chunk: int = DEFAULT_CHUNK_SIZE
 
 
 @dataclass
@@ -57,8 +58,8 @@ def short_dtype(dtype: torch.dtype) -> str:
     return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}[dtype]
 
 
-def core_methods(dtype: torch.dtype = torch.float32, *, feature_map=None, head_dim: int = 64, chunk: int = 64,
-                 recurrent_max: int | None = 2048, quadratic_max: int | None = 4096,
+def core_methods(dtype: torch.dtype = torch.float32, *, feature_map=None, head_dim: int = 64,
+                 chunk: int = DEFAULT_CHUNK_SIZE, recurrent_max: int | None = 2048, quadratic_max: int | None = 4096,
                  bf16: bool = True) -> list[Method]:
     """The linattn implementations plus SDPA. `bf16` adds a bf16 chunked column (if dtype isn't bf16)."""
     fm = EluPlusOne(head_dim) if feature_map is None else feature_map

@@ -8,6 +8,7 @@ import torch
 from rich.console import Console
 
 from ..cli import add_common_options, int_list, positive_float, positive_int, resolve_device, torch_dtype
+from ..ops.chunked import DEFAULT_CHUNK_SIZE
 from ..report import args_dict, machine_info, make_console, output_dir, timestamp, write_json
 
 
@@ -67,7 +68,7 @@ def _shape_options(p, chunk: bool = True) -> None:
                    help="q/k head dim D (= feature dim F for elu+1) (default: %(default)s)")
     p.add_argument("--value-dim", type=positive_int, metavar="E", default=64, help="value dim E (default: %(default)s)")
     if chunk:
-        p.add_argument("--chunk-size", type=positive_int, metavar="C", default=64,
+        p.add_argument("--chunk-size", type=positive_int, metavar="C", default=DEFAULT_CHUNK_SIZE,
                        help="chunk size C of the chunked op (default: %(default)s)")
 
 
@@ -83,7 +84,7 @@ def _shape(args):
     from ..bench.methods import Shape
 
     return Shape(batch=args.batch, heads=args.heads, head_dim=args.head_dim, value_dim=args.value_dim,
-                 chunk=getattr(args, "chunk_size", 64))
+                 chunk=getattr(args, "chunk_size", DEFAULT_CHUNK_SIZE))
 
 
 def _finish(kind: str, res: dict, args, device, out, console: Console, render, plot) -> int:

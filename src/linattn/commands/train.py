@@ -123,8 +123,9 @@ def add_parser(subparsers) -> None:
     p.set_defaults(device=None, dtype=None, seed=None, func=run_train_command)
 
 
-def build_config(args):
-    """TrainConfig from --config (or, when resuming without one, the checkpoint's), then flags."""
+def _config_fields(args) -> dict:
+    """The TrainConfig fields of the command: --config (or, when resuming without one, the
+    checkpoint's), then the flags."""
     from ..training import TrainConfig, find_checkpoint, load_config_file, read_trainer_doc
 
     if args.config:
@@ -170,23 +171,24 @@ def build_config(args):
         base["task_options"] = task_options
     if args.resume is not None:
         base["resume"] = args.resume
-    return TrainConfig.from_dict(base)
+    return base
 
 
 def run_train_command(args) -> int:
     from ..checkpoint import CheckpointError
     from ..report import output_dir
-    from ..training import train
+    from ..training import TrainConfig, train
 
     try:
-        cfg = build_config(args)
+        fields = _config_fields(args)
         if args.out is not None:
-            cfg = cfg.replace(out_dir=args.out)
-        elif cfg.out_dir is None and cfg.resume in (None, "auto", "latest"):
+            fields["out_dir"] = args.out
+        cfg = TrainConfig.from_dict(fields)
+        if cfg.out_dir is None and cfg.resume in (None, "auto", "latest"):
             if cfg.resume == "latest":
                 raise ValueError("--resume without a PATH needs --out RUN_DIR (the run to continue)")
             if int(os.environ.get("RANK", "0")) == 0:  # other ranks write nothing: no folder for them
-                cfg = cfg.replace(out_dir=str(output_dir("train", None)))
+                cfg.out_dir = str(output_dir("train", None))  # a path only: the validated config stays valid
         result = train(cfg, progress=not args.quiet)
     except (ValueError, FileNotFoundError, CheckpointError) as exc:
         print(f"linattn train: error: {exc}", file=sys.stderr)

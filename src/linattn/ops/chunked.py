@@ -1,7 +1,7 @@
-"""Causal linear attention, chunked, with an explicit memory-efficient backward (DESIGN §3).
+"""Causal linear attention, chunked, with an explicit memory-efficient backward (design §3).
 
 Per (batch, head), numerator features Q̃, K̃ (N×F), denominator features Q̃_d, K̃_d (the same
-tensors without RoPE; with RoPE the numerator ones are rotated, DESIGN §6), values V (N×E), chunks
+tensors without RoPE; with RoPE the numerator ones are rotated, design §6), values V (N×E), chunks
 of C rows, M the C×C lower-triangular mask (diagonal included), S_n, z_n the states before chunk n:
 
     A_n = M ⊙ Q̃_n K̃_nᵀ,   U_n = A_n V_n + Q̃_n S_n,          S_{n+1} = S_n + K̃_nᵀ V_n
@@ -43,6 +43,8 @@ from ._features import Featurizer
 
 #: Target number of elements of one block temporary of shape (B·H, tokens, max(F, E, C)).
 BLOCK_ELEMENTS = 1 << 18
+#: Rows per chunk C when the caller does not choose (the ops, the layers, ModelConfig.chunk_size).
+DEFAULT_CHUNK_SIZE = 64
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -3,6 +3,11 @@
 Tensors are (B, H, N, D) as in F.scaled_dot_product_attention. With feature_map=None, q and k are
 already non-negative features of dim F; otherwise φ = feature_map is applied first (and F is its
 output dim). A state is (kv: (B, H, F, E), z: (B, H, F)) in float32 (float64 for float64 inputs).
+
+The pieces the public operators are made of are named for the other parts of linattn that build on
+them (linattn.parallel): `check_arguments` (every argument check, once per call), `make_featurizer`
+(φ, scale, mask and RoPE for checked arguments, and the zero state), `run_linear_attention` (the
+causal or non-causal op on checked arguments) and `state_readout` (every query reads one state).
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from .._checks import (
 )
 from . import native
 from ._features import Featurizer
-from .chunked import ChunkedCausalLinearAttention, compute_dtype, state_dtype
+from .chunked import DEFAULT_CHUNK_SIZE, ChunkedCausalLinearAttention, compute_dtype, state_dtype
 
 State = tuple[torch.Tensor, torch.Tensor]
 
@@ -27,8 +32,9 @@ def _feature_dim(feature_map, head_dim: int) -> int:
     return head_dim if feature_map is None else feature_map.feature_dim
 
 
-def _prepare(q, k, v, *, feature_map, scale, key_padding_mask, initial_state, positions, rope):
-    """Validates the arguments shared by every form and builds the featurizer."""
+def check_arguments(q, k, v, *, feature_map, scale, key_padding_mask, initial_state, positions, rope) -> int:
+    """Checks the arguments shared by every form of the op (ValueError / TypeError naming the
+    argument) and returns F, the feature dim."""
     check_qkv(q, k, v)
     b, h, n_k, d = k.shape
     if q.shape[2] < 1 or n_k < 1:
@@ -47,17 +53,31 @@ def _prepare(q, k, v, *, feature_map, scale, key_padding_mask, initial_state, po
         raise ValueError(f"rope dim must equal the feature dim F={feat}, got {rope.dim}")
     if initial_state is not None:
         check_state(initial_state, b, h, feat, v.shape[-1], q.device)
-    needs_pos = rope is not None or getattr(feature_map, "needs_positions", False)
-    if positions is None and needs_pos:
-        if initial_state is not None:
+        if positions is None and (rope is not None or getattr(feature_map, "needs_positions", False)):
             raise ValueError(
                 "positions are required when resuming from initial_state with RoPE or a position-dependent "
                 "feature map (pass the global token indices)"
             )
-        positions = torch.arange(n_k, device=k.device)
-    fz = Featurizer(feature_map, rope, None if scale is None else float(scale), positions, key_padding_mask)
+    return feat
+
+
+def make_featurizer(k, *, feature_map, scale, key_padding_mask, positions, rope) -> Featurizer:
+    """The Featurizer (φ, scale, key mask, RoPE) of arguments that passed `check_arguments`;
+    positions default to arange(N) where φ or RoPE needs them."""
+    if positions is None and (rope is not None or getattr(feature_map, "needs_positions", False)):
+        positions = torch.arange(k.shape[2], device=k.device)
+    return Featurizer(feature_map, rope, None if scale is None else float(scale), positions, key_padding_mask)
+
+
+def _prepare(q, k, v, *, feature_map, scale, key_padding_mask, initial_state, positions, rope):
+    """Checks the arguments once and returns (Featurizer, initial state or zeros in the state dtype)."""
+    feat = check_arguments(q, k, v, feature_map=feature_map, scale=scale, key_padding_mask=key_padding_mask,
+                           initial_state=initial_state, positions=positions, rope=rope)
+    fz = make_featurizer(k, feature_map=feature_map, scale=scale, key_padding_mask=key_padding_mask,
+                         positions=positions, rope=rope)
     if initial_state is None:
         sdt = state_dtype(q.dtype)
+        b, h = q.shape[:2]
         initial_state = (
             torch.zeros(b, h, feat, v.shape[-1], dtype=sdt, device=q.device),
             torch.zeros(b, h, feat, dtype=sdt, device=q.device),
@@ -85,7 +105,7 @@ def linear_attention(
     key_padding_mask: torch.Tensor | None = None,
     initial_state: State | None = None,
     return_state: bool = False,
-    chunk_size: int = 64,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
     positions: torch.Tensor | None = None,
     rope=None,
 ):
@@ -124,16 +144,26 @@ def _linear_attention(q, k, v, *, causal, feature_map, normalize, eps, scale, ke
         raise ValueError(f"causal linear attention needs q and k of equal length, got {q.shape[2]} and {k.shape[2]}")
     fz, state = _prepare(q, k, v, feature_map=feature_map, scale=scale, key_padding_mask=key_padding_mask,
                          initial_state=initial_state, positions=positions, rope=rope)
-    phi = None if not causal or rope is not None else native.fused_phi(feature_map, scale, key_padding_mask, state,
-                                                                       q, k, v, bf16=True, train=True)
+    o, (kv, z) = run_linear_attention(fz, state, q, k, v, causal=causal, normalize=normalize, eps=eps,
+                                      chunk_size=chunk_size)
+    return (o, (kv, z)) if return_state else o
+
+
+def run_linear_attention(fz: Featurizer, state: State, q, k, v, *, causal: bool, normalize: bool, eps: float,
+                         chunk_size: int):
+    """The op on checked arguments with its featurizer and initial state (see make_featurizer):
+    returns (o (B, H, N, E), (kv, z) final). Causal: the fused CPU kernels where they apply, else the
+    chunked autograd Function; non-causal: O(N·F·E) with plain autograd."""
+    phi = None if not causal or fz.rope is not None else native.fused_phi(fz.feature_map, fz.scale,
+                                                                          fz.key_padding_mask, state, q, k, v,
+                                                                          bf16=True, train=True)
     if phi is not None and native.chunked_ready(q.dtype):  # CPU: fused forward (and backward)
-        o, (kv, z) = native.chunked(q, k, v, state, phi=phi, normalize=normalize, eps=float(eps), chunk=chunk_size)
-    elif causal:
+        return native.chunked(q, k, v, state, phi=phi, normalize=normalize, eps=float(eps), chunk=chunk_size)
+    if causal:
         o, kv, z = ChunkedCausalLinearAttention.apply(fz, chunk_size, normalize, float(eps), q, k, v, *state,
                                                       *fz.parameters)
-    else:
-        o, (kv, z) = _noncausal(fz, q, k, v, state, normalize, eps)
-    return (o, (kv, z)) if return_state else o
+        return o, (kv, z)
+    return _noncausal(fz, q, k, v, state, normalize, eps)
 
 
 def _noncausal(fz: Featurizer, q, k, v, state, normalize, eps):
@@ -143,17 +173,22 @@ def _noncausal(fz: Featurizer, q, k, v, state, normalize, eps):
     if fz.positions is not None and fz.positions.shape[-1] != n_q:
         # positions describe the keys; queries of another length get their own arange only if unused
         raise ValueError(f"positions cover {fz.positions.shape[-1]} keys but q has {n_q} tokens; use equal lengths")
-    qr, qd = fz(q, 0, n_q, True)
     kr, kd = fz(k, 0, n_k, False)
     kv = state[0].to(sdt) + (kr.to(cdt).transpose(-1, -2) @ v.to(cdt)).to(sdt)
     z = state[1].to(sdt) + (kr if kd is None else kd).to(sdt).sum(-2)
+    return state_readout(fz, q, kv, z, normalize=normalize, eps=eps), (kv, z)
+
+
+def state_readout(fz: Featurizer, q, kv, z, *, normalize: bool, eps: float):
+    """Every query reads one state: O = φ(Q) kv / (φ(Q) z + ε) (O = φ(Q) kv without normalize),
+    q (B, H, N, D), kv (B, H, F, E), z (B, H, F) in the state dtype -> (B, H, N, E) in q's dtype."""
+    cdt, sdt = compute_dtype(q.dtype), state_dtype(q.dtype)
+    qr, qd = fz(q, 0, q.shape[2], True)
     u = qr.to(cdt) @ kv.to(cdt)
-    if normalize:
-        den = ((qr if qd is None else qd).to(sdt) * z[:, :, None, :]).sum(-1, keepdim=True)
-        o = (u / (den + eps)).to(q.dtype)
-    else:
-        o = u.to(q.dtype)
-    return o, (kv, z)
+    if not normalize:
+        return u.to(q.dtype)
+    den = ((qr if qd is None else qd).to(sdt) * z[:, :, None, :]).sum(-1, keepdim=True)
+    return (u / (den + eps)).to(q.dtype)
 
 
 def linear_attention_step(
@@ -170,7 +205,7 @@ def linear_attention_step(
     positions: torch.Tensor | None = None,
     rope=None,
 ):
-    """Recurrent form (DESIGN §4): returns (o, new_state); `state` is not modified.
+    """Recurrent form (design §4): returns (o, new_state); `state` is not modified.
 
         kv ← kv + φ(k_t) v_tᵀ,   z ← z + φ(k_t),   o_t = φ(q_t)ᵀ kv / (φ(q_t)ᵀ z + ε)
 
@@ -183,7 +218,8 @@ def linear_attention_step(
     if q.dim() == 4 and q.shape[2] != 1:
         o, new_state = _linear_attention(q, k, v, causal=True, feature_map=feature_map, normalize=normalize, eps=eps,
                                          scale=scale, key_padding_mask=key_padding_mask, initial_state=state,
-                                         return_state=True, positions=positions, rope=rope, chunk_size=64)
+                                         return_state=True, positions=positions, rope=rope,
+                                         chunk_size=DEFAULT_CHUNK_SIZE)
         return o, new_state
     if state is not None and positions is None and (rope is not None or getattr(feature_map, "needs_positions", False)):
         raise ValueError("positions (the global token index) are required for a step with RoPE or a position-dependent feature map")

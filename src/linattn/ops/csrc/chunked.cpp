@@ -1,4 +1,4 @@
-// Fused CPU operators for the causal chunked algorithm (DESIGN §3; linattn.ops.native): `chunked`,
+// Fused CPU operators for the causal chunked algorithm (design §3; linattn.ops.native): `chunked`,
 // the forward, one (batch, head) row per task, chunk by chunk:
 //   A = M ⊙ Q̃K̃ᵀ, O = (A V + Q̃ S) / (A 1 + Q̃ z + ε), S += K̃ᵀV, z += K̃ᵀ1,
 // with the state and the C×C scores kept in cache and the products done by the BLAS gemm that torch
@@ -465,7 +465,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   return {o, kv, z, den, S_blocks, z_blocks};
 }
 
-// The backward of the causal chunked forward (DESIGN §3, the formulas of linattn/ops/chunked.py),
+// The backward of the causal chunked forward (design §3, the formulas of linattn/ops/chunked.py),
 // one (batch, head) row per task, blocks and chunks in reverse. Per block: its features again, and
 // the states entering each chunk from the saved state entering the block; per chunk, with R, r the
 // gradients flowing into S, z from later tokens (initially ∂L/∂kv, ∂L/∂z of the final state):

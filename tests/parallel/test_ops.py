@@ -1,4 +1,4 @@
-"""Sequence parallelism (linattn.distributed): spawned gloo processes on CPU against the single-process
+"""linattn.parallel's operators: spawned gloo processes on CPU against the single-process
 ops. Each launch runs many cases in one set of processes (process start-up dominates the cost);
 every rank recomputes the single-process reference itself and compares its shard."""
 
@@ -14,7 +14,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from linattn import distributed as D
+from linattn import parallel as D
+from linattn.parallel import ops as sp_ops
 from linattn.feature_maps import make_feature_map
 from linattn.ops import linear_attention, softmax_attention
 from linattn.positional import RotaryEmbedding
@@ -33,7 +34,7 @@ def _launch(fn, world: int, *args, timeout_s: float = 60.0):
     a forkserver that has imported torch and linattn once (a fresh interpreter per rank costs seconds
     of imports on a small machine); the forkserver itself never runs torch ops, so forking is safe."""
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "linattn.distributed", __name__])
+    ctx.set_forkserver_preload(["torch", "linattn.parallel", __name__])
     with tempfile.TemporaryDirectory() as tmp:
         mp.start_processes(fn, args=(world, f"file://{tmp}/rendezvous", tmp, timeout_s, *args), nprocs=world,
                            join=True, start_method="forkserver")
@@ -190,13 +191,13 @@ def _worker_2(rank, world, init, tmp, timeout_s):
     _check_linear(rank, world, "bf16 cosformer + rope", n=n, fmap=cos, rope=RotaryEmbedding(2 * DH),
                   dtype=torch.bfloat16, positive=True)
     # the shard-level passes (local state sum, state-gradient pass) walk several token blocks
-    block_tokens = D.block_tokens
-    D.block_tokens = lambda bh, width, chunk: 8
+    block_tokens = sp_ops.block_tokens
+    sp_ops.block_tokens = lambda bh, width, chunk: 8
     try:
         _check_linear(rank, world, "elu + rope, blocks of 8 tokens", n=n, fmap=elu, rope=RotaryEmbedding(DH))
         _check_linear(rank, world, "cosformer non-causal, blocks of 8", n=n, fmap=cos, causal=False, positive=True)
     finally:
-        D.block_tokens = block_tokens
+        sp_ops.block_tokens = block_tokens
     _check_softmax(rank, world, "softmax causal", n=n, causal=True)
     _check_softmax(rank, world, "softmax non-causal", n=n, causal=False)
     _check_bytes(rank, world)
@@ -258,42 +259,3 @@ def test_four_ranks_match_single_process_and_data_parallel_groups():
 
 def test_silent_rank_gives_timeout_error_not_hang():
     _launch(_worker_timeout, 2, timeout_s=2.0)
-
-
-def test_shard_bounds_cover_sequence():
-    for n in (0, 1, 5, 37, 64):
-        for p in (1, 2, 3, 4):
-            bounds = [D.shard_bounds(n, r, p) for r in range(p)]
-            assert bounds[0][0] == 0 and bounds[-1][1] == n
-            assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
-            sizes = [e - s for s, e in bounds]
-            assert max(sizes) - min(sizes) <= 1 and sizes == sorted(sizes, reverse=True)
-    x = torch.arange(2 * 3 * 7 * 4).reshape(2, 3, 7, 4)
-    parts = [D.shard_sequence(x, r, 3) for r in range(3)]
-    assert [p.shape[2] for p in parts] == [3, 2, 2]
-    assert torch.equal(torch.cat(parts, dim=2), x)
-    assert torch.equal(D.shard_sequence(x, 1, 2, dim=-1), x[..., 2:])
-
-
-def test_bad_arguments_without_process_group():
-    q = torch.randn(1, 1, 4, 8)
-    if not dist.is_initialized():
-        with pytest.raises(ValueError, match="group"):
-            D.sequence_parallel_linear_attention(q, q, q)
-        with pytest.raises(ValueError, match="group"):
-            D.sequence_parallel_softmax_attention(q, q, q)
-    with pytest.raises(ValueError, match="rank"):
-        D.shard_sequence(q, 2, 2)
-    with pytest.raises(ValueError, match="world_size"):
-        D.shard_bounds(4, 0, 0)
-    with pytest.raises(ValueError, match="timeout_s"):
-        D.init_distributed(timeout_s=0)
-    with pytest.raises(ValueError, match="backend"):
-        D.init_distributed("mpi-ish")
-
-
-def test_state_exchange_bytes_formula():
-    # P·B·H·(F·E + F)·4 for the all-gather, independent of N by construction
-    assert D.state_exchange_bytes(1, 8, 64, 64, 2) == 2 * 8 * (64 * 64 + 64) * 4
-    assert D.state_exchange_bytes(1, 8, 64, 64, 2, dtype=torch.bfloat16) == 2 * 8 * (64 * 64 + 64) * 4
-    assert D.state_exchange_bytes(2, 4, 16, 8, 4, causal=False) == 2 * 4 * (16 * 8 + 16) * 4
