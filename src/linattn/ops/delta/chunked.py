@@ -19,9 +19,10 @@ Backward, with dO and R = ∂L/∂S after the chunk; Z = L⁻ᵀ dV' (a transpos
     dK  = (H + Hᵀ) K + (dP ⊙ Γ)ᵀ Q − diag(e^b) dX Sᵀ + diag(e^{b_c − b}) V' Rᵀ
     R  ← e^{b_c} R + (diag(e^b) Q)ᵀ dO − (diag(e^b) K)ᵀ dX        (the gradient entering the chunk)
 
-and the gate: ∂L/∂b_i collects q̂ ⊙ ∂q̂ style terms of every e^{±b} factor (the rows scaled by e^b count
-+, by e^{b_c − b} count − and add to b_c, e^{b_c} S adds e^{b_c} Σ S ⊙ R to b_c) and the Γ terms
-G = dP ⊙ P + dA ⊙ A (row sums +, column sums −); ∂L/∂g is its reverse cumulative sum in the chunk.
+and the gate: every factor e^{±b} adds "value · its gradient" to ∂L/∂b (rows scaled by e^{b_i} add
+Σ_d x_id ∂L/∂x_id to b_i; rows scaled by e^{b_c − b_i} subtract it from b_i and add it to b_c; e^{b_c} S
+adds e^{b_c} Σ S ⊙ R to b_c), and Γ adds the row sums of G = dP ⊙ P + dA ⊙ A to b_i and subtracts its
+column sums from b_j; ∂L/∂g is the reverse cumulative sum of ∂L/∂b in the chunk.
 
 The sequence is walked in blocks of whole chunks (`linattn.ops.chunked._blocks`): inside a block the
 chunk-local products and the triangular inverses are batched over its chunks; only the state update
