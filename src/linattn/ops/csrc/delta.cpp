@@ -7,14 +7,15 @@
 // cumulative sum of g in the chunk and Γ_ij = e^{b_i − b_j} (i ≥ j),
 //
 //   [K̂; Q̂] K̂ᵀ  -> A = strict_tril(diag(β) K̂K̂ᵀ ⊙ Γ), P = tril(Q̂K̂ᵀ ⊙ Γ)         (one gemm, 2c×D×c)
-//   [K̂; Q̂] S   -> X = V − diag(e^b) K̂S,  V' = (I + A)⁻¹ diag(β) X                (one gemm, one trsm)
+//   [K̂; Q̂] S   -> X = V − diag(e^b) K̂S,  V' = (I + A)⁻¹ diag(β) X             (one gemm, one solve)
 //   O = diag(e^b) Q̂S + P V',   S ← e^{b_c} S + K̂ᵀ diag(e^{b_c − b}) V'
 //
 // all in Acc (float for fp32 and bf16 inputs, double for fp64): bf16 rows are widened as they are
 // read, so the gemms, the triangular solves and the state are fp32. The training forward also saves
 // the state entering every block of kBlock tokens; `delta_chunked_backward` walks each row's blocks in
-// reverse, recomputes a block's chunks from its saved state (keeping their K̂Q̂, A, P, Γ, S, X, V' in
-// per-thread buffers), then runs the chunks' backward in reverse (formulas in chunked.py). `delta_step`
+// reverse, recomputes a block's chunks from its saved state (keeping their K̂, Q̂, A, P, Γ, K̂K̂ᵀ ⊙ Γ,
+// S, X, V' in per-thread buffers), then runs the chunks' backward in reverse (formulas in chunked.py),
+// carrying ∂L/∂S from chunk to chunk. `delta_step`
 // is one token of the recurrence for decoding. β and g come in Acc, checked here only by `delta_step`
 // (linattn checks them before the chunked ops).
 #include <ATen/Dispatch.h>
@@ -593,7 +594,6 @@ void backward_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
           const int c = static_cast<int>(std::min(chunk, N - t0));
           ChunkTerms<Acc> ch = w.terms(j, gated);
           chunk_front(in, t0, c, D, E, l2norm, w.state(j), ch, w.SK.data(), w.row.data(), false);
-          if (gated) ch.elast = exp_nonpositive(ch.b[c - 1]);
           if (j + 1 < nch) {
             std::copy(w.state(j), w.state(j) + D * E, w.state(j + 1));
             update_state(w.state(j + 1), ch, gated, c, D, E, w.tmp.data());
@@ -603,7 +603,7 @@ void backward_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
           const int64_t t0 = s + j * chunk;
           const int c = static_cast<int>(std::min(chunk, N - t0));
           ChunkTerms<Acc> ch = w.terms(j, gated);
-          if (gated) ch.elast = exp_nonpositive(ch.b[c - 1]);
+          if (gated) ch.elast = exp_nonpositive(ch.b[c - 1]);  // as chunk_gates returned it
           chunk_backward(in, out, t0, c, l2norm, static_cast<Acc>(scale), ch, w.state(j), R, w);
         }
       }
@@ -732,6 +732,7 @@ std::tuple<at::Tensor, at::Tensor> delta_step(const at::Tensor& S_in, const at::
     // one row is 2·D·E multiply-adds: only large batches are worth waking other threads for
     const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, D * E));
     at::parallel_for(0, rows, grain, [&](int64_t r0, int64_t r1) {
+      const FlushDenormals flush;  // α S with α = e^g tiny
       Aligned<Acc> qk(2 * D), u(2 * E), rn(2);
       for (int64_t r = r0; r < r1; ++r) {
         load_rows(pq + r * D, qk.data(), rn.data(), 1, D, l2norm);

@@ -7,7 +7,8 @@ Per (batch, head), with q̂_t = scale · n(q_t), k̂_t = n(k_t) (n the L2 normal
 
 DeltaNet (Schlag et al. 2021; Yang et al. 2024) has no g; Gated DeltaNet (Yang et al. 2024b) adds
 it. The state S is (B, H, D, E), float32 (float64 for float64 inputs) whatever the input dtype.
-For a bounded state keep β_t ‖k̂_t‖² ≤ 2, e.g. with qk_l2norm=True (then I − β k̂k̂ᵀ is a contraction).
+For a stable recurrence keep β_t ‖k̂_t‖² ≤ 2, e.g. with qk_l2norm=True: I − β k̂k̂ᵀ then has spectral
+norm 1 and never amplifies the state (unnormalized keys can make it grow exponentially; not checked).
 """
 
 from __future__ import annotations
