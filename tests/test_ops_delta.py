@@ -81,6 +81,12 @@ def test_deltanet_and_gated_deltanet(gated, l2norm, n):
     compare(*make_inputs(2, 2, n, 20, 36, gated=gated, l2norm=l2norm, seed=n, state=True), l2norm=l2norm, chunk=16)
 
 
+@pytest.mark.parametrize("gated", [False, True])
+def test_chunks_that_do_not_divide_the_saved_blocks(gated):
+    """Chunks of 48: the fused kernels save a state every 240 tokens (whole chunks), 500 = 2·240 + 20."""
+    compare(*make_inputs(1, 3, 500, 16, 16, gated=gated, l2norm=True, seed=14, state=True), l2norm=True, chunk=48)
+
+
 def test_strong_decay_and_extreme_beta():
     """Decays down to e^-30 per token (gate factors far below the smallest normal float inside a chunk)
     and β at both ends of (0, 1]."""
