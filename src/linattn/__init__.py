@@ -5,7 +5,7 @@
 
 from .feature_maps import FEATURE_MAPS, make_feature_map
 from .models import LinearTransformerEncoder, LinearTransformerLM, ModelConfig
-from .ops import linear_attention, linear_attention_step, softmax_attention
+from .ops import delta_rule, delta_rule_step, linear_attention, linear_attention_step, softmax_attention
 from .positional import RotaryEmbedding
 
 __version__ = "0.1.0"
@@ -16,6 +16,8 @@ __all__ = [
     "LinearTransformerLM",
     "ModelConfig",
     "RotaryEmbedding",
+    "delta_rule",
+    "delta_rule_step",
     "linear_attention",
     "linear_attention_step",
     "make_feature_map",

@@ -9,108 +9,21 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include <dlfcn.h>
-#include <sys/mman.h>
-
-#include <cstdlib>
-#include <mutex>
 #include <tuple>
-#include <utility>
 #include <vector>
 
+#include "blas.h"
 #include "common.h"
+#include "pool.h"
 
 namespace {
 
-// A symbol of the loaded torch (its BLAS), or nullptr: global lookup first, then libtorch_cpu itself.
-void* torch_symbol(const char* name) {
-  void* sym = dlsym(RTLD_DEFAULT, name);
-  if (sym == nullptr) {
-    void* lib = dlopen("libtorch_cpu.so", RTLD_LAZY | RTLD_NOLOAD);
-    if (lib != nullptr) sym = dlsym(lib, name);
-  }
-  return sym;
-}
-
-// Fortran BLAS gemm, column-major: C = alpha op(A) op(B) + beta C, with In operands and Out results
-// (sgemm_ / dgemm_: In = Out; MKL's gemm_bf16bf16f32_: bf16 in, float out).
-template <typename In, typename Out>
-using gemm_t = void (*)(const char*, const char*, const int*, const int*, const int*, const Out*, const In*,
-                        const int*, const In*, const int*, const Out*, Out*, const int*);
-
-template <typename In>
-using linattn_acc = typename std::conditional<std::is_same<In, at::BFloat16>::value, float, In>::type;
-
-// The gemm of the loaded torch for operands of type In, or nullptr (checked once).
-template <typename In>
-gemm_t<In, linattn_acc<In>> blas_gemm() {
-  static const auto fn = reinterpret_cast<gemm_t<In, linattn_acc<In>>>(
-      torch_symbol(std::is_same<In, at::BFloat16>::value ? "gemm_bf16bf16f32_"
-                   : std::is_same<In, float>::value      ? "sgemm_"
-                                                         : "dgemm_"));
-  return fn;
-}
-
-bool has_blas() { return blas_gemm<float>() != nullptr && blas_gemm<double>() != nullptr; }
-
-bool has_blas_bf16() { return blas_gemm<at::BFloat16>() != nullptr; }
-
-// Holds MKL to one thread on the calling thread while alive (MKL's thread-local setting; nothing
-// where torch's BLAS is not MKL). Called from inside a parallel region, MKL still sets up for
-// threads of its own on every call: two threads each calling 64×64 sgemms reached ~145 GFLOP/s on
-// this 2-core machine, ~205 with this guard.
-class SequentialBlas {
- public:
-  SequentialBlas() {
-    if (set_local() != nullptr) previous_ = set_local()(1);
-  }
-  ~SequentialBlas() {
-    if (set_local() != nullptr) set_local()(previous_);
-  }
-  SequentialBlas(const SequentialBlas&) = delete;
-  SequentialBlas& operator=(const SequentialBlas&) = delete;
-
- private:
-  using set_t = int (*)(int);
-  static set_t set_local() {
-    static const auto fn = reinterpret_cast<set_t>(torch_symbol("MKL_Set_Num_Threads_Local"));
-    return fn;
-  }
-  int previous_ = 0;
-};
-
-// row-major C (M×N) = op(A) op(B) + beta·C, op(X) = Xᵀ when tX: the column-major gemm on the transposes
-template <typename In, typename Out = linattn_acc<In>>
-inline void gemm_rm(bool ta, bool tb, int M, int N, int K, const In* A, int lda, const In* B, int ldb, Out beta, Out* C,
-                    int ldc) {
-  const char tA = tb ? 'T' : 'N', tB = ta ? 'T' : 'N';
-  const Out one = 1;
-  blas_gemm<In>()(&tA, &tB, &N, &M, &K, &one, B, &ldb, A, &lda, &beta, C, &ldc);
-}
+using linattn_pool::empty_result;
+using linattn_pool::release_pool;
 
 // Elementwise pieces of the chunk loop, compiled for AVX-512 / AVX2 where the CPU has them (the rest
 // of this file is built for the baseline ISA). T is the dtype of q, k, v, o; Acc that of the scores
 // and the state (float for bf16).
-
-// bf16 -> float (exact: the bf16 bits are the float's upper half)
-LINATTN_CLONES void widen_bf16(const at::BFloat16* __restrict__ src, float* __restrict__ dst, int64_t n) {
-  const uint16_t* __restrict__ in = reinterpret_cast<const uint16_t*>(src);
-  for (int64_t i = 0; i < n; ++i) {
-    const uint32_t u = uint32_t(in[i]) << 16;
-    std::memcpy(dst + i, &u, sizeof(u));
-  }
-}
-
-// float -> bf16, round to nearest even (NaN stays NaN), written so that it vectorizes
-LINATTN_CLONES void narrow_bf16(const float* __restrict__ src, at::BFloat16* __restrict__ dst, int64_t n) {
-  uint16_t* __restrict__ out = reinterpret_cast<uint16_t*>(dst);
-  for (int64_t i = 0; i < n; ++i) {
-    uint32_t u;
-    std::memcpy(&u, src + i, sizeof(u));
-    const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-    out[i] = src[i] != src[i] ? uint16_t(0x7FC0) : static_cast<uint16_t>(rounded);
-  }
-}
 
 // Causal mask and denominators of one chunk: A (c×c, row-major) loses its part above the diagonal;
 // den_i = Σ_{j≤i} A_ij + Q̃_i · z + ε
@@ -209,24 +122,6 @@ LINATTN_CLONES void chain_features(const Acc* __restrict__ grad, const Acc* __re
   }
 }
 
-// A per-thread work buffer of n elements on a 64-byte boundary (a cache line, as torch aligns tensors:
-// the gemm operands made here are then laid out like the ones taken from q, k, v)
-template <typename X>
-class Aligned {
- public:
-  explicit Aligned(int64_t n)
-      : p_(n > 0 ? static_cast<X*>(std::aligned_alloc(64, (n * sizeof(X) + 63) / 64 * 64)) : nullptr) {
-    TORCH_CHECK(n == 0 || p_ != nullptr, "linattn_cpu: out of memory for a work buffer");
-  }
-  ~Aligned() { std::free(p_); }
-  Aligned(const Aligned&) = delete;
-  Aligned& operator=(const Aligned&) = delete;
-  X* data() { return p_; }
-  X* begin() { return p_; }
-
- private:
-  X* p_;
-};
 
 // Acc operands as T (a copy only for bf16)
 template <typename T, typename Acc>
@@ -340,83 +235,6 @@ void chunked_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   });
 }
 
-// Large results (o, dq, dk, dv) come from a small pool of reusable buffers. glibc hands allocations
-// of 32 MiB and more straight back to the OS when freed, so each fresh one costs a page fault per
-// page and the kernel zeroing it (measured on the 2-core development machine: filling a fresh 32 MiB
-// tensor took 13.5 ms, 4.4 ms on 2 MiB huge pages, 1.5 ms reused; the forward at N = 16384,
-// B·H = 8, F = E = 64 takes 30-45 ms). A freed buffer goes back to the pool while it holds less than
-// the cap (LINATTN_POOL_MB, default 512; 0 turns the pool off), else to the OS; `release_pool`
-// empties it. New buffers are 2 MiB aligned, on transparent huge pages where Linux allows it. Such
-// results cannot be resized in place (their storage is not torch's).
-struct BufferPool {
-  std::mutex mu;
-  std::vector<std::pair<size_t, void*>> free;  // (bytes, buffer)
-  size_t held = 0;
-};
-
-BufferPool& pool() {
-  static BufferPool* p = new BufferPool();  // never destroyed: buffers may be freed at exit
-  return *p;
-}
-
-size_t pool_cap() {
-  const char* env = std::getenv("LINATTN_POOL_MB");
-  const long mb = env == nullptr ? 512 : std::atol(env);
-  return mb <= 0 ? 0 : static_cast<size_t>(mb) << 20;
-}
-
-constexpr size_t kPooledBytes = size_t{8} << 20;  // results below this size use the default allocator
-constexpr size_t kHuge = size_t{2} << 20;
-
-void return_buffer(void* buf, size_t bytes) {
-  BufferPool& p = pool();
-  {
-    std::lock_guard<std::mutex> lock(p.mu);
-    if (p.held + bytes <= pool_cap()) {
-      p.free.emplace_back(bytes, buf);
-      p.held += bytes;
-      return;
-    }
-  }
-  std::free(buf);
-}
-
-int64_t release_pool() {
-  BufferPool& p = pool();
-  std::lock_guard<std::mutex> lock(p.mu);
-  const auto released = static_cast<int64_t>(p.held);
-  for (auto& entry : p.free) std::free(entry.second);
-  p.free.clear();
-  p.held = 0;
-  return released;
-}
-
-at::Tensor empty_result(at::IntArrayRef sizes, const at::TensorOptions& opts) {
-  const size_t bytes = static_cast<size_t>(c10::multiply_integers(sizes)) * opts.dtype().itemsize();
-  if (bytes < kPooledBytes || pool_cap() == 0) return at::empty(sizes, opts);
-  void* buf = nullptr;
-  {
-    BufferPool& p = pool();
-    std::lock_guard<std::mutex> lock(p.mu);
-    for (size_t i = 0; i < p.free.size(); ++i) {
-      if (p.free[i].first == bytes) {
-        buf = p.free[i].second;
-        p.held -= bytes;
-        p.free[i] = p.free.back();
-        p.free.pop_back();
-        break;
-      }
-    }
-  }
-  if (buf == nullptr) {
-    buf = std::aligned_alloc(kHuge, (bytes + kHuge - 1) / kHuge * kHuge);
-    TORCH_CHECK(buf != nullptr, "linattn_cpu: out of memory allocating ", bytes, " bytes");
-#if defined(__linux__) && defined(MADV_HUGEPAGE)
-    madvise(buf, (bytes + kHuge - 1) / kHuge * kHuge, MADV_HUGEPAGE);
-#endif
-  }
-  return at::from_blob(buf, sizes, [bytes](void* data) { return_buffer(data, bytes); }, opts);
-}
 
 // Tokens per block of a row: φ is computed for a block at a time, and the training forward saves the
 // state entering each block (the backward recomputes the chunk states inside a block from it).

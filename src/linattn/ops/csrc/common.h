@@ -1,5 +1,6 @@
-// Shared by the fused CPU kernels (decode.cpp, chunked.cpp): the ISA clones of elementwise loops and
-// φ = elu + 1 with an exp of its own. Everything here has internal linkage (one copy per file).
+// Shared by the fused CPU kernels (decode.cpp, chunked.cpp, delta.cpp): the ISA clones of elementwise
+// loops, φ = elu + 1 with an exp of its own, bf16 widening and rounding, aligned work buffers.
+// Everything here has internal linkage (one copy per file).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -7,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <type_traits>
 
@@ -54,5 +56,44 @@ LINATTN_CLONES void elu_plus_one(const T* x, Acc* out, int64_t n) {
     out[i] = exp_nonpositive(std::min(v, Acc(0))) + std::max(v, Acc(0));
   }
 }
+
+// bf16 -> float (exact: the bf16 bits are the float's upper half)
+LINATTN_CLONES void widen_bf16(const at::BFloat16* __restrict__ src, float* __restrict__ dst, int64_t n) {
+  const uint16_t* __restrict__ in = reinterpret_cast<const uint16_t*>(src);
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t u = uint32_t(in[i]) << 16;
+    std::memcpy(dst + i, &u, sizeof(u));
+  }
+}
+
+// float -> bf16, round to nearest even (NaN stays NaN), written so that it vectorizes
+LINATTN_CLONES void narrow_bf16(const float* __restrict__ src, at::BFloat16* __restrict__ dst, int64_t n) {
+  uint16_t* __restrict__ out = reinterpret_cast<uint16_t*>(dst);
+  for (int64_t i = 0; i < n; ++i) {
+    uint32_t u;
+    std::memcpy(&u, src + i, sizeof(u));
+    const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+    out[i] = src[i] != src[i] ? uint16_t(0x7FC0) : static_cast<uint16_t>(rounded);
+  }
+}
+
+// A per-thread work buffer of n elements on a 64-byte boundary (a cache line, as torch aligns tensors:
+// the gemm operands made here are then laid out like the ones taken from q, k, v)
+template <typename X>
+class Aligned {
+ public:
+  explicit Aligned(int64_t n)
+      : p_(n > 0 ? static_cast<X*>(std::aligned_alloc(64, (n * sizeof(X) + 63) / 64 * 64)) : nullptr) {
+    TORCH_CHECK(n == 0 || p_ != nullptr, "linattn_cpu: out of memory for a work buffer");
+  }
+  ~Aligned() { std::free(p_); }
+  Aligned(const Aligned&) = delete;
+  Aligned& operator=(const Aligned&) = delete;
+  X* data() { return p_; }
+  X* begin() { return p_; }
+
+ private:
+  X* p_;
+};
 
 }  // namespace

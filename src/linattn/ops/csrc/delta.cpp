@@ -1,0 +1,768 @@
+// Fused CPU operators for the delta rule (DESIGN §13; linattn.ops.delta), per (batch, head) row:
+//
+//   S_t = α_t (I − β_t k̂_t k̂_tᵀ) S_{t−1} + β_t k̂_t v_tᵀ,   o_t = scale · S_tᵀ q̂_t,   α_t = e^{g_t}
+//
+// with q̂, k̂ the L2-normalized q, k (l2norm) or q, k themselves. `delta_chunked` runs a row chunk by
+// chunk in the WY/UT form of linattn/ops/delta/chunked.py: per chunk of c tokens, with b the
+// cumulative sum of g in the chunk and Γ_ij = e^{b_i − b_j} (i ≥ j),
+//
+//   [K̂; Q̂] K̂ᵀ  -> A = strict_tril(diag(β) K̂K̂ᵀ ⊙ Γ), P = tril(Q̂K̂ᵀ ⊙ Γ)         (one gemm, 2c×D×c)
+//   [K̂; Q̂] S   -> X = V − diag(e^b) K̂S,  V' = (I + A)⁻¹ diag(β) X             (one gemm, one solve)
+//   O = diag(e^b) Q̂S + P V',   S ← e^{b_c} S + K̂ᵀ diag(e^{b_c − b}) V'
+//
+// all in Acc (float for fp32 and bf16 inputs, double for fp64): bf16 rows are widened as they are
+// read, so the gemms, the triangular solves and the state are fp32. The training forward also saves
+// the state entering every block of kBlock tokens; `delta_chunked_backward` walks each row's blocks in
+// reverse, recomputes a block's chunks from its saved state (keeping their K̂, Q̂, A, P, Γ, K̂K̂ᵀ ⊙ Γ,
+// S, X, V' in per-thread buffers), then runs the chunks' backward in reverse (formulas in chunked.py),
+// carrying ∂L/∂S from chunk to chunk. `delta_step`
+// is one token of the recurrence for decoding. β and g come in Acc, checked here only by `delta_step`
+// (linattn checks them before the chunked ops).
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <tuple>
+
+#if defined(__SSE2__)
+#include <xmmintrin.h>
+#endif
+
+#include "blas.h"
+#include "common.h"
+#include "pool.h"
+
+namespace {
+
+using linattn_pool::empty_result;
+
+constexpr double kL2Eps = 1e-6;  // linattn.ops.delta.reference.L2_EPS
+constexpr int64_t kBlock = 256;  // tokens per saved state (rounded to whole chunks)
+
+int64_t block_tokens(int64_t chunk) { return std::max<int64_t>(chunk, (kBlock / chunk) * chunk); }
+
+bool delta_has_blas() {
+  return has_blas() && blas_trsm<float>() != nullptr && blas_trsm<double>() != nullptr;
+}
+
+// Flushes denormal results and operands to zero on the calling thread while alive (x86 MXCSR FTZ and
+// DAZ; restored after). With strong decay, products of two small gate factors (e^{b_i − b_j} of far
+// apart tokens) fall below the smallest normal float, and arithmetic on denormals costs ~100 cycles
+// an operation: a Gated DeltaNet backward with g = logsigmoid(N(0, 1)) took 422 ms against 292 ms
+// with g = −0.01 (B·H = 8, N = 16384, 2 threads). Their values are below 1e-38 of the O(1) terms
+// they add to.
+class FlushDenormals {
+ public:
+#if defined(__SSE2__)
+  FlushDenormals() : saved_(_mm_getcsr()) { _mm_setcsr(saved_ | 0x8040u); }
+  ~FlushDenormals() { _mm_setcsr(saved_); }
+
+ private:
+  unsigned saved_;
+#endif
+};
+
+// B ← L⁻¹ B, or L⁻ᵀ B with trans, in place on the row-major c×E matrix B; L is unit lower triangular
+// with its strictly lower part in the row-major c×c matrix A (diagonal and upper part not read). By
+// substitution on strips of W columns held in registers, two partial sums per row so that the FMA
+// chains overlap (64×64 fp32 on one core: 6.4 µs, MKL's strsm 13 µs, a 64×64×64 sgemm 5.9 µs);
+// columns beyond the last whole strip go to the BLAS trsm.
+template <typename Acc>
+LINATTN_CLONES void solve_strips(bool trans, int c, int64_t E, const Acc* __restrict__ A, Acc* __restrict__ B) {
+  constexpr int W = 128 / sizeof(Acc);  // two 512-bit registers
+  int64_t x0 = 0;
+  for (; x0 + W <= E; x0 += W) {
+    for (int ii = 0; ii < c; ++ii) {
+      const int i = trans ? c - 1 - ii : ii;
+      const int j0 = trans ? i + 1 : 0, j1 = trans ? c : i;
+      const int64_t step = trans ? c : 1;  // A_ij along a row of A, or A_ji down a column
+      const Acc* __restrict__ a = trans ? A + int64_t(j0) * c + i : A + int64_t(i) * c;
+      Acc acc[W], acc2[W];
+      for (int x = 0; x < W; ++x) {
+        acc[x] = B[i * E + x0 + x];
+        acc2[x] = Acc(0);
+      }
+      int j = j0;
+      for (; j + 1 < j1; j += 2) {
+        const Acc a1 = a[(j - j0) * step], a2 = a[(j + 1 - j0) * step];
+        const Acc* __restrict__ b1 = B + j * E + x0;
+        const Acc* __restrict__ b2 = b1 + E;
+        for (int x = 0; x < W; ++x) {
+          acc[x] -= a1 * b1[x];
+          acc2[x] -= a2 * b2[x];
+        }
+      }
+      if (j < j1) {
+        const Acc a1 = a[(j - j0) * step];
+        const Acc* __restrict__ b1 = B + j * E + x0;
+        for (int x = 0; x < W; ++x) acc[x] -= a1 * b1[x];
+      }
+      for (int x = 0; x < W; ++x) B[i * E + x0 + x] = acc[x] + acc2[x];
+    }
+  }
+  if (x0 < E) solve_unit_lower<Acc>(trans, c, static_cast<int>(E - x0), A, B + x0, static_cast<int>(E));
+}
+
+// c rows of q or k (D wide) as Acc in dst: the rows themselves, or with l2norm x / √(‖x‖² + ε), the
+// factor 1 / √(‖x‖² + ε) of row i in rnorm[i]
+template <typename T, typename Acc>
+LINATTN_CLONES void load_rows(const T* __restrict__ src, Acc* __restrict__ dst, Acc* __restrict__ rnorm, int c,
+                              int64_t D, bool l2norm) {
+  if constexpr (std::is_same<T, Acc>::value) {
+    std::memcpy(dst, src, sizeof(Acc) * c * D);
+  } else {
+    widen_bf16(src, dst, int64_t(c) * D);
+  }
+  if (!l2norm) return;
+  for (int i = 0; i < c; ++i) {
+    Acc* __restrict__ x = dst + i * D;
+    Acc ss = 0;
+#pragma omp simd reduction(+ : ss)
+    for (int64_t d = 0; d < D; ++d) ss += x[d] * x[d];
+    const Acc r = Acc(1) / std::sqrt(ss + Acc(kL2Eps));
+    rnorm[i] = r;
+    for (int64_t d = 0; d < D; ++d) x[d] *= r;
+  }
+}
+
+// b = the inclusive cumulative sum of the chunk's g, e^b and e^{b_c − b}; returns e^{b_c}
+template <typename Acc>
+LINATTN_CLONES Acc chunk_gates(const Acc* __restrict__ g, int c, Acc* __restrict__ b, Acc* __restrict__ eb,
+                               Acc* __restrict__ el) {
+  Acc run = 0;
+  for (int i = 0; i < c; ++i) b[i] = run += g[i];
+  const Acc last = b[c - 1];
+#pragma omp simd
+  for (int i = 0; i < c; ++i) {
+    eb[i] = exp_nonpositive(b[i]);
+    el[i] = exp_nonpositive(last - b[i]);
+  }
+  return exp_nonpositive(last);
+}
+
+// From [K̂K̂ᵀ; Q̂K̂ᵀ] (2c×c, row-major) in place: the top becomes A_ij = β_i (K̂K̂ᵀ ⊙ Γ)_ij strictly below
+// the diagonal (the diagonal and the upper part are left as they are: the solves do not read them),
+// the bottom P_ij = (Q̂K̂ᵀ ⊙ Γ)_ij on and below the diagonal and 0 above. With b (gated) Γ_ij =
+// e^{b_i − b_j}, kept in gam when given (else in the c-long row); without, Γ = 1. kkg (when given)
+// gets (K̂K̂ᵀ ⊙ Γ)_ij below the diagonal, for the backward's dβ.
+template <typename Acc>
+LINATTN_CLONES void build_scores(Acc* __restrict__ M, int c, const Acc* __restrict__ beta, const Acc* __restrict__ b,
+                                 Acc* __restrict__ gam, Acc* __restrict__ kkg, Acc* __restrict__ row) {
+  for (int i = 0; i < c; ++i) {
+    Acc* __restrict__ Ai = M + int64_t(i) * c;
+    Acc* __restrict__ Pi = M + int64_t(c + i) * c;
+    Acc* __restrict__ Ki = kkg != nullptr ? kkg + int64_t(i) * c : nullptr;
+    const Acc bi = beta[i];
+    if (b != nullptr) {
+      Acc* __restrict__ G = gam != nullptr ? gam + int64_t(i) * c : row;
+      const Acc top = b[i];
+#pragma omp simd
+      for (int j = 0; j <= i; ++j) G[j] = exp_nonpositive(top - b[j]);
+      if (kkg != nullptr) {
+#pragma omp simd
+        for (int j = 0; j < i; ++j) Ki[j] = Ai[j] * G[j];
+      }
+#pragma omp simd
+      for (int j = 0; j < i; ++j) Ai[j] *= bi * G[j];
+#pragma omp simd
+      for (int j = 0; j <= i; ++j) Pi[j] *= G[j];
+    } else {
+      if (kkg != nullptr) std::copy(Ai, Ai + i, Ki);
+#pragma omp simd
+      for (int j = 0; j < i; ++j) Ai[j] *= bi;
+    }
+    for (int j = i + 1; j < c; ++j) Pi[j] = Acc(0);
+  }
+}
+
+// V'_i = β_i X_i with X_i = V_i − e^{b_i} (K̂S)_i (eb = nullptr: 1), X kept when X != nullptr
+template <typename T, typename Acc>
+LINATTN_CLONES void corrected_values(const T* __restrict__ V, const Acc* __restrict__ KS, const Acc* __restrict__ eb,
+                                     const Acc* __restrict__ beta, Acc* __restrict__ X, Acc* __restrict__ Vp, int c,
+                                     int64_t E) {
+  for (int i = 0; i < c; ++i) {
+    const Acc e = eb != nullptr ? eb[i] : Acc(1), bi = beta[i];
+#pragma omp simd
+    for (int64_t x = 0; x < E; ++x) {
+      const Acc xi = static_cast<Acc>(V[i * E + x]) - e * KS[i * E + x];
+      if (X != nullptr) X[i * E + x] = xi;
+      Vp[i * E + x] = bi * xi;
+    }
+  }
+}
+
+// Y_i = a_i X_i for the c rows of X (n wide); in place when Y == X
+template <typename Acc>
+LINATTN_CLONES void scale_rows(const Acc* X, const Acc* __restrict__ a, Acc* Y, int c, int64_t n) {
+  for (int i = 0; i < c; ++i) {
+    const Acc ai = a[i];
+#pragma omp simd
+    for (int64_t x = 0; x < n; ++x) Y[i * n + x] = ai * X[i * n + x];
+  }
+}
+
+// out (T) = s · X for n values
+template <typename T, typename Acc>
+LINATTN_CLONES void store_scaled(Acc* __restrict__ X, Acc s, T* __restrict__ out, int64_t n) {
+  if constexpr (std::is_same<T, Acc>::value) {
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) out[i] = s * X[i];
+  } else {
+    if (s != Acc(1)) {
+#pragma omp simd
+      for (int64_t i = 0; i < n; ++i) X[i] *= s;
+    }
+    narrow_bf16(X, out, n);
+  }
+}
+
+template <typename Acc>
+LINATTN_CLONES void scale_all(Acc* __restrict__ X, Acc s, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) X[i] *= s;
+}
+
+// One row's inputs: q, k (N×D), v (N×E), β, g (N; g nullptr without a gate)
+template <typename T, typename Acc>
+struct Row {
+  const T *q, *k, *v;
+  const Acc *beta, *g;
+};
+
+// A chunk's forward quantities, in per-thread buffers.
+template <typename Acc>
+struct ChunkTerms {
+  Acc* KQ;   // [K̂; Q̂] (2c×D)
+  Acc* rn;   // their inverse norms (2c; l2norm only)
+  Acc* b;    // gates (3c: b, e^b, e^{b_c − b}; gated only)
+  Acc* AP;   // [A; P] (2c×c, see build_scores)
+  Acc* gam;  // Γ (c×c; gated backward only)
+  Acc* kkg;  // K̂K̂ᵀ ⊙ Γ below the diagonal (c×c; backward only)
+  Acc* X;    // V − diag(e^b) K̂S (c×E; backward only)
+  Acc* Vp;   // V' (c×E)
+  Acc elast; // e^{b_c}
+};
+
+// The first half of a chunk's forward from the state S entering it: K̂, Q̂, gates, A, P, then
+// SK = [K̂; Q̂] S (the Q̂S rows only with with_q) and V'. Tokens [t0, t0 + c) of the row.
+template <typename T, typename Acc>
+void chunk_front(const Row<T, Acc>& in, int64_t t0, int c, int64_t D, int64_t E, bool l2norm, const Acc* S,
+                 ChunkTerms<Acc>& ch, Acc* SK, Acc* row, bool with_q) {
+  const int d = static_cast<int>(D), e = static_cast<int>(E);
+  load_rows(in.k + t0 * D, ch.KQ, ch.rn, c, D, l2norm);
+  load_rows(in.q + t0 * D, ch.KQ + c * D, ch.rn + c, c, D, l2norm);
+  const Acc* beta = in.beta + t0;
+  const Acc* eb = nullptr;
+  ch.elast = Acc(1);
+  if (in.g != nullptr) {
+    ch.elast = chunk_gates(in.g + t0, c, ch.b, ch.b + c, ch.b + 2 * c);
+    eb = ch.b + c;
+  }
+  gemm_rm<Acc>(false, true, 2 * c, c, d, ch.KQ, d, ch.KQ, d, Acc(0), ch.AP, c);
+  build_scores(ch.AP, c, beta, in.g != nullptr ? ch.b : nullptr, ch.gam, ch.kkg, row);
+  gemm_rm<Acc>(false, false, with_q ? 2 * c : c, e, d, ch.KQ, d, S, e, Acc(0), SK, e);
+  corrected_values(in.v + t0 * E, SK, eb, beta, ch.X, ch.Vp, c, E);
+  solve_strips<Acc>(false, c, E, ch.AP, ch.Vp);
+}
+
+// S ← e^{b_c} S + K̂ᵀ diag(e^{b_c − b}) V' (tmp: c×E, used when gated)
+template <typename Acc>
+void update_state(Acc* S, const ChunkTerms<Acc>& ch, bool gated, int c, int64_t D, int64_t E, Acc* tmp) {
+  const int d = static_cast<int>(D), e = static_cast<int>(E);
+  const Acc* Vp = ch.Vp;
+  if (gated) {
+    scale_all(S, ch.elast, D * E);
+    scale_rows(ch.Vp, ch.b + 2 * c, tmp, c, E);
+    Vp = tmp;
+  }
+  gemm_rm<Acc>(true, false, d, e, c, ch.KQ, d, Vp, e, Acc(1), S, e);
+}
+
+// Work buffers of one thread for the forward: one chunk's terms
+template <typename Acc>
+struct FrontBuffers {
+  Aligned<Acc> KQ, rn, b, AP, Vp, SK, row;
+  FrontBuffers(int64_t chunk, int64_t D, int64_t E)
+      : KQ(2 * chunk * D), rn(2 * chunk), b(3 * chunk), AP(2 * chunk * chunk), Vp(chunk * E), SK(2 * chunk * E),
+        row(chunk) {}
+  ChunkTerms<Acc> terms() {
+    return {KQ.data(), rn.data(), b.data(), AP.data(), nullptr, nullptr, nullptr, Vp.data(), Acc(1)};
+  }
+};
+
+template <typename T>
+void forward_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& beta,
+                  const at::Tensor* g, at::Tensor& o, at::Tensor& S_all, at::Tensor* S_blocks, double scale, bool l2norm,
+                  int64_t chunk) {
+  using Acc = linattn_acc<T>;
+  const int64_t N = q.size(2), D = q.size(3), E = v.size(3), rows = q.size(0) * q.size(1);
+  const int64_t block = block_tokens(chunk), blocks = (N + block - 1) / block;
+  const T *pq = q.data_ptr<T>(), *pk = k.data_ptr<T>(), *pv = v.data_ptr<T>();
+  const Acc* pb = beta.data_ptr<Acc>();
+  const Acc* pg = g != nullptr ? g->data_ptr<Acc>() : nullptr;
+  T* po = o.data_ptr<T>();
+  Acc* pS = S_all.data_ptr<Acc>();
+  Acc* pSb = S_blocks != nullptr ? S_blocks->data_ptr<Acc>() : nullptr;
+  const bool gated = pg != nullptr;
+  const Acc s = static_cast<Acc>(scale);
+  at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
+    const SequentialBlas one_thread;
+    const FlushDenormals flush;
+    FrontBuffers<Acc> buf(chunk, D, E);
+    Aligned<Acc> tmp(gated ? chunk * E : 0);
+    for (int64_t r = r0; r < r1; ++r) {
+      const Row<T, Acc> in{pq + r * N * D, pk + r * N * D, pv + r * N * E, pb + r * N, gated ? pg + r * N : nullptr};
+      Acc* S = pS + r * D * E;
+      for (int64_t t0 = 0; t0 < N; t0 += chunk) {
+        if (pSb != nullptr && t0 % block == 0) std::copy(S, S + D * E, pSb + (r * blocks + t0 / block) * D * E);
+        const int c = static_cast<int>(std::min(chunk, N - t0));
+        ChunkTerms<Acc> ch = buf.terms();
+        chunk_front(in, t0, c, D, E, l2norm, S, ch, buf.SK.data(), buf.row.data(), true);
+        // O = diag(e^b) Q̂S + P V'
+        Acc* O = buf.SK.data() + c * E;
+        if (gated) scale_rows(O, ch.b + c, O, c, E);
+        gemm_rm<Acc>(false, false, c, static_cast<int>(E), c, ch.AP + c * c, c, ch.Vp, static_cast<int>(E), Acc(1), O,
+                     static_cast<int>(E));
+        store_scaled<T, Acc>(O, s, po + (r * N + t0) * E, int64_t(c) * E);
+        update_state(S, ch, gated, c, D, E, tmp.data());
+      }
+    }
+  });
+}
+
+// q, k (B, H, N, D), v (B, H, N, E) of one dtype; β, g (B, H, N) and `states` states (B, H, D, E) in Acc
+// (state_error: what to say when their number does not match).
+void check_inputs(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& beta,
+                  const c10::optional<at::Tensor>& g, const at::Tensor& S, int64_t states, int64_t chunk,
+                  const char* state_error) {
+  TORCH_CHECK(q.dim() == 4 && k.sizes() == q.sizes() && v.dim() == 4 && v.sizes().slice(0, 3) == q.sizes().slice(0, 3),
+              op, " expects q, k (B, H, N, D) and v (B, H, N, E)");
+  TORCH_CHECK(chunk > 0, op, ": chunk must be positive");
+  TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(), op, ": q, k, v must share a dtype");
+  const auto acc = q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  TORCH_CHECK(beta.scalar_type() == acc && S.scalar_type() == acc && (!g.has_value() || g->scalar_type() == acc), op,
+              ": beta, g and the state must be float64 for float64 inputs, else float32");
+  TORCH_CHECK(beta.numel() == q.size(0) * q.size(1) * q.size(2) && (!g.has_value() || g->numel() == beta.numel()), op,
+              ": beta and g must be (B, H, N)");
+  TORCH_CHECK(S.numel() == states * q.size(0) * q.size(1) * q.size(3) * v.size(3), op, ": ", state_error);
+  TORCH_CHECK(delta_has_blas(), op, ": no BLAS gemm/trsm found in torch");
+}
+
+// ∂L/∂x of n = x / √(‖x‖² + ε) for c rows (l2norm), or ∂L/∂x = ∂L/∂n: r (dn − n (n · dn)), as T
+template <typename T, typename Acc>
+LINATTN_CLONES void chain_rows(const Acc* __restrict__ dn, const Acc* __restrict__ n, const Acc* __restrict__ rnorm,
+                               bool l2norm, T* __restrict__ out, int c, int64_t D) {
+  for (int i = 0; i < c; ++i) {
+    const Acc* __restrict__ g = dn + i * D;
+    const Acc* __restrict__ x = n + i * D;
+    T* __restrict__ y = out + i * D;
+    if (!l2norm) {
+      for (int64_t d = 0; d < D; ++d) y[d] = static_cast<T>(g[d]);
+      continue;
+    }
+    Acc dot = 0;
+#pragma omp simd reduction(+ : dot)
+    for (int64_t d = 0; d < D; ++d) dot += x[d] * g[d];
+    const Acc r = rnorm[i];
+    for (int64_t d = 0; d < D; ++d) y[d] = static_cast<T>(r * (g[d] - x[d] * dot));
+  }
+}
+
+// Σ_d a_i X_id Y_id per row i (n wide) added to out[i] with sign s
+template <typename Acc>
+LINATTN_CLONES void add_row_dots(const Acc* __restrict__ X, const Acc* __restrict__ Y, const Acc* __restrict__ a, Acc s,
+                                 Acc* __restrict__ out, int c, int64_t n) {
+  for (int i = 0; i < c; ++i) {
+    Acc dot = 0;
+#pragma omp simd reduction(+ : dot)
+    for (int64_t x = 0; x < n; ++x) dot += X[i * n + x] * Y[i * n + x];
+    out[i] += s * (a != nullptr ? a[i] : Acc(1)) * dot;
+  }
+}
+
+// Y_i += s a_i X_i for the c rows (n wide)
+template <typename Acc>
+LINATTN_CLONES void add_scaled_rows(const Acc* __restrict__ X, const Acc* __restrict__ a, Acc s, Acc* __restrict__ Y,
+                                    int c, int64_t n) {
+  for (int i = 0; i < c; ++i) {
+    const Acc ai = s * a[i];
+#pragma omp simd
+    for (int64_t x = 0; x < n; ++x) Y[i * n + x] += ai * X[i * n + x];
+  }
+}
+
+// The score gradients of a chunk, from DPA = [dO' V'ᵀ; Z V'ᵀ] (2c×c) in place, with P, K̂K̂ᵀ ⊙ Γ and Γ
+// of the forward (gam = nullptr: no gate):
+//   top:    dP ⊙ Γ on and below the diagonal, 0 above            (dP = tril(dO' V'ᵀ))
+//   bottom: H = diag(β) dA ⊙ Γ strictly below the diagonal, 0 elsewhere   (dA = −strict_tril(Z V'ᵀ))
+// dβ_i += Σ_j dA_ij (K̂K̂ᵀ ⊙ Γ)_ij; with a gate, the Γ terms of ∂L/∂b: G = dP ⊙ P + dA ⊙ A (A_ij =
+// β_i (K̂K̂ᵀ ⊙ Γ)_ij), db_i += row sum − column sum (col: c work values). Then Nm (c×2c) =
+// [H + Hᵀ, (dP ⊙ Γ)ᵀ], the left factor of dK̂ = Nm [K̂; Q̂].
+template <typename Acc>
+LINATTN_CLONES void score_grads(Acc* __restrict__ DPA, const Acc* __restrict__ P, const Acc* __restrict__ kkg,
+                                const Acc* __restrict__ gam, const Acc* __restrict__ beta, Acc* __restrict__ dbeta,
+                                Acc* __restrict__ db, Acc* __restrict__ col, Acc* __restrict__ Nm, int c) {
+  Acc* __restrict__ dP = DPA;
+  Acc* __restrict__ H = DPA + int64_t(c) * c;
+  if (gam != nullptr) std::fill(col, col + c, Acc(0));
+  for (int i = 0; i < c; ++i) {
+    Acc* __restrict__ dPi = dP + int64_t(i) * c;
+    Acc* __restrict__ Hi = H + int64_t(i) * c;
+    const Acc* __restrict__ Ki = kkg + int64_t(i) * c;
+    const Acc bi = beta[i];
+    Acc sb = 0;
+    if (gam != nullptr) {
+      const Acc* __restrict__ Pi = P + int64_t(i) * c;
+      const Acc* __restrict__ Gi = gam + int64_t(i) * c;
+      Acc rows = 0;
+#pragma omp simd reduction(+ : sb, rows)
+      for (int j = 0; j < i; ++j) {
+        const Acc da = -Hi[j], t = da * Ki[j];
+        sb += t;
+        rows += bi * t;
+        col[j] += bi * t;
+        Hi[j] = da * bi * Gi[j];
+      }
+#pragma omp simd reduction(+ : rows)
+      for (int j = 0; j <= i; ++j) {
+        const Acc dp = dPi[j], t = dp * Pi[j];
+        rows += t;
+        col[j] += t;
+        dPi[j] = dp * Gi[j];
+      }
+      db[i] += rows;
+    } else {
+#pragma omp simd reduction(+ : sb)
+      for (int j = 0; j < i; ++j) {
+        const Acc da = -Hi[j];
+        sb += da * Ki[j];
+        Hi[j] = da * bi;
+      }
+    }
+    dbeta[i] += sb;
+    for (int j = i; j < c; ++j) Hi[j] = Acc(0);
+    for (int j = i + 1; j < c; ++j) dPi[j] = Acc(0);
+  }
+  if (gam != nullptr) {
+    for (int j = 0; j < c; ++j) db[j] -= col[j];
+  }
+  for (int i = 0; i < c; ++i) {
+    Acc* __restrict__ Ni = Nm + int64_t(i) * 2 * c;
+    for (int j = 0; j < c; ++j) {
+      Ni[j] = H[int64_t(i) * c + j] + H[int64_t(j) * c + i];
+      Ni[c + j] = dP[int64_t(j) * c + i];
+    }
+  }
+}
+
+// Work buffers of one thread for the backward: the terms and entering states of a block's chunks,
+// and one chunk's gradient work.
+template <typename Acc>
+struct BackBuffers {
+  int64_t chunk, D, E;
+  Aligned<Acc> KQ, rn, b, AP, gam, kkg, X, Vp, S;  // per chunk of the block
+  Aligned<Acc> SK, row, tmp, GZ, DPA, Nm, dK, dQ, KR, work, dX, db;
+  BackBuffers(int64_t chunk_, int64_t D_, int64_t E_, int64_t per, bool gated)
+      : chunk(chunk_), D(D_), E(E_), KQ(per * 2 * chunk * D), rn(per * 2 * chunk), b(per * 3 * chunk),
+        AP(per * 2 * chunk * chunk), gam(gated ? per * chunk * chunk : 0), kkg(per * chunk * chunk), X(per * chunk * E),
+        Vp(per * chunk * E),
+        S(per * D * E), SK(chunk * E), row(chunk), tmp(chunk * E), GZ(2 * chunk * E), DPA(2 * chunk * chunk),
+        Nm(2 * chunk * chunk), dK(chunk * D), dQ(chunk * D), KR(chunk * E), work(chunk * D), dX(chunk * E),
+        db(chunk) {}
+  ChunkTerms<Acc> terms(int64_t j, bool gated) {
+    return {KQ.data() + j * 2 * chunk * D, rn.data() + j * 2 * chunk, b.data() + j * 3 * chunk,
+            AP.data() + j * 2 * chunk * chunk, gated ? gam.data() + j * chunk * chunk : nullptr,
+            kkg.data() + j * chunk * chunk, X.data() + j * chunk * E, Vp.data() + j * chunk * E, Acc(1)};
+  }
+  Acc* state(int64_t j) { return S.data() + j * D * E; }
+};
+
+// Outputs of the backward for one row
+template <typename T, typename Acc>
+struct RowGrads {
+  const T* dO;
+  T *dq, *dk, *dv;
+  Acc *dbeta, *dg;  // dg nullptr without a gate
+};
+
+// The backward of one chunk (tokens [t0, t0 + c)): its terms ch and entering state S from the
+// forward, R = ∂L/∂S after it (updated to ∂L/∂S before it). Formulas in linattn/ops/delta/chunked.py;
+// the output gradient is taken as dO' = scale · dO, the gradient of the unscaled O = S'ᵀ q̂.
+template <typename T, typename Acc>
+void chunk_backward(const Row<T, Acc>& in, const RowGrads<T, Acc>& out, int64_t t0, int c, bool l2norm, Acc scale,
+                    const ChunkTerms<Acc>& ch, const Acc* S, Acc* R, BackBuffers<Acc>& w) {
+  const int64_t D = w.D, E = w.E;
+  const int d = static_cast<int>(D), e = static_cast<int>(E), c2 = 2 * c;
+  const bool gated = in.g != nullptr;
+  const Acc* beta = in.beta + t0;
+  const Acc *eb = gated ? ch.b + c : nullptr, *el = gated ? ch.b + 2 * c : nullptr;
+  const Acc *Kh = ch.KQ, *Qh = ch.KQ + c * D, *A = ch.AP, *P = ch.AP + c * c;
+  Acc *G = w.GZ.data(), *Z = w.GZ.data() + c * E, *db = w.db.data();
+  Acc* dbeta = out.dbeta + t0;
+  load_rows<T, Acc>(out.dO + t0 * E, G, nullptr, c, E, false);
+  if (scale != Acc(1)) scale_all(G, scale, int64_t(c) * E);
+  // dV' = Pᵀ dO' + diag(e^{b_c − b}) K̂ R, solved in place into Z = (I + A)⁻ᵀ dV'
+  if (gated) {
+    gemm_rm<Acc>(false, false, c, e, d, Kh, d, R, e, Acc(0), w.KR.data(), e);
+    scale_rows(w.KR.data(), el, Z, c, E);
+  } else {
+    gemm_rm<Acc>(false, false, c, e, d, Kh, d, R, e, Acc(0), Z, e);
+  }
+  gemm_rm<Acc>(true, false, c, e, c, P, c, G, e, Acc(1), Z, e);
+  solve_strips<Acc>(true, c, E, A, Z);
+  // dV = dX = diag(β) Z, dβ = rowsum(Z ⊙ X) + the A term (score_grads)
+  scale_rows(Z, beta, w.dX.data(), c, E);
+  store_scaled<T, Acc>(w.dX.data(), Acc(1), out.dv + t0 * E, int64_t(c) * E);
+  for (int i = 0; i < c; ++i) dbeta[i] = Acc(0);
+  add_row_dots<Acc>(Z, ch.X, nullptr, Acc(1), dbeta, c, E);
+  std::fill(db, db + c, Acc(0));
+  gemm_rm<Acc>(false, true, c2, c, e, G, e, ch.Vp, e, Acc(0), w.DPA.data(), c);
+  score_grads(w.DPA.data(), P, ch.kkg, ch.gam, beta, dbeta, db, w.row.data(), w.Nm.data(), c);
+  // dK̂ = [H + Hᵀ, (dP ⊙ Γ)ᵀ] [K̂; Q̂] − diag(e^b) dX Sᵀ + diag(e^{b_c − b}) V' Rᵀ,  dQ̂ = (dP ⊙ Γ) K̂ + diag(e^b) dO' Sᵀ
+  Acc *dK = w.dK.data(), *dQ = w.dQ.data(), *tmp = w.work.data();
+  gemm_rm<Acc>(false, false, c, d, c2, w.Nm.data(), c2, ch.KQ, d, Acc(0), dK, d);
+  gemm_rm<Acc>(false, false, c, d, c, w.DPA.data(), c, Kh, d, Acc(0), dQ, d);
+  if (!gated) {
+    gemm_rm<Acc>(false, true, c, d, e, G, e, S, e, Acc(1), dQ, d);
+    gemm_rm<Acc>(false, true, c, d, e, w.dX.data(), e, S, e, Acc(1), dK, d, Acc(-1));
+    gemm_rm<Acc>(false, true, c, d, e, ch.Vp, e, R, e, Acc(1), dK, d);
+  } else {
+    gemm_rm<Acc>(false, true, c, d, e, G, e, S, e, Acc(0), tmp, d);
+    add_scaled_rows(tmp, eb, Acc(1), dQ, c, D);
+    add_row_dots(tmp, Qh, eb, Acc(1), db, c, D);
+    gemm_rm<Acc>(false, true, c, d, e, w.dX.data(), e, S, e, Acc(0), tmp, d);
+    add_scaled_rows(tmp, eb, Acc(-1), dK, c, D);
+    add_row_dots(tmp, Kh, eb, Acc(-1), db, c, D);
+    gemm_rm<Acc>(false, true, c, d, e, ch.Vp, e, R, e, Acc(0), tmp, d);
+    add_scaled_rows(tmp, el, Acc(1), dK, c, D);
+    std::fill(w.row.data(), w.row.data() + c, Acc(0));
+    add_row_dots(tmp, Kh, el, Acc(1), w.row.data(), c, D);  // e^{b_c − b_i} K̂_i · (V' Rᵀ)_i
+    Acc from_l = 0, sr = 0;
+    for (int i = 0; i < c; ++i) {
+      db[i] -= w.row.data()[i];
+      from_l += w.row.data()[i];
+    }
+#pragma omp simd reduction(+ : sr)
+    for (int64_t x = 0; x < D * E; ++x) sr += S[x] * R[x];
+    db[c - 1] += from_l + ch.elast * sr;
+    Acc run = 0;  // ∂L/∂g_s = Σ_{t ≥ s} ∂L/∂b_t in the chunk
+    for (int i = c - 1; i >= 0; --i) out.dg[t0 + i] = run += db[i];
+  }
+  // R ← e^{b_c} R + [K̂; Q̂]ᵀ [−diag(e^b) dX; diag(e^b) dO']
+  if (gated) {
+    scale_rows(G, eb, Z, c, E);
+    scale_rows(w.dX.data(), eb, G, c, E);
+    scale_all(R, ch.elast, D * E);
+  } else {
+    std::copy(G, G + c * E, Z);
+    std::copy(w.dX.data(), w.dX.data() + c * E, G);
+  }
+  scale_all(G, Acc(-1), int64_t(c) * E);
+  gemm_rm<Acc>(true, false, d, e, c2, ch.KQ, d, w.GZ.data(), e, Acc(1), R, e);
+  chain_rows(dQ, Qh, ch.rn + c, l2norm, out.dq + t0 * D, c, D);
+  chain_rows(dK, Kh, ch.rn, l2norm, out.dk + t0 * D, c, D);
+}
+
+template <typename T>
+void backward_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& beta,
+                   const at::Tensor* g, const at::Tensor& S_blocks, const at::Tensor& dO, at::Tensor& dq, at::Tensor& dk,
+                   at::Tensor& dv, at::Tensor& dbeta, at::Tensor* dg, at::Tensor& R_all, double scale, bool l2norm,
+                   int64_t chunk) {
+  using Acc = linattn_acc<T>;
+  const int64_t N = q.size(2), D = q.size(3), E = v.size(3), rows = q.size(0) * q.size(1);
+  const int64_t block = block_tokens(chunk), blocks = (N + block - 1) / block, per = block / chunk;
+  const T *pq = q.data_ptr<T>(), *pk = k.data_ptr<T>(), *pv = v.data_ptr<T>(), *pdo = dO.data_ptr<T>();
+  const Acc *pb = beta.data_ptr<Acc>(), *pg = g != nullptr ? g->data_ptr<Acc>() : nullptr;
+  const Acc* pSb = S_blocks.data_ptr<Acc>();
+  T *pdq = dq.data_ptr<T>(), *pdk = dk.data_ptr<T>(), *pdv = dv.data_ptr<T>();
+  Acc *pdb = dbeta.data_ptr<Acc>(), *pdg = dg != nullptr ? dg->data_ptr<Acc>() : nullptr, *pR = R_all.data_ptr<Acc>();
+  const bool gated = pg != nullptr;
+  at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
+    const SequentialBlas one_thread;
+    const FlushDenormals flush;
+    BackBuffers<Acc> w(chunk, D, E, per, gated);
+    for (int64_t r = r0; r < r1; ++r) {
+      const Row<T, Acc> in{pq + r * N * D, pk + r * N * D, pv + r * N * E, pb + r * N, gated ? pg + r * N : nullptr};
+      const RowGrads<T, Acc> out{pdo + r * N * E, pdq + r * N * D, pdk + r * N * D, pdv + r * N * E, pdb + r * N,
+                                 gated ? pdg + r * N : nullptr};
+      Acc* R = pR + r * D * E;
+      for (int64_t blk = blocks - 1; blk >= 0; --blk) {
+        const int64_t s = blk * block, nch = (std::min(N, s + block) - s + chunk - 1) / chunk;
+        std::copy(pSb + (r * blocks + blk) * D * E, pSb + (r * blocks + blk + 1) * D * E, w.state(0));
+        for (int64_t j = 0; j < nch; ++j) {  // the block's chunks again, keeping their terms
+          const int64_t t0 = s + j * chunk;
+          const int c = static_cast<int>(std::min(chunk, N - t0));
+          ChunkTerms<Acc> ch = w.terms(j, gated);
+          chunk_front(in, t0, c, D, E, l2norm, w.state(j), ch, w.SK.data(), w.row.data(), false);
+          if (j + 1 < nch) {
+            std::copy(w.state(j), w.state(j) + D * E, w.state(j + 1));
+            update_state(w.state(j + 1), ch, gated, c, D, E, w.tmp.data());
+          }
+        }
+        for (int64_t j = nch - 1; j >= 0; --j) {
+          const int64_t t0 = s + j * chunk;
+          const int c = static_cast<int>(std::min(chunk, N - t0));
+          ChunkTerms<Acc> ch = w.terms(j, gated);
+          if (gated) ch.elast = exp_nonpositive(ch.b[c - 1]);  // as chunk_gates returned it
+          chunk_backward(in, out, t0, c, l2norm, static_cast<Acc>(scale), ch, w.state(j), R, w);
+        }
+      }
+    }
+  });
+}
+
+// Returns (dq, dk, dv, dbeta, dg, dS0); dg is empty without g. dS: ∂L/∂S of the final state or None.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> delta_chunked_backward(
+    const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in, const at::Tensor& beta_in,
+    const c10::optional<at::Tensor>& g_in, const at::Tensor& S_blocks_in, const at::Tensor& do_in,
+    const c10::optional<at::Tensor>& dS, double scale, bool l2norm, int64_t chunk) {
+  const int64_t blocks = q_in.dim() == 4 && chunk > 0 ? (q_in.size(2) + block_tokens(chunk) - 1) / block_tokens(chunk) : 1;
+  check_inputs("linattn_cpu::delta_chunked_backward", q_in, k_in, v_in, beta_in, g_in, S_blocks_in, blocks, chunk,
+               "the saved block states do not match q, k, v");
+  const at::Tensor q = q_in.contiguous(), k = k_in.contiguous(), v = v_in.contiguous(), beta = beta_in.contiguous();
+  const at::Tensor g = g_in.has_value() ? g_in->contiguous() : at::Tensor();
+  const at::Tensor dO = do_in.to(v.scalar_type()).contiguous(), S_blocks = S_blocks_in.contiguous();
+  TORCH_CHECK(dO.sizes() == v.sizes(), "linattn_cpu::delta_chunked_backward: do must be shaped like v");
+  const int64_t N = q.size(2), D = q.size(3), E = v.size(3), rows = q.size(0) * q.size(1);
+  const auto acc = S_blocks.options();
+  at::Tensor R = dS.has_value() ? dS->to(acc).contiguous().clone() : at::zeros({rows, D, E}, acc);
+  TORCH_CHECK(R.numel() == rows * D * E, "linattn_cpu::delta_chunked_backward: dS must be shaped like the state");
+  at::Tensor dq = empty_result(q.sizes(), q.options()), dk = empty_result(k.sizes(), k.options()),
+             dv = empty_result(v.sizes(), v.options());
+  at::Tensor dbeta = at::empty(beta.sizes(), acc), dg = at::empty(g.defined() ? g.sizes() : at::IntArrayRef{0}, acc);
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "linattn_cpu_delta_chunked_backward", [&] {
+    backward_rows<scalar_t>(q, k, v, beta, g.defined() ? &g : nullptr, S_blocks, dO, dq, dk, dv, dbeta,
+                            g.defined() ? &dg : nullptr, R, scale, l2norm, chunk);
+  });
+  return {dq, dk, dv, dbeta, dg, R.view({q.size(0), q.size(1), D, E})};
+}
+
+// Returns (o, S, S_blocks); S_blocks (rows, blocks, D, E) is empty unless save (training).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> delta_chunked(const at::Tensor& q_in, const at::Tensor& k_in,
+                                                             const at::Tensor& v_in, const at::Tensor& beta_in,
+                                                             const c10::optional<at::Tensor>& g_in,
+                                                             const at::Tensor& S0, double scale, bool l2norm,
+                                                             int64_t chunk, bool save) {
+  check_inputs("linattn_cpu::delta_chunked", q_in, k_in, v_in, beta_in, g_in, S0, 1, chunk,
+               "the state must be (B, H, D, E)");
+  const at::Tensor q = q_in.contiguous(), k = k_in.contiguous(), v = v_in.contiguous(), beta = beta_in.contiguous();
+  const at::Tensor g = g_in.has_value() ? g_in->contiguous() : at::Tensor();
+  const int64_t N = q.size(2), D = q.size(3), E = v.size(3), rows = q.size(0) * q.size(1);
+  const int64_t blocks = (N + block_tokens(chunk) - 1) / block_tokens(chunk);
+  at::Tensor S = S0.contiguous().clone().view({q.size(0), q.size(1), D, E});
+  at::Tensor o = empty_result(v.sizes(), v.options());
+  at::Tensor S_blocks = at::empty({save ? rows : 0, blocks, D, E}, S.options());
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "linattn_cpu_delta_chunked", [&] {
+    forward_rows<scalar_t>(q, k, v, beta, g.defined() ? &g : nullptr, o, S, save ? &S_blocks : nullptr, scale, l2norm,
+                           chunk);
+  });
+  return {o, S, S_blocks};
+}
+
+// β in (0, 1] and g ≤ 0, finite, for the n values of each (either may be undefined): raises a
+// ValueError naming the argument, as linattn's own checks do
+template <typename Acc>
+void check_gate_values(const at::Tensor& beta, const at::Tensor& g) {
+  const Acc* b = beta.data_ptr<Acc>();
+  for (int64_t i = 0; i < beta.numel(); ++i) {
+    TORCH_CHECK_VALUE(b[i] > Acc(0) && b[i] <= Acc(1), "beta must lie in (0, 1] (finite), got ", b[i]);
+  }
+  if (!g.defined()) return;
+  const Acc* p = g.data_ptr<Acc>();
+  for (int64_t i = 0; i < g.numel(); ++i) {
+    TORCH_CHECK_VALUE(p[i] <= Acc(0) && std::isfinite(p[i]), "g must be a finite log-decay ≤ 0, got ", p[i]);
+  }
+}
+
+// One token of one row: u = Sᵀk̂, w = β (v − α u), S' = α S + k̂ wᵀ, o = scale · S'ᵀ q̂ (q̂, k̂ in qk: 2D)
+template <typename T, typename Acc>
+LINATTN_CLONES void step_row(const Acc* __restrict__ S, Acc* __restrict__ S2, const Acc* __restrict__ qk,
+                             const T* __restrict__ v, Acc beta, Acc alpha, Acc scale, T* __restrict__ o,
+                             Acc* __restrict__ u, int64_t D, int64_t E) {
+  const Acc* __restrict__ q = qk;
+  const Acc* __restrict__ k = qk + D;
+  for (int64_t e = 0; e < E; ++e) u[e] = Acc(0);
+  for (int64_t d = 0; d < D; ++d) {
+    const Acc kd = k[d];
+#pragma omp simd
+    for (int64_t e = 0; e < E; ++e) u[e] += kd * S[d * E + e];
+  }
+#pragma omp simd
+  for (int64_t e = 0; e < E; ++e) u[e] = beta * (static_cast<Acc>(v[e]) - alpha * u[e]);  // w
+  Acc* __restrict__ out = u + E;
+  for (int64_t e = 0; e < E; ++e) out[e] = Acc(0);
+  for (int64_t d = 0; d < D; ++d) {
+    const Acc kd = k[d], qd = q[d];
+#pragma omp simd
+    for (int64_t e = 0; e < E; ++e) {
+      const Acc x = alpha * S[d * E + e] + kd * u[e];
+      S2[d * E + e] = x;
+      out[e] += qd * x;
+    }
+  }
+  for (int64_t e = 0; e < E; ++e) o[e] = static_cast<T>(scale * out[e]);
+}
+
+// S (B, H, D, E) in Acc, q, k (B, H, 1, D), v (B, H, 1, E), β and g (B, H, 1) in Acc (g optional).
+// Returns (o shaped like v, S').
+std::tuple<at::Tensor, at::Tensor> delta_step(const at::Tensor& S_in, const at::Tensor& q_in, const at::Tensor& k_in,
+                                              const at::Tensor& v_in, const at::Tensor& beta_in,
+                                              const c10::optional<at::Tensor>& g_in, double scale, bool l2norm) {
+  TORCH_CHECK(q_in.dim() == 4 && q_in.size(2) == 1 && k_in.sizes() == q_in.sizes() && v_in.dim() == 4 &&
+                  v_in.sizes().slice(0, 3) == q_in.sizes().slice(0, 3),
+              "linattn_cpu::delta_step expects q, k (B, H, 1, D) and v (B, H, 1, E)");
+  const int64_t D = q_in.size(3), E = v_in.size(3), rows = q_in.size(0) * q_in.size(1);
+  TORCH_CHECK(k_in.scalar_type() == q_in.scalar_type() && v_in.scalar_type() == q_in.scalar_type(),
+              "linattn_cpu::delta_step: q, k, v must share a dtype");
+  const auto acc = q_in.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  TORCH_CHECK(S_in.scalar_type() == acc && beta_in.scalar_type() == acc && (!g_in.has_value() || g_in->scalar_type() == acc),
+              "linattn_cpu::delta_step: the state, beta and g must be float64 for float64 inputs, else float32");
+  TORCH_CHECK(S_in.numel() == rows * D * E && beta_in.numel() == rows && (!g_in.has_value() || g_in->numel() == rows),
+              "linattn_cpu::delta_step: shapes of the state, beta and g do not agree with q, v");
+  const at::Tensor S = S_in.contiguous(), q = q_in.contiguous(), k = k_in.contiguous(), v = v_in.contiguous();
+  const at::Tensor beta = beta_in.contiguous(), g = g_in.has_value() ? g_in->contiguous() : at::Tensor();
+  at::Tensor S2 = at::empty(S_in.sizes(), S.options()), o = at::empty(v_in.sizes(), v.options());
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "linattn_cpu_delta_step", [&] {
+    using Acc = linattn_acc<scalar_t>;
+    check_gate_values<Acc>(beta, g);
+    const scalar_t *pq = q.data_ptr<scalar_t>(), *pk = k.data_ptr<scalar_t>(), *pv = v.data_ptr<scalar_t>();
+    const Acc *pS = S.data_ptr<Acc>(), *pb = beta.data_ptr<Acc>(), *pg = g.defined() ? g.data_ptr<Acc>() : nullptr;
+    Acc* pS2 = S2.data_ptr<Acc>();
+    scalar_t* po = o.data_ptr<scalar_t>();
+    // one row is 2·D·E multiply-adds: only large batches are worth waking other threads for
+    const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, D * E));
+    at::parallel_for(0, rows, grain, [&](int64_t r0, int64_t r1) {
+      const FlushDenormals flush;  // α S with α = e^g tiny
+      Aligned<Acc> qk(2 * D), u(2 * E), rn(2);
+      for (int64_t r = r0; r < r1; ++r) {
+        load_rows(pq + r * D, qk.data(), rn.data(), 1, D, l2norm);
+        load_rows(pk + r * D, qk.data() + D, rn.data() + 1, 1, D, l2norm);
+        const Acc alpha = pg != nullptr ? std::exp(pg[r]) : Acc(1);
+        step_row<scalar_t, Acc>(pS + r * D * E, pS2 + r * D * E, qk.data(), pv + r * E, pb[r], alpha,
+                                static_cast<Acc>(scale), po + r * E, u.data(), D, E);
+      }
+    });
+  });
+  return {o, S2};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(linattn_cpu, m) {
+  m.def("delta_has_blas() -> bool", delta_has_blas);
+  m.def(
+      "delta_chunked(Tensor q, Tensor k, Tensor v, Tensor beta, Tensor? g, Tensor S0, float scale, bool l2norm, "
+      "int chunk, bool save) -> (Tensor, Tensor, Tensor)");
+  m.def(
+      "delta_chunked_backward(Tensor q, Tensor k, Tensor v, Tensor beta, Tensor? g, Tensor S_blocks, Tensor do, "
+      "Tensor? dS, float scale, bool l2norm, int chunk) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def(
+      "delta_step(Tensor S, Tensor q, Tensor k, Tensor v, Tensor beta, Tensor? g, float scale, bool l2norm) "
+      "-> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(linattn_cpu, CPU, m) {
+  m.impl("delta_chunked", delta_chunked);
+  m.impl("delta_chunked_backward", delta_chunked_backward);
+  m.impl("delta_step", delta_step);
+}

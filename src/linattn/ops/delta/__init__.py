@@ -1,0 +1,9 @@
+"""The delta rule (DeltaNet, Gated DeltaNet; DESIGN §13): the public operators (`rule`), the
+chunked torch-op path with its explicit backward (`chunked`), the wrappers of the fused CPU kernels
+(`fused`, csrc/delta.cpp), and the float64 token-by-token recurrence the tests hold them to
+(`reference`)."""
+
+from . import reference
+from .rule import delta_rule, delta_rule_step
+
+__all__ = ["delta_rule", "delta_rule_step", "reference"]

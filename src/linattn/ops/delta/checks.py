@@ -1,0 +1,64 @@
+"""Argument checks of the delta-rule operators, on top of linattn._checks: every error names the
+argument, what was expected and what came."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..._checks import check_qkv, check_tensor
+from ..chunked import state_dtype
+
+
+def check_arguments(q, k, v, beta, g, scale, qk_l2norm, state, state_name: str = "initial_state") -> None:
+    """Shapes, dtypes and devices: q, k (B, H, N, D), v (B, H, N, E), beta and g (B, H, N) floating,
+    scale None or a real number, qk_l2norm a bool, state None or S (B, H, D, E) in the state dtype."""
+    check_qkv(q, k, v)
+    b, h, n, d = q.shape
+    if k.shape[2] != n:
+        raise ValueError(f"the delta rule is causal: q and k must have the same length, got {n} and {k.shape[2]}")
+    if n < 1:
+        raise ValueError("q, k and v must hold at least one token, got length 0")
+    for name, x in (("beta", beta), ("g", g)):
+        if x is None and name == "g":
+            continue
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor of shape (B, H, N), got {type(x).__name__}")
+        if tuple(x.shape) != (b, h, n):
+            raise ValueError(f"{name} must have shape (B, H, N) = {(b, h, n)}, got {tuple(x.shape)}")
+        if not x.is_floating_point():
+            raise TypeError(f"{name} must be a floating tensor, got dtype {x.dtype}")
+        if x.device != q.device:
+            raise ValueError(f"{name} must be on q's device ({q.device}), got {x.device}")
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
+        raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
+    if not isinstance(qk_l2norm, bool):
+        raise TypeError(f"qk_l2norm must be a bool, got {type(qk_l2norm).__name__}")
+    if state is not None:
+        check_state(state, (b, h, d, v.shape[-1]), state_dtype(q.dtype), q.device, state_name)
+
+
+def check_state(state, shape: tuple, dtype: torch.dtype, device: torch.device, name: str) -> None:
+    """The delta rule's state: one tensor S (B, H, D, E) (no normalizer z) of the state dtype."""
+    if isinstance(state, (tuple, list)):
+        raise TypeError(f"{name} must be one tensor S (B, H, D, E) (the delta rule keeps no normalizer z), "
+                        f"got a {type(state).__name__} of {len(state)}")
+    check_tensor(name, state)
+    if tuple(state.shape) != shape:
+        raise ValueError(f"{name} must have shape (B, H, D, E) = {shape}, got {tuple(state.shape)}")
+    if state.dtype != dtype:
+        raise TypeError(f"{name} must be {dtype} (the state dtype for these inputs), got {state.dtype}")
+    if state.device != device:
+        raise ValueError(f"{name} must be on q's device ({device}), got {state.device}")
+
+
+def check_values(beta: torch.Tensor, g: torch.Tensor | None) -> None:
+    """beta in (0, 1] and g ≤ 0, all finite (a NaN fails every comparison, so it is caught too)."""
+    lo, hi = (float(x) for x in torch.aminmax(beta.detach()))
+    if not (lo > 0 and hi <= 1):
+        raise ValueError(f"beta must lie in (0, 1] (finite), got values from {lo} to {hi}")
+    if g is not None:
+        lo, hi = (float(x) for x in torch.aminmax(g.detach()))
+        if not (hi <= 0 and math.isfinite(lo)):
+            raise ValueError(f"g must be a finite log-decay ≤ 0 (α = e^g in (0, 1]), got values from {lo} to {hi}")

@@ -1,0 +1,235 @@
+"""The delta rule, chunked, with torch ops and an explicit backward (DESIGN §13): the path of every
+device and dtype the fused CPU kernels do not take (and the fallback when they cannot be built).
+
+Per (batch, head), a chunk of c rows with keys K, queries Q (already normalized and scaled), values
+V (c×E), β, the log-decays g and b = their inclusive cumulative sum inside the chunk, the state S
+(D×E) entering the chunk; Γ_ij = e^{b_i − b_j} for i ≥ j, 0 above (all ones below without g):
+
+    A   = strict_tril(diag(β) (K Kᵀ ⊙ Γ))          L = I + A   (unit lower triangular)
+    X   = V − diag(e^b) K S                          V' = L⁻¹ diag(β) X      (the corrected values)
+    O   = diag(e^b) Q S + (Q Kᵀ ⊙ Γ) V'
+    S  ← e^{b_c} S + (diag(e^{b_c − b}) K)ᵀ V'
+
+Backward, with dO and R = ∂L/∂S after the chunk; Z = L⁻ᵀ dV' (a transposed triangular solve):
+
+    dV' = (QKᵀ ⊙ Γ)ᵀ dO + diag(e^{b_c − b}) K R      dX = diag(β) Z = dV
+    dβ  = rowsum(Z ⊙ X) + rowsum(dA ⊙ K Kᵀ ⊙ Γ)      dA = −strict_tril(Z V'ᵀ)
+    dP  = tril(dO V'ᵀ),   H = diag(β) dA ⊙ Γ
+    dQ  = (dP ⊙ Γ) K + diag(e^b) dO Sᵀ
+    dK  = (H + Hᵀ) K + (dP ⊙ Γ)ᵀ Q − diag(e^b) dX Sᵀ + diag(e^{b_c − b}) V' Rᵀ
+    R  ← e^{b_c} R + (diag(e^b) Q)ᵀ dO − (diag(e^b) K)ᵀ dX        (the gradient entering the chunk)
+
+and the gate: every factor e^{±b} adds "value · its gradient" to ∂L/∂b (rows scaled by e^{b_i} add
+Σ_d x_id ∂L/∂x_id to b_i; rows scaled by e^{b_c − b_i} subtract it from b_i and add it to b_c; e^{b_c} S
+adds e^{b_c} Σ S ⊙ R to b_c), and Γ adds the row sums of G = dP ⊙ P + dA ⊙ A to b_i and subtracts its
+column sums from b_j; ∂L/∂g is the reverse cumulative sum of ∂L/∂b in the chunk.
+
+The sequence is walked in blocks of whole chunks (`linattn.ops.chunked._blocks`): inside a block the
+chunk-local products and the triangular inverses are batched over its chunks; only the state update
+V'_n = U_n − W_n S, S ← e^{b_c} S + K_lᵀ V'_n (U = L⁻¹ diag(β) V, W = L⁻¹ diag(β e^b) K) is a loop over
+them. Saved for backward: q, k, v, β, g and the state entering each block; the backward recomputes a
+block's chunk states and products, so temporaries are bounded by the block and nothing of size
+N·D·E or N·c is kept. Everything is computed in the state dtype (float32, float64 for float64).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ..chunked import _blocks, state_dtype
+from .reference import L2_EPS
+
+
+def normalize_rows(x: torch.Tensor):
+    """(x / √(‖x‖² + ε), 1 / √(‖x‖² + ε)) over the last dim."""
+    r = torch.rsqrt((x * x).sum(-1, keepdim=True) + L2_EPS)
+    return x * r, r
+
+
+def normalize_rows_grad(n: torch.Tensor, r: torch.Tensor, dn: torch.Tensor) -> torch.Tensor:
+    """∂L/∂x of n = x·r, r = (‖x‖² + ε)^{-1/2}, from ∂L/∂n: r (dn − n (n · dn))."""
+    return r * (dn - n * (n * dn).sum(-1, keepdim=True))
+
+
+@functools.lru_cache(maxsize=16)
+def _upper(c: int, device: torch.device) -> torch.Tensor:
+    """(c, c) bool, True strictly above the diagonal (cached: never written to)."""
+    return torch.ones(c, c, dtype=torch.bool, device=device).triu_(1)
+
+
+@functools.lru_cache(maxsize=16)
+def _eye(c: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.eye(c, dtype=dtype, device=device)
+
+
+class _Features:
+    """q̂ = scale · n(q), k̂ = n(k) of one block, in the state dtype, with what the backward needs to
+    chain their gradients to q and k."""
+
+    def __init__(self, q, k, scale, l2norm, sdt):
+        q, k = q.to(sdt), k.to(sdt)
+        self.scale, self.l2norm = scale, l2norm
+        self.rq = self.rk = None
+        if l2norm:
+            q, self.rq = normalize_rows(q)
+            k, self.rk = normalize_rows(k)
+        self.nq = q  # n(q), before the scale
+        self.q = q if scale is None else q * scale
+        self.k = k
+
+    def grads(self, dq, dk):
+        """∂L/∂(q, k) from ∂L/∂(q̂, k̂)."""
+        if self.scale is not None:
+            dq = dq * self.scale
+        if self.l2norm:
+            dq = normalize_rows_grad(self.nq, self.rq, dq)
+            dk = normalize_rows_grad(self.k, self.rk, dk)
+        return dq, dk
+
+
+def _gates(g):
+    """b = cumsum(g) per chunk, Γ (lower incl. diagonal), e^b, e^{b_c − b}, e^{b_c}; None without g.
+    g: (BH, nc, c). Γ is masked before the exponential (e^{−b} alone would overflow)."""
+    if g is None:
+        return None
+    c = g.shape[-1]
+    b = g.cumsum(-1)
+    gam = (b[..., :, None] - b[..., None, :]).masked_fill_(_upper(c, g.device), float("-inf")).exp_()
+    last = b[..., -1:]
+    return gam, b.exp(), (last - b).exp(), last.exp()
+
+
+def _block_forward(Q, K, V, beta, g, S):
+    """The forward of one block of nc chunks. Q, K (BH, nc, c, D), V (BH, nc, c, E), beta and g
+    (BH, nc, c), S (BH, D, E) entering the block. Returns (O, S after the block, everything the
+    backward needs)."""
+    c = Q.shape[-2]
+    gates = _gates(g)
+    KK, QK = K @ K.mT, Q @ K.mT
+    if gates is None:
+        KKG, P = KK.tril(-1), QK.tril()
+        Kb = Kl = K
+        Qb = Q
+    else:
+        gam, eb, el, elast = gates
+        KKG, P = (KK * gam).tril_(-1), QK * gam
+        Kb, Kl, Qb = K * eb[..., None], K * el[..., None], Q * eb[..., None]
+    A = beta[..., :, None] * KKG
+    Linv = torch.linalg.solve_triangular(A, _eye(c, A.dtype, A.device), upper=False, unitriangular=True)
+    T = Linv * beta[..., None, :]  # L⁻¹ diag(β)
+    U, W = T @ V, T @ Kb
+    S_before, Vp = [], []
+    for n in range(Q.shape[1]):
+        S_before.append(S)
+        vp = torch.baddbmm(U[:, n], W[:, n], S, alpha=-1)
+        Vp.append(vp)
+        S = torch.baddbmm(S if gates is None else S * gates[3][:, n, :, None], Kl[:, n].mT, vp)
+    S_before, Vp = torch.stack(S_before, 1), torch.stack(Vp, 1)
+    O = Qb @ S_before + P @ Vp
+    saved = dict(gates=gates, KKG=KKG, P=P, A=A, Linv=Linv, T=T, Kb=Kb, Kl=Kl, Qb=Qb, S_before=S_before, Vp=Vp)
+    return O, S, saved
+
+
+def _block_backward(Q, K, V, beta, dO, R, t):
+    """Gradients of one block from dO (BH, nc, c, E) and R = ∂L/∂S after the block, with t the
+    `_block_forward` terms. Returns (dQ, dK, dV, dbeta, db, R entering the block); db = ∂L/∂b (None
+    without g)."""
+    gates, P, Kb, Kl, Qb, S_before, Vp = (t[x] for x in ("gates", "P", "Kb", "Kl", "Qb", "S_before", "Vp"))
+    dVp_local, QbdO = P.mT @ dO, Qb.mT @ dO
+    R_after, dVp, dX = [], [], []
+    for n in reversed(range(Q.shape[1])):
+        R_after.append(R)
+        dvp = torch.baddbmm(dVp_local[:, n], Kl[:, n], R)
+        dx = t["T"][:, n].mT @ dvp
+        dVp.append(dvp)
+        dX.append(dx)
+        R = torch.baddbmm((R if gates is None else R * gates[3][:, n, :, None]) + QbdO[:, n], Kb[:, n].mT, dx, alpha=-1)
+    R_after, dVp, dX = (torch.stack(x[::-1], 1) for x in (R_after, dVp, dX))
+    Z = t["Linv"].mT @ dVp  # dX = diag(β) Z
+    X = V - Kb @ S_before
+    dA = (Z @ Vp.mT).tril_(-1).neg_()
+    dbeta = (Z * X).sum(-1) + (dA * t["KKG"]).sum(-1)
+    dP = (dO @ Vp.mT).tril_()
+    H = dA * beta[..., :, None]
+    dQb, dKb, dKl = dO @ S_before.mT, -(dX @ S_before.mT), Vp @ R_after.mT
+    if gates is None:
+        dPG = dP
+        dQ = torch.matmul(dPG, K).add_(dQb)
+        dK = (H + H.mT) @ K + dPG.mT @ Q + dKb + dKl
+        return dQ, dK, dX, dbeta, None, R
+    gam, eb, el, elast = gates
+    dPG, H = dP * gam, H * gam
+    dQ = dPG @ K + dQb * eb[..., None]
+    dK = (H + H.mT) @ K + dPG.mT @ Q + dKb * eb[..., None] + dKl * el[..., None]
+    from_l = (dKl * Kl).sum(-1)
+    db = (dQb * Qb).sum(-1) + (dKb * Kb).sum(-1) - from_l
+    db[..., -1] += from_l.sum(-1) + elast[..., 0] * (S_before * R_after).sum((-1, -2))
+    G = dP * P + dA * t["A"]
+    db += G.sum(-1) - G.sum(-2)
+    return dQ, dK, dX, dbeta, db, R
+
+
+class ChunkedDeltaRule(torch.autograd.Function):
+    """apply(chunk, scale, l2norm, q, k, v, beta, g, S0) -> (o, S): the delta rule over (B, H, N, ·)
+    tensors from the state S0 (B, H, D, E) in the state dtype; g may be None."""
+
+    @staticmethod
+    def forward(ctx, chunk, scale, l2norm, q, k, v, beta, g, S0):
+        b, h, n, d = q.shape
+        e, bh, sdt = v.shape[-1], b * h, state_dtype(q.dtype)
+        blocks = _blocks(n, chunk, bh, max(d, e, chunk, d * e // chunk))
+        o = torch.empty(b, h, n, e, dtype=q.dtype, device=q.device)
+        S = S0.to(sdt).reshape(bh, d, e)
+        S_in = []
+        with torch.no_grad():
+            for s, t, c in blocks:
+                S_in.append(S)
+                Q, K, V, bt, gt = _block_inputs(q, k, v, beta, g, s, t, c, scale, l2norm, sdt)[1:]
+                O, S, _ = _block_forward(Q, K, V, bt, gt, S)
+                o[:, :, s:t] = O.reshape(b, h, t - s, e)
+        ctx.chunk, ctx.scale, ctx.l2norm, ctx.blocks, ctx.S0_dtype = chunk, scale, l2norm, blocks, S0.dtype
+        ctx.has_g = g is not None
+        ctx.save_for_backward(q, k, v, beta, *([g] if g is not None else []), *S_in)
+        ctx.set_materialize_grads(False)
+        return o, S.reshape(b, h, d, e)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, do, dS):
+        q, k, v, beta, *rest = ctx.saved_tensors
+        g, S_in = (rest[0], rest[1:]) if ctx.has_g else (None, rest)
+        b, h, n, d = q.shape
+        e, bh, sdt = v.shape[-1], b * h, state_dtype(q.dtype)
+        R = torch.zeros(bh, d, e, dtype=sdt, device=q.device) if dS is None else dS.to(sdt).reshape(bh, d, e)
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        dbeta = torch.empty(b, h, n, dtype=sdt, device=q.device)
+        dg = None if g is None else torch.empty(b, h, n, dtype=sdt, device=q.device)
+        for i in reversed(range(len(ctx.blocks))):
+            s, t, c = ctx.blocks[i]
+            m = t - s
+            feats, Q, K, V, bt, gt = _block_inputs(q, k, v, beta, g, s, t, c, ctx.scale, ctx.l2norm, sdt)
+            _, _, terms = _block_forward(Q, K, V, bt, gt, S_in[i])
+            dO = (torch.zeros(bh, m // c, c, e, dtype=sdt, device=q.device) if do is None
+                  else do[:, :, s:t].to(sdt).reshape(bh, m // c, c, e))
+            dQ, dK, dV, dbt, db, R = _block_backward(Q, K, V, bt, dO, R, terms)
+            dQ, dK = feats.grads(dQ.reshape(b, h, m, d), dK.reshape(b, h, m, d))
+            dq[:, :, s:t], dk[:, :, s:t], dv[:, :, s:t] = dQ, dK, dV.reshape(b, h, m, e)
+            dbeta[:, :, s:t] = dbt.reshape(b, h, m)
+            if db is not None:  # ∂L/∂g_s = Σ_{t ≥ s in the chunk} ∂L/∂b_t
+                dg[:, :, s:t] = db.flip(-1).cumsum(-1).flip(-1).reshape(b, h, m)
+        return (None, None, None, dq, dk, dv, dbeta.to(beta.dtype), None if g is None else dg.to(g.dtype),
+                R.reshape(b, h, d, e).to(ctx.S0_dtype))
+
+
+def _block_inputs(q, k, v, beta, g, s, t, c, scale, l2norm, sdt):
+    """The block [s, t) as (features, Q, K (BH, nc, c, D), V (BH, nc, c, E), β, g (BH, nc, c)) in sdt."""
+    b, h = q.shape[:2]
+    feats = _Features(q[:, :, s:t], k[:, :, s:t], scale, l2norm, sdt)
+    per = (b * h, (t - s) // c, c)
+    Q, K = feats.q.reshape(*per, -1), feats.k.reshape(*per, -1)
+    V = v[:, :, s:t].to(sdt).reshape(*per, -1)
+    bt = beta[:, :, s:t].to(sdt).reshape(per)
+    gt = None if g is None else g[:, :, s:t].to(sdt).reshape(per)
+    return feats, Q, K, V, bt, gt

@@ -1,0 +1,74 @@
+"""The fused CPU kernels of the delta rule (csrc/delta.cpp, built with the rest of linattn.ops.native):
+`linattn_cpu::delta_chunked` (the chunked forward, one (batch, head) row per task), its backward
+`linattn_cpu::delta_chunked_backward`, and `linattn_cpu::delta_step` (one token, for decoding).
+
+They take fp32, fp64 and bf16 q, k, v (bf16 rows are widened to fp32 as they are read: fp32 products,
+triangular solves and state), β and g in the state dtype. Where the extension cannot be built, or with
+LINATTN_NATIVE=0, the torch-op paths run instead (same numbers up to rounding).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import native
+
+_DTYPES = (torch.float32, torch.float64, torch.bfloat16)
+_blas: list = []  # [bool] once the kernels were asked whether torch's BLAS has gemm and trsm
+
+
+def _kernels_ready() -> bool:
+    """Not tracing, the extension enabled and built, and torch's BLAS found (checked once)."""
+    if not native._ready():
+        return False
+    if not _blas:
+        _blas.append(bool(torch.ops.linattn_cpu.delta_has_blas()))
+    return _blas[0]
+
+
+def usable(q: torch.Tensor) -> bool:
+    """The fused kernels can take inputs like q (CPU, fp32/fp64/bf16)."""
+    return q.dtype in _DTYPES and q.device.type == "cpu" and _kernels_ready()
+
+
+def chunked(q, k, v, beta, g, S0, *, scale: float | None, l2norm: bool, chunk: int):
+    """The chunked forward (and, when a gradient is wanted, `FusedDeltaRule`'s backward). beta, g
+    (B, H, N) and S0 (B, H, D, E) in the state dtype. Returns (o, S)."""
+    scale = 1.0 if scale is None else scale
+    tensors = (q, k, v, beta, S0) + (() if g is None else (g,))
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return FusedDeltaRule.apply(q, k, v, beta, g, S0, scale, l2norm, chunk)
+    o, S, _ = torch.ops.linattn_cpu.delta_chunked.default(q, k, v, beta, g, S0, scale, l2norm, chunk, False)
+    return o, S
+
+
+def step(S, q, k, v, beta, g, *, scale: float | None, l2norm: bool):
+    """One token (q, k (B, H, 1, D), v (B, H, 1, E), beta and g (B, H, 1) in S's dtype); the kernel
+    itself checks the values of beta and g. Returns (o (B, H, 1, E), S')."""
+    return torch.ops.linattn_cpu.delta_step.default(S, q, k, v, beta, g, 1.0 if scale is None else scale, l2norm)
+
+
+class FusedDeltaRule(torch.autograd.Function):
+    """apply(q, k, v, beta, g, S0, scale, l2norm, chunk) -> (o, S), fused forward and backward.
+
+    Saved for the backward: q, k, v, beta, g and the state entering every block of 256 tokens
+    (B·H·⌈N/256⌉·D·E values); the backward recomputes one block's chunks at a time. Not twice
+    differentiable."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, beta, g, S0, scale, l2norm, chunk):
+        o, S, S_blocks = torch.ops.linattn_cpu.delta_chunked.default(q, k, v, beta, g, S0, scale, l2norm, chunk, True)
+        ctx.save_for_backward(q, k, v, beta, g, S_blocks)
+        ctx.scale, ctx.l2norm, ctx.chunk, ctx.S0_dtype = scale, l2norm, chunk, S0.dtype
+        ctx.set_materialize_grads(False)
+        return o, S
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, do, dS):
+        q, k, v, beta, g, S_blocks = ctx.saved_tensors
+        if do is None:
+            do = torch.zeros_like(v)
+        dq, dk, dv, dbeta, dg, dS0 = torch.ops.linattn_cpu.delta_chunked_backward.default(
+            q, k, v, beta, g, S_blocks, do, dS, ctx.scale, ctx.l2norm, ctx.chunk)
+        return dq, dk, dv, dbeta, None if g is None else dg, dS0.to(ctx.S0_dtype), None, None, None

@@ -1,0 +1,122 @@
+"""The public delta-rule operators: `delta_rule` (causal, chunked) and `delta_rule_step` (recurrent).
+
+Per (batch, head), with q̂_t = scale · n(q_t), k̂_t = n(k_t) (n the L2 normalization x / √(‖x‖² + ε),
+ε = 1e-6, with qk_l2norm=True, else the identity) and α_t = e^{g_t} (1 without g):
+
+    S_t = α_t (I − β_t k̂_t k̂_tᵀ) S_{t−1} + β_t k̂_t v_tᵀ        o_t = S_tᵀ q̂_t
+
+DeltaNet (Schlag et al. 2021; Yang et al. 2024) has no g; Gated DeltaNet (Yang et al. 2024b) adds
+it. The state S is (B, H, D, E), float32 (float64 for float64 inputs) whatever the input dtype.
+For a stable recurrence keep β_t ‖k̂_t‖² ≤ 2, e.g. with qk_l2norm=True: I − β k̂k̂ᵀ then has spectral
+norm 1 and never amplifies the state (unnormalized keys can make it grow exponentially; not checked).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..._checks import check_positive_int
+from ..chunked import state_dtype
+from . import fused
+from .checks import check_arguments, check_values
+from .chunked import ChunkedDeltaRule, normalize_rows
+
+
+def delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    g: torch.Tensor | None = None,
+    scale: float | None = None,
+    qk_l2norm: bool = False,
+    initial_state: torch.Tensor | None = None,
+    return_state: bool = False,
+    chunk_size: int = 64,
+):
+    """The delta rule over a whole sequence (causal), in the chunked WY/UT form (DESIGN §13).
+
+    q, k: (B, H, N, D); v: (B, H, N, E); beta: (B, H, N) in (0, 1]; g: (B, H, N) log-decays ≤ 0
+    (Gated DeltaNet) or None (DeltaNet). Returns o (B, H, N, E) in q's dtype, or (o, S) with
+    return_state, S (B, H, D, E) the state after the last token.
+
+    scale: multiplies q (after the L2 normalization; None: no scaling).
+    qk_l2norm: L2-normalize q and k inside the op (the gradient flows through the normalization).
+    initial_state: S (B, H, D, E) in the state dtype (float32; float64 for float64 inputs) carried from
+        the tokens before; a sequence split in two and resumed from the state gives the same output.
+        Gradients flow into it.
+    chunk_size: tokens per chunk (any positive int; N need not be a multiple).
+
+    Gradients reach q, k, v, beta, g and initial_state. On the CPU, fp32, fp64 and bf16 inputs run
+    as fused operators forward and backward (csrc/delta.cpp); other devices and dtypes (and
+    LINATTN_NATIVE=0) run the torch-op path of `linattn.ops.delta.chunked` (same numbers up to rounding).
+    """
+    check_positive_int("chunk_size", chunk_size)
+    check_arguments(q, k, v, beta, g, scale, qk_l2norm, initial_state)
+    check_values(beta, g)
+    sdt = state_dtype(q.dtype)
+    b, h, _, d = q.shape
+    S0 = torch.zeros(b, h, d, v.shape[-1], dtype=sdt, device=q.device) if initial_state is None else initial_state
+    scale = None if scale is None else float(scale)
+    if fused.usable(q):
+        o, S = fused.chunked(q, k, v, beta.to(sdt), None if g is None else g.to(sdt), S0, scale=scale,
+                             l2norm=qk_l2norm, chunk=chunk_size)
+    else:
+        o, S = ChunkedDeltaRule.apply(chunk_size, scale, qk_l2norm, q, k, v, beta, g, S0)
+    return (o, S) if return_state else o
+
+
+def delta_rule_step(
+    state: torch.Tensor | None,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    g: torch.Tensor | None = None,
+    scale: float | None = None,
+    qk_l2norm: bool = False,
+):
+    """The recurrent form: returns (o, new_state); `state` is not modified.
+
+        u = S k̂,  S' = α S + k̂ (β (v − α u))ᵀ  (= α (I − β k̂k̂ᵀ) S + β k̂ vᵀ),   o = S'ᵀ q̂
+
+    state: S (B, H, D, E) in the state dtype, or None to start from zeros. q, k (B, H, T, D), v
+    (B, H, T, E), beta and g (B, H, T): T = 1 is the decoding path (on the CPU with fp32, fp64 or bf16
+    inputs and no gradient wanted, one fused operator); a short block of T > 1 tokens runs
+    `delta_rule` from the state.
+    """
+    if q.dim() == 4 and q.shape[2] != 1:
+        return delta_rule(q, k, v, beta, g=g, scale=scale, qk_l2norm=qk_l2norm, initial_state=state,
+                          return_state=True)
+    check_arguments(q, k, v, beta, g, scale, qk_l2norm, state, state_name="state")
+    sdt = state_dtype(q.dtype)
+    if state is None:
+        state = torch.zeros(*q.shape[:2], q.shape[3], v.shape[3], dtype=sdt, device=q.device)
+    if fused.usable(q) and not (torch.is_grad_enabled() and any(
+            t is not None and t.requires_grad for t in (state, q, k, v, beta, g))):
+        beta = beta if beta.dtype is sdt else beta.to(sdt)
+        g = g if g is None or g.dtype is sdt else g.to(sdt)
+        return fused.step(state, q, k, v, beta, g, scale=scale, l2norm=qk_l2norm)  # checks β, g itself
+    check_values(beta, g)
+    return _step(state, q, k, v, beta, g, scale, qk_l2norm)
+
+
+def _step(S, q, k, v, beta, g, scale, l2norm):
+    """One token with torch ops (autograd-friendly). Shapes as in `delta_rule_step`, T = 1."""
+    out_dtype, sdt = q.dtype, S.dtype
+    q, k, v = q[:, :, 0].to(sdt), k[:, :, 0].to(sdt), v[:, :, 0].to(sdt)  # (B, H, D), (B, H, E)
+    if l2norm:
+        q, k = normalize_rows(q)[0], normalize_rows(k)[0]
+    if scale is not None:
+        q = q * scale
+    beta = beta.to(sdt)  # (B, H, 1)
+    u = (k.unsqueeze(-2) @ S).squeeze(-2)  # Sᵀk̂ (B, H, E)
+    if g is None:
+        S_new = S + k.unsqueeze(-1) * (beta * (v - u)).unsqueeze(-2)
+    else:
+        alpha = g.to(sdt).exp()
+        S_new = alpha.unsqueeze(-1) * S + k.unsqueeze(-1) * (beta * (v - alpha * u)).unsqueeze(-2)
+    o = q.unsqueeze(-2) @ S_new  # (B, H, 1, E)
+    return o.to(out_dtype), S_new
