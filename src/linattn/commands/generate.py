@@ -15,7 +15,7 @@ import codecs
 import sys
 from pathlib import Path
 
-from ..cli import add_common_options, float_in, positive_int, resolve_device, torch_dtype
+from ..cli import add_common_options, dtype_arg, float_in, positive_int, resolve_device, torch_dtype
 
 
 _nonneg_float = float_in(0.0, low_inclusive=True, example="0.8; 0 = greedy")
@@ -47,7 +47,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--stop", default=None, metavar="STRING",
                    help="stop once the generated text contains STRING (not printed); e.g. a blank line $'\\n\\n'")
     p.add_argument("--no-echo", action="store_true", help="do not print the prompt before the continuation")
-    add_common_options(p, out=False)
+    p.add_argument("--dtype", type=dtype_arg, default=None, metavar="{float32,bfloat16,float16}",
+                   help="floating dtype of the model (default: the dtype it was saved in)")
+    add_common_options(p, out=False, dtype=False)
     p.set_defaults(func=run_generate_command)
 
 
@@ -113,13 +115,14 @@ def run_generate_command(args) -> int:
     device = resolve_device(args.device)
     try:
         directory = _model_dir(Path(args.checkpoint))
-        model = LinearTransformerLM.from_pretrained(directory, device=device)
+        dtype = None if args.dtype is None else torch_dtype(args.dtype)
+        model = LinearTransformerLM.from_pretrained(directory, device=device, dtype=dtype)
     except (FileNotFoundError, CheckpointError, SafetensorError, ValueError, OSError) as exc:
         return fail(f"cannot load the model from {str(args.checkpoint)!r}: {exc}")
     if model.config.vocab_size < 256:
         return fail(f"the model in {str(directory)!r} has a vocabulary of {model.config.vocab_size} tokens, not bytes "
                     "(256): generate needs a byte-level LM")
-    model = model.to(dtype=torch_dtype(args.dtype)).eval()
+    model = model.eval()
     prompt = list(args.prompt.encode("utf-8"))
     out = sys.stdout
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
