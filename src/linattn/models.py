@@ -303,6 +303,13 @@ class _Transformer(nn.Module):
         if mask is not None and (not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool
                                  or mask.shape != ids.shape):
             raise ValueError(f"mask must be a bool tensor of ids' shape {tuple(ids.shape)} (True = real token)")
+        if ids.numel() and not torch.compiler.is_compiling():  # one reduction; an embedding lookup would fail obscurely
+            low, high = (int(x) for x in torch.aminmax(ids))
+            if low < 0 or high >= self.config.vocab_size:
+                bad = low if low < 0 else high
+                where = tuple(int(i) for i in (ids == bad).nonzero()[0])
+                raise ValueError(f"ids must be token ids in [0, vocab_size={self.config.vocab_size}), got {bad} at "
+                                 f"ids{list(where)}")
 
     def _trunk(self, ids, mask=None, cache: ModelCache | None = None, positions=None):
         """ids (B, N) -> hidden (B, N, d) after the final norm; advances the cache. positions: (N,) or

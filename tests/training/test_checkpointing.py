@@ -39,6 +39,7 @@ def test_auto_resume_starts_fresh_then_resumes(tmp_path):
     ("flip-weights", CheckpointError, r"corrupted: model\.safetensors does not match the checksum"),
     ("truncate-trainer", CheckpointError, r"corrupted: trainer\.safetensors"),
     ("bad-json", CheckpointError, r"trainer\.json is not valid JSON"),
+    ("edit-trainer", CheckpointError, r"corrupted: trainer\.json does not match the checksum it records"),
     ("delete-optimizer", FileNotFoundError, r"incomplete: trainer\.safetensors is missing"),
     ("delete-doc", FileNotFoundError, r"incomplete: trainer\.json is missing"),
 ])
@@ -54,6 +55,9 @@ def test_corrupted_checkpoint_gives_clear_error(finished_run, damage, error, mat
         p.write_bytes(p.read_bytes()[:100])
     elif damage == "bad-json":
         (ckpt / "trainer.json").write_text('{"format": "linattn-trainer", ')
+    elif damage == "edit-trainer":  # valid JSON, one value changed: only a checksum of the document sees it
+        p = ckpt / "trainer.json"
+        p.write_text(p.read_text().replace('"step": 2,', '"step": 1,'))
     elif damage == "delete-optimizer":
         (ckpt / "trainer.safetensors").unlink()
     else:
@@ -65,3 +69,15 @@ def test_corrupted_checkpoint_gives_clear_error(finished_run, damage, error, mat
 def test_resume_with_a_different_setup_is_refused(finished_run):
     with pytest.raises(ValueError, match=r"different training setup \(lr: checkpoint 0.003, now 0.001\)"):
         train(mqar_config(steps=4, lr=1e-3, out_dir=str(finished_run), resume="latest"), progress=False)
+
+
+def test_a_trainer_json_without_a_checksum_still_resumes(finished_run):
+    """Checkpoints written before trainer.json recorded its own checksum resume as before."""
+    import json
+
+    p = find_checkpoint(finished_run) / "trainer.json"
+    doc = json.loads(p.read_text())
+    del doc["sha256"]
+    p.write_text(json.dumps(doc, indent=2))
+    res = train(mqar_config(steps=3, out_dir=str(finished_run), resume="latest"), progress=False)
+    assert (res.start_step, res.step) == (2, 3)

@@ -8,7 +8,8 @@ checkpoint a run resumes from.
     trainer.safetensors              optimizer tensors ("optim.<param>.<name>") and RNG states ("rng.*")
     trainer.json                     format, step, the TrainConfig, optimizer hyper-parameters and
                                      scalar state, scheduler state, data position, RNG bookkeeping,
-                                     and the SHA-256 and size of every other file of the checkpoint
+                                     the SHA-256 and size of every other file of the checkpoint, and
+                                     "sha256": the SHA-256 of its own content (see doc_checksum)
 
 No pickle anywhere: JSON and safetensors only. A checkpoint folder is written under a temporary
 name, every file fsynced, renamed into place (linattn._io.atomic_write), and only then `last` is
@@ -23,6 +24,7 @@ task's data position, the config's dict): it imports no other part of linattn.tr
 from __future__ import annotations
 
 import datetime as _dt
+import hashlib
 import json
 import os
 import shutil
@@ -106,6 +108,14 @@ def set_rng_state(tensors: dict) -> None:
         torch.cuda.set_rng_state_all([tensors[k] for k in cuda])
 
 
+def doc_checksum(doc: dict) -> str:
+    """SHA-256 of a trainer.json document without its "sha256" entry, in a canonical form (sorted
+    keys, no spaces): it survives re-indentation but not a changed value. Stored in the document."""
+    body = {k: v for k, v in doc.items() if k != "sha256"}
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
+    return hashlib.sha256(text.encode("ascii")).hexdigest()
+
+
 # ----------------------------------------------------------------------------------------------
 # saving
 
@@ -146,6 +156,7 @@ def save_training_checkpoint(ckpt_root: Path, step: int, model: nn.Module, opt, 
             "files": manifest,
             **(extra or {}),
         }
+        doc["sha256"] = doc_checksum(doc)
         write_text_synced(tmp / TRAINER_JSON, json.dumps(doc, indent=2, allow_nan=False) + "\n")
 
     final = atomic_write(ckpt_root / _step_name(step), write)  # re-saving a step replaces its folder
@@ -265,6 +276,9 @@ def read_trainer_doc(ckpt) -> dict:
     if doc.get("format_version") != TRAINER_FORMAT_VERSION:
         raise CheckpointError(f"{doc_path} has format_version {doc.get('format_version')!r}; this linattn reads "
                               f"{TRAINER_FORMAT_VERSION}")
+    if "sha256" in doc and doc["sha256"] != doc_checksum(doc):  # checkpoints before the field: unchecked
+        raise CheckpointError(f"checkpoint {ckpt} is corrupted: {TRAINER_JSON} does not match the checksum it "
+                              "records (a changed value); resume from an earlier checkpoint")
     for key in ("step", "train_config", "optimizer", "scheduler", "data", "files"):
         if key not in doc:
             raise CheckpointError(f"checkpoint {ckpt} is corrupted: {TRAINER_JSON} has no {key!r} entry")
