@@ -321,3 +321,20 @@ def test_header_describing_other_bytes_is_refused(tmp_path):
     path.write_bytes(len(header).to_bytes(8, "little") + header + b"\0" * 12)
     with pytest.raises(CheckpointError, match=r"tensor 'a' of dtype F32 and shape \(2, 2\) needs 16 bytes"):
         checkpoint.read_header(path)
+
+
+def test_save_removes_what_a_killed_save_left(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    LinearTransformerLM(cfg()).save_pretrained(tmp_path)
+    code = ("import os, sys\nfrom pathlib import Path\nfrom linattn._io import atomic_write\n"
+            "def write(p):\n    p.write_bytes(b'half')\n    os.kill(os.getpid(), 9)\n"
+            "atomic_write(Path(sys.argv[1]) / 'model.safetensors', write)\n")
+    assert subprocess.run([sys.executable, "-c", code, str(tmp_path)]).returncode == -9
+    assert len(os.listdir(tmp_path)) == 3
+    model = _perturbed(LinearTransformerLM(cfg()))
+    model.save_pretrained(tmp_path)
+    assert sorted(os.listdir(tmp_path)) == ["config.json", "model.safetensors"]
+    assert torch.equal(LinearTransformerLM.from_pretrained(tmp_path).tok_emb.weight, model.tok_emb.weight)

@@ -47,7 +47,7 @@ from safetensors.torch import load_file, save_file
 from torch.overrides import TorchFunctionMode
 
 from ._checks import FLOAT_DTYPES
-from ._io import atomic_write, read_json, sha256_file
+from ._io import atomic_write, read_json, remove_stale_temporaries, sha256_file
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -80,6 +80,7 @@ def save_pretrained(model: torch.nn.Module, directory) -> Path:
         raise TypeError(f"save_pretrained needs a linattn model with a .config, got {type(model).__name__}")
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
+    remove_stale_temporaries(directory, lambda name: name in (WEIGHTS_NAME, CONFIG_NAME))  # of killed saves
     ckpt_id = uuid.uuid4().hex
     aliases = _alias_names(model)
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items() if k not in aliases}

@@ -81,3 +81,75 @@ def test_a_trainer_json_without_a_checksum_still_resumes(finished_run):
     p.write_text(json.dumps(doc, indent=2))
     res = train(mqar_config(steps=3, out_dir=str(finished_run), resume="latest"), progress=False)
     assert (res.start_step, res.step) == (2, 3)
+
+
+def _killed_mid_write(path) -> int:
+    """Leaves a real temporary: a process killed (SIGKILL) inside linattn._io.atomic_write(path).
+    Returns the dead process's id."""
+    import subprocess
+    import sys
+
+    code = ("import os, sys\nfrom pathlib import Path\nfrom linattn._io import atomic_write\n"
+            "def write(p):\n    p.mkdir()\n    (p / 'model.safetensors').write_bytes(b'half')\n"
+            "    print(os.getpid(), flush=True)\n    os.kill(os.getpid(), 9)\n"
+            "atomic_write(Path(sys.argv[1]), write)\n")
+    r = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True)
+    assert r.returncode == -9, r.stderr
+    return int(r.stdout)
+
+
+def _tree(folder):
+    """{relative path: bytes or symlink target} of everything in `folder`."""
+    import os
+
+    out = {}
+    for p in sorted(folder.rglob("*")):
+        if p.is_symlink():
+            out[str(p.relative_to(folder))] = "-> " + os.readlink(p)
+        elif p.is_file():
+            out[str(p.relative_to(folder))] = p.read_bytes()
+    return out
+
+
+@pytest.mark.skipif(__import__("os").name != "posix", reason="process ids and SIGKILL are POSIX")
+def test_interrupted_saves_are_removed_on_resume_and_complete_checkpoints_never_touched(finished_run, tmp_path):
+    import subprocess
+    import sys
+
+    root = finished_run / "checkpoints"
+    complete = _tree(root)
+    dead = _killed_mid_write(root / "step-00000003")
+    (root / f".tmp-step-00000003-{dead}-0123abcd").mkdir()  # the name earlier versions used
+    (root / ".last-0123abcd").symlink_to("step-00000003")
+    (root / "notes.tmp-1-0123abcd").write_text("not a temporary of ours")  # no leading dot: kept
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        in_progress = root / f".step-00000004.tmp-{live.pid}-0123abcd"  # a save that is still running
+        in_progress.mkdir()
+        stale = sorted(p.name for p in root.iterdir() if p.name.startswith(".") and p != in_progress)
+        assert len(stale) == 3
+        train(mqar_config(steps=3, keep_checkpoints=5, out_dir=str(finished_run), resume="latest"), progress=False)
+        after = {p.name for p in root.iterdir()}
+        assert not after & set(stale)
+        assert in_progress.name in after and "notes.tmp-1-0123abcd" in after
+        now = _tree(root)
+        for name, content in complete.items():  # the earlier complete checkpoints are as they were
+            if not name.startswith("last"):
+                assert now[name] == content, name
+        assert now["last"] == "-> step-00000003"
+    finally:
+        live.kill()
+        live.wait()
+
+
+def test_the_next_save_removes_interrupted_saves(tmp_path):
+    from linattn.training.checkpointing import remove_interrupted_saves
+
+    root = tmp_path / "checkpoints"
+    root.mkdir()
+    dead = _killed_mid_write(root / "step-00000007")
+    assert [p.name for p in root.iterdir()][0].startswith(f".step-00000007.tmp-{dead}-")
+    (root / "step-00000006").mkdir()
+    (root / "step-00000006" / "trainer.json").write_text("{}")
+    assert [p.name for p in remove_interrupted_saves(root)][0].startswith(".step-00000007.tmp-")
+    assert sorted(p.name for p in root.rglob("*")) == ["step-00000006", "trainer.json"]

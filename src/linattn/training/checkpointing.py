@@ -27,13 +27,15 @@ import datetime as _dt
 import hashlib
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from .._io import atomic_write, fsync_path, read_json, sha256_file, write_text_synced
+from .._io import (ATOMIC_TEMPORARY, atomic_write, fsync_path, read_json, remove_stale_temporaries, sha256_file,
+                   write_text_synced)
 from ..checkpoint import CONFIG_NAME, WEIGHTS_NAME, CheckpointError, load_weights, read_config, save_pretrained
 
 TRAINER_JSON = "trainer.json"
@@ -132,6 +134,7 @@ def save_training_checkpoint(ckpt_root: Path, step: int, model: nn.Module, opt, 
 
     ckpt_root = Path(ckpt_root)
     ckpt_root.mkdir(parents=True, exist_ok=True)
+    remove_interrupted_saves(ckpt_root)
 
     def write(tmp: Path) -> None:
         save_pretrained(model, tmp)  # config.json + model.safetensors, each fsynced
@@ -165,6 +168,19 @@ def save_training_checkpoint(ckpt_root: Path, step: int, model: nn.Module, opt, 
     return final
 
 
+#: Temporaries of earlier linattn versions: `.tmp-step-XXXXXXXX-<pid>-<hex>` and `.last-<hex>`.
+_OLD_TEMPORARIES = (re.compile(r"^\.tmp-step-\d{8}-(?P<pid>\d+)-[0-9a-f]{8}$"), re.compile(r"^\.last-[0-9a-f]{8}$"))
+_STEP = re.compile(r"^step-\d{8}$")
+
+
+def remove_interrupted_saves(ckpt_root) -> list[Path]:
+    """Removes what killed saves left in a checkpoints/ folder: the temporaries of step folders and
+    of the `last` pointer whose writer is gone (see linattn._io.remove_stale_temporaries). Complete
+    checkpoints (step-XXXXXXXX) and `last` itself are never touched. Returns the removed paths."""
+    return remove_stale_temporaries(ckpt_root, lambda name: name == LAST or _STEP.match(name) is not None,
+                                    (ATOMIC_TEMPORARY, *_OLD_TEMPORARIES))
+
+
 def _point_last(ckpt_root: Path, name: str) -> None:
     """Atomically make ckpt_root/last refer to `name`: a relative symlink, or where symlinks are not
     available a small text file holding the name."""
@@ -192,6 +208,8 @@ class Checkpointer:
                  resumed_step: int = -1):
         self.root, self.keep, self.main = root, keep, main
         self.last, self.last_step = resumed_from, resumed_step
+        if main and root is not None:
+            remove_interrupted_saves(root)  # of an earlier run of this folder that was killed mid-save
 
     def save(self, step: int, model: nn.Module, opt, sched, task, cfg) -> None:
         if self.main and self.root is not None and step != self.last_step:
