@@ -153,3 +153,12 @@ def test_the_next_save_removes_interrupted_saves(tmp_path):
     (root / "step-00000006" / "trainer.json").write_text("{}")
     assert [p.name for p in remove_interrupted_saves(root)][0].startswith(".step-00000007.tmp-")
     assert sorted(p.name for p in root.rglob("*")) == ["step-00000006", "trainer.json"]
+
+
+def test_a_pointer_file_that_is_not_text_names_itself(finished_run):
+    """Where there are no symlinks `last` is a text file; a corrupted one is named, not a decode traceback."""
+    last = finished_run / "checkpoints" / "last"
+    last.unlink()
+    last.write_bytes(b"step-\xff\xfe")
+    with pytest.raises(CheckpointError, match=rf"{last} is corrupted: a pointer file"):
+        find_checkpoint(finished_run)

@@ -15,7 +15,7 @@ import codecs
 import sys
 from pathlib import Path
 
-from ..cli import add_common_options, dtype_arg, float_in, positive_int, resolve_device, torch_dtype
+from ..cli import add_common_options, dtype_arg, float_in, positive_int, resolve_device, torch_dtype, utf8_text
 
 
 _nonneg_float = float_in(0.0, low_inclusive=True, example="0.8; 0 = greedy")
@@ -35,7 +35,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--checkpoint", required=True, metavar="DIR",
                    help="a model folder (config.json + model.safetensors), a training checkpoint folder, or a run "
                         "folder (its checkpoints/last is used)")
-    p.add_argument("--prompt", required=True, help="text to continue (encoded as UTF-8 bytes; must not be empty)")
+    p.add_argument("--prompt", required=True, type=utf8_text,
+                   help="text to continue (encoded as UTF-8 bytes; must not be empty)")
     p.add_argument("--max-new-tokens", type=positive_int, default=200, metavar="N",
                    help="bytes to generate at most (default: %(default)s)")
     p.add_argument("--temperature", type=_nonneg_float, default=0.8, metavar="T",
@@ -44,7 +45,7 @@ def add_parser(subparsers) -> None:
                    help="sample among the K most likely bytes only (default: all)")
     p.add_argument("--top-p", type=_top_p, default=None, metavar="P",
                    help="nucleus sampling: the smallest set of bytes with probability >= P (default: off)")
-    p.add_argument("--stop", default=None, metavar="STRING",
+    p.add_argument("--stop", default=None, metavar="STRING", type=utf8_text,
                    help="stop once the generated text contains STRING (not printed); e.g. a blank line $'\\n\\n'")
     p.add_argument("--no-echo", action="store_true", help="do not print the prompt before the continuation")
     p.add_argument("--dtype", type=dtype_arg, default=None, metavar="{float32,bfloat16,float16}",

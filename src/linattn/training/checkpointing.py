@@ -238,7 +238,11 @@ def find_checkpoint(path) -> Path:
         if link.is_symlink():
             target = link.parent / os.readlink(link)
         elif link.is_file():  # text-file pointer (no symlinks on this filesystem)
-            target = link.parent / link.read_text(encoding="utf-8").strip()
+            try:
+                target = link.parent / link.read_text(encoding="utf-8").strip()
+            except UnicodeDecodeError:
+                raise CheckpointError(f"{link} is corrupted: a pointer file should hold a checkpoint folder's name "
+                                      "as UTF-8 text") from None
         else:
             target = link
         if not target.is_dir():
