@@ -16,7 +16,7 @@ import torch
 
 from linattn import parallel as D
 
-TIMEOUT_S = 2.0
+TIMEOUT_S = 3.0  # also bounds the rendezvous and the first exchange: margin for a loaded machine
 WAIT_S = 45.0  # the peer must be done long before this; without the fix it would wait 30 minutes
 
 
