@@ -74,3 +74,15 @@ def test_resolve_device():
             resolve_device("cuda")
     else:
         assert resolve_device("cuda", local_rank=torch.cuda.device_count()) == torch.device("cuda", 0)
+
+
+def test_check_output_folder(tmp_path):
+    from linattn._checks import check_output_folder
+
+    check_output_folder("out_dir", tmp_path)  # an existing folder
+    check_output_folder("out_dir", tmp_path / "new" / "deeper")  # created later
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(ValueError, match=r"^out_dir '.*f' is a file, not a folder"):
+        check_output_folder("out_dir", tmp_path / "f")
+    with pytest.raises(ValueError, match=r"out_dir '.*f/a/b' lies under '.*f', which is a file"):
+        check_output_folder("out_dir", tmp_path / "f" / "a" / "b")

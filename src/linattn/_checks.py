@@ -229,3 +229,18 @@ def dataclass_from_dict(cls, d, what: str):
     if unknown:
         raise ValueError(f"unknown {what} fields {unknown}; known fields are {sorted(known)}")
     return cls(**d)
+
+
+def check_output_folder(name: str, path) -> None:
+    """`path` can be (or already is) a folder: nothing on the way to it is an existing file. The
+    message starts with `name` (e.g. "out_dir") unless it is empty."""
+    from pathlib import Path
+
+    p = Path(path)
+    for part in (p, *p.parents):
+        if part.exists():
+            if not part.is_dir():
+                what = "is a file" if part == p else f"lies under {str(part)!r}, which is a file"
+                prefix = f"{name} " if name else ""
+                raise ValueError(f"{prefix}{str(p)!r} {what}, not a folder: pass a folder (created if missing)")
+            return
