@@ -117,3 +117,60 @@ def test_empty_sequence():
     q, k, v = qkv(n=0)
     with pytest.raises(ValueError, match="at least one token"):
         linear_attention(q, k, v, causal=True)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("native_env", ["1", "0"])
+def test_zero_sized_dims_are_refused(monkeypatch, causal, native_env):
+    """D = 0 or E = 0 once gave uninitialized memory (fused path) or a bare reshape error (torch ops)."""
+    monkeypatch.setenv("LINATTN_NATIVE", native_env)
+    x = torch.rand(1, 2, 8, 4)
+    with pytest.raises(ValueError, match=r"q and k must have a head dim D >= 1, got shape \(1, 2, 8, 0\)"):
+        linear_attention(x[..., :0], x[..., :0], x, causal=causal)
+    with pytest.raises(ValueError, match=r"v must have a value dim E >= 1, got shape \(1, 2, 8, 0\)"):
+        linear_attention(x, x, x[..., :0], causal=causal)
+    with pytest.raises(ValueError, match=r"q, k, v must have batch B >= 1 and heads H >= 1, got shape \(0, 2, 8, 4\)"):
+        linear_attention(x[:0], x[:0], x[:0], causal=causal)
+    with pytest.raises(ValueError, match=r"v must have a value dim E >= 1"):
+        linear_attention_step(None, x[:, :, :1], x[:, :, :1], x[:, :, :1, :0])
+
+
+@pytest.mark.parametrize("bad", [-1e-6, float("nan"), float("inf"), "1e-6", None, True])
+def test_bad_eps_is_refused(bad):
+    q, k, v = qkv()
+    error = TypeError if isinstance(bad, (str, bool)) or bad is None else ValueError
+    with pytest.raises(error, match=f"eps must be a finite float >= 0, got {bad!r}"):
+        linear_attention(q, k, v, causal=True, eps=bad)
+    with pytest.raises(error, match="eps must be a finite float >= 0"):
+        linear_attention(q, k, v, causal=False, eps=bad)
+    with pytest.raises(error, match="eps must be a finite float >= 0"):
+        linear_attention_step(None, q[:, :, :1], k[:, :, :1], v[:, :, :1], eps=bad)
+    with pytest.raises(error, match="eps must be a finite float >= 0"):
+        make_feature_map("relu", 4, eps=bad)
+
+
+def test_flags_must_be_bools():
+    q, k, v = qkv()
+    with pytest.raises(TypeError, match="causal must be a bool, got str 'False'"):
+        linear_attention(q, k, v, causal="False")
+    with pytest.raises(TypeError, match="normalize must be a bool, got int 0"):
+        linear_attention(q, k, v, causal=True, normalize=0)
+    with pytest.raises(TypeError, match="return_state must be a bool, got NoneType None"):
+        linear_attention(q, k, v, causal=True, return_state=None)
+    with pytest.raises(TypeError, match="normalize must be a bool"):
+        linear_attention_step(None, q[:, :, :1], k[:, :, :1], v[:, :, :1], normalize="yes")
+
+
+@pytest.mark.parametrize("dtype,state", [(torch.float32, torch.bfloat16), (torch.float32, torch.float64),
+                                         (torch.bfloat16, torch.bfloat16), (torch.float64, torch.float32)])
+def test_state_of_the_wrong_dtype_is_refused(dtype, state):
+    """The state is float32 (float64 for float64 inputs): a bf16 state would accumulate in bf16."""
+    q, k, v = qkv(dtype=dtype)
+    st = (torch.zeros(1, 2, 4, 4, dtype=state), torch.zeros(1, 2, 4, dtype=state))
+    want = torch.float64 if dtype == torch.float64 else torch.float32
+    msg = rf"initial_state must be \(kv, z\) in {want} for {dtype} inputs, got kv {state} and z {state}"
+    with pytest.raises(TypeError, match=msg):
+        linear_attention_step(st, q[:, :, :1], k[:, :, :1], v[:, :, :1])
+    with pytest.raises(TypeError, match=msg):
+        linear_attention(q, k, v, causal=True, initial_state=st)
+

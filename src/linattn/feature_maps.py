@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
+from ._checks import check_eps
 from .positional import broadcast_positions
 
 
@@ -101,8 +102,7 @@ class ReLUFeatureMap(FeatureMap):
 
     def __init__(self, head_dim: int, eps: float = 1e-6):
         super().__init__(head_dim)
-        if eps < 0:
-            raise ValueError(f"eps must be >= 0, got {eps}")
+        check_eps("eps", eps)
         self.eps = float(eps)
 
     def forward(self, x, *, is_query: bool = True, positions=None):

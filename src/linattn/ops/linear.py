@@ -10,11 +10,15 @@ from __future__ import annotations
 import torch
 
 from .._checks import (
+    check_bool,
+    check_eps,
     check_key_padding_mask,
     check_positions,
     check_positive_int,
     check_qkv,
+    check_sizes,
     check_state,
+    check_state_dtype,
 )
 from . import native
 from ._features import Featurizer
@@ -33,6 +37,8 @@ def _prepare(q, k, v, *, feature_map, scale, key_padding_mask, initial_state, po
     b, h, n_k, d = k.shape
     if q.shape[2] < 1 or n_k < 1:
         raise ValueError(f"q and k must hold at least one token, got lengths {q.shape[2]} and {n_k}")
+    if 0 in (b, h, d, v.shape[3]):
+        check_sizes(q, v)
     if feature_map is not None:
         if not hasattr(feature_map, "feature_dim"):
             raise TypeError(f"feature_map must be a linattn feature map (with .feature_dim), got {type(feature_map).__name__}")
@@ -47,6 +53,7 @@ def _prepare(q, k, v, *, feature_map, scale, key_padding_mask, initial_state, po
         raise ValueError(f"rope dim must equal the feature dim F={feat}, got {rope.dim}")
     if initial_state is not None:
         check_state(initial_state, b, h, feat, v.shape[-1], q.device)
+        check_state_dtype(initial_state, q.dtype, state_dtype(q.dtype))
     needs_pos = rope is not None or getattr(feature_map, "needs_positions", False)
     if positions is None and needs_pos:
         if initial_state is not None:
@@ -120,6 +127,9 @@ def _linear_attention(q, k, v, *, causal, feature_map, normalize, eps, scale, ke
                       return_state, chunk_size, positions, rope):
     """linear_attention without advancing φ's redraw schedule (for callers that already did)."""
     check_positive_int("chunk_size", chunk_size)
+    for name, flag in (("causal", causal), ("normalize", normalize), ("return_state", return_state)):
+        check_bool(name, flag)
+    check_eps("eps", eps)
     if causal and q.dim() == 4 and k.dim() == 4 and q.shape[2] != k.shape[2]:
         raise ValueError(f"causal linear attention needs q and k of equal length, got {q.shape[2]} and {k.shape[2]}")
     fz, state = _prepare(q, k, v, feature_map=feature_map, scale=scale, key_padding_mask=key_padding_mask,
@@ -180,6 +190,8 @@ def linear_attention_step(
     to start from zeros. positions: (T,) or (B, T) global indices (required with RoPE / cosFormer).
     """
     advance_schedule(feature_map)
+    check_bool("normalize", normalize)
+    check_eps("eps", eps)
     if q.dim() == 4 and q.shape[2] != 1:
         o, new_state = _linear_attention(q, k, v, causal=True, feature_map=feature_map, normalize=normalize, eps=eps,
                                          scale=scale, key_padding_mask=key_padding_mask, initial_state=state,
