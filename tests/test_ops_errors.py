@@ -174,3 +174,38 @@ def test_state_of_the_wrong_dtype_is_refused(dtype, state):
     with pytest.raises(TypeError, match=msg):
         linear_attention(q, k, v, causal=True, initial_state=st)
 
+
+_HUGE_CHUNK = """
+import torch
+from linattn.feature_maps import make_feature_map
+from linattn.ops import linear_attention
+torch.manual_seed(0)
+q = torch.rand(1, 2, 70, 8)
+for fm in (None, make_feature_map("elu", 8)):
+    want = linear_attention(q, q, q, causal=True, feature_map=fm, chunk_size=70)
+    for chunk in (2**31, 2**62):
+        o = linear_attention(q, q, q, causal=True, feature_map=fm, chunk_size=chunk)
+        torch.testing.assert_close(o, want)
+        qg = q.clone().requires_grad_()
+        linear_attention(qg, qg, qg, causal=True, feature_map=fm, chunk_size=chunk).sum().backward()
+        assert torch.isfinite(qg.grad).all()
+from linattn.ops import native
+if native.available():  # the kernel itself clamps the chunk too
+    st = (torch.zeros(1, 2, 8, 8), torch.zeros(1, 2, 8))
+    o, *_ = torch.ops.linattn_cpu.chunked.default(q, q, q, *st, 1, True, 1e-6, 2**62, True)
+    torch.testing.assert_close(o, linear_attention(q, q, q, causal=True, feature_map=make_feature_map("elu", 8)))
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("native_env", ["1", "0"])
+def test_a_huge_chunk_size_is_one_chunk_not_a_crash(native_env):
+    """chunk_size=2**31 (2**62 with elu+1) overflowed chunk² in the fused kernel and killed the interpreter;
+    run in a subprocess so that a crash fails this test instead of ending pytest."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "LINATTN_NATIVE": native_env}
+    res = subprocess.run([sys.executable, "-c", _HUGE_CHUNK], env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), (res.returncode, res.stderr[-2000:])

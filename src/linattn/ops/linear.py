@@ -134,6 +134,7 @@ def _linear_attention(q, k, v, *, causal, feature_map, normalize, eps, scale, ke
         raise ValueError(f"causal linear attention needs q and k of equal length, got {q.shape[2]} and {k.shape[2]}")
     fz, state = _prepare(q, k, v, feature_map=feature_map, scale=scale, key_padding_mask=key_padding_mask,
                          initial_state=initial_state, positions=positions, rope=rope)
+    chunk_size = min(chunk_size, q.shape[2])  # one chunk at most: no C² work buffer beyond N²
     phi = None if not causal or rope is not None else native.fused_phi(feature_map, scale, key_padding_mask, state,
                                                                        q, k, v, bf16=True, train=True)
     if phi is not None and native.chunked_ready(q.dtype):  # CPU: fused forward (and backward)
