@@ -57,11 +57,30 @@ def load() -> bool:
                       build_directory=_build_directory(), is_python_module=False, verbose=False)
                 _state["loaded"] = hasattr(torch.ops.linattn_cpu, "step")
             except Exception as exc:  # no compiler, no ninja, a failed build: keep the torch-op path
-                _state["loaded"], _state["error"] = False, f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
+                _state["loaded"], _state["error"] = False, build_failure(exc)
                 warnings.warn(f"linattn: the fused CPU kernels could not be built ({_state['error']}); "
                               "torch ops run instead (same numbers, slower). Set LINATTN_NATIVE=0 to silence.",
                               RuntimeWarning, stacklevel=3)
     return _state["loaded"]
+
+
+def build_failure(exc: BaseException, lines: int = 6, width: int = 240) -> str:
+    """What made a build fail, in a few short lines: the error's text without the compiler and linker
+    command lines and ninja's progress lines (which fill the first hundreds of characters), repeated
+    lines once, the last `lines` kept, each cut at `width` characters, e.g. "RuntimeError: Error building
+    extension 'linattn_cpu': /bin/sh: 1: c++: not found; ninja: build stopped: subcommand failed."."""
+    head, *rest = str(exc).splitlines() or [""]
+    head = head.partition(": [")[0]  # torch: "Error building extension 'x': [1/3] <command line>"
+    kept: list[str] = []
+    for line in rest:
+        line = line.strip()
+        words = line.split()
+        is_command = sum(w.startswith("-") for w in words) >= 4  # a compiler or linker invocation
+        if line and not is_command and not line.startswith(("FAILED:", "[")) and line not in kept:
+            kept.append(line)
+    cause = "; ".join(x if len(x) <= width else x[:width] + "..." for x in kept[-lines:])
+    head = head if len(head) <= width else head[:width] + "..."
+    return f"{type(exc).__name__}: {head}" + (f": {cause}" if cause else "")
 
 
 def _build_directory() -> str:
