@@ -30,14 +30,27 @@ class Featurizer:
         pos = None if self.positions is None else self.positions[..., start:end]
         if is_query and self.scale is not None:
             x = x * self.scale
-        f = x if self.feature_map is None else self.feature_map(x, is_query=is_query, positions=pos)
+        drop = None
         if not is_query and self.key_padding_mask is not None:
-            f = f * self.key_padding_mask[:, None, start:end, None].to(f.dtype)
+            # selected, not multiplied by 0 (0·NaN = NaN), before φ too: whatever a masked slot holds,
+            # no NaN, Inf or overflow comes out of it, and no gradient flows into it or φ's parameters
+            drop = ~self.key_padding_mask[:, None, start:end, None]
+            x = x.masked_fill(drop, 0)
+        f = x if self.feature_map is None else self.feature_map(x, is_query=is_query, positions=pos)
+        if drop is not None:
+            f = f.masked_fill(drop, 0)
         if self.rope is None:
             return f, None
         if self._angles is None or self._angles[:3] != (start, end, f.dtype):
             self._angles = (start, end, f.dtype, *self.rope.angles(pos, f.dtype))
         return self.rope.rotate(f, angles=self._angles[3:]), f
+
+    def values(self, v: torch.Tensor) -> torch.Tensor:
+        """v (B, H, N, E) with the masked key slots set to 0 (selected: a NaN or Inf there would reach
+        the state as 0·NaN through the zeroed key features), or v itself without a mask."""
+        if self.key_padding_mask is None:
+            return v
+        return v.masked_fill(~self.key_padding_mask[:, None, :, None], 0)
 
     @property
     def local_grad(self) -> bool:

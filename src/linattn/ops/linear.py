@@ -23,6 +23,7 @@ from .._checks import (
 from . import native
 from ._features import Featurizer
 from .chunked import ChunkedCausalLinearAttention, compute_dtype, state_dtype
+from .nonfinite import all_finite
 
 State = tuple[torch.Tensor, torch.Tensor]
 
@@ -116,6 +117,10 @@ def linear_attention(
 
     On the CPU, a causal call with φ elu+1 or None, no RoPE, mask or scale and fp32/fp64/bf16 inputs
     runs as fused operators, forward and backward (linattn.ops.native; the same numbers up to rounding).
+
+    NaN and Inf respect causality: one at token j changes no output before j and no gradient of a
+    loss over those outputs (such a call runs an exact, slower pass: linattn.ops.chunked), and a masked
+    key slot changes nothing whatever it holds.
     """
     advance_schedule(feature_map)
     return _linear_attention(q, k, v, causal=causal, feature_map=feature_map, normalize=normalize, eps=eps,
@@ -135,15 +140,20 @@ def _linear_attention(q, k, v, *, causal, feature_map, normalize, eps, scale, ke
     fz, state = _prepare(q, k, v, feature_map=feature_map, scale=scale, key_padding_mask=key_padding_mask,
                          initial_state=initial_state, positions=positions, rope=rope)
     chunk_size = min(chunk_size, q.shape[2])  # one chunk at most: no C² work buffer beyond N²
+    v = fz.values(v)
     phi = None if not causal or rope is not None else native.fused_phi(feature_map, scale, key_padding_mask, state,
                                                                        q, k, v, bf16=True, train=True)
     if phi is not None and native.chunked_ready(q.dtype):  # CPU: fused forward (and backward)
         o, (kv, z) = native.chunked(q, k, v, state, phi=phi, normalize=normalize, eps=float(eps), chunk=chunk_size)
     elif causal:
-        o, kv, z = ChunkedCausalLinearAttention.apply(fz, chunk_size, normalize, float(eps), q, k, v, *state,
+        o, kv, z = ChunkedCausalLinearAttention.apply(fz, chunk_size, normalize, float(eps), False, q, k, v, *state,
                                                       *fz.parameters)
     else:
         o, (kv, z) = _noncausal(fz, q, k, v, state, normalize, eps)
+    if causal and not all_finite(kv, z):
+        # a NaN or Inf in k, v or the state: the exact pass keeps it out of earlier tokens (ops.chunked)
+        o, kv, z = ChunkedCausalLinearAttention.apply(fz, chunk_size, normalize, float(eps), True, q, k, v, *state,
+                                                      *fz.parameters)
     return (o, (kv, z)) if return_state else o
 
 
@@ -204,6 +214,7 @@ def linear_attention_step(
                          initial_state=state, positions=positions, rope=rope)
     if k.shape[2] != 1:
         raise ValueError(f"k must hold the same single token as q, got length {k.shape[2]}")
+    v = fz.values(v)
     phi = native.fused_phi(feature_map, scale, key_padding_mask, state, q, k, v)
     if phi is not None:  # one fused CPU operator (elu+1 or identity, inference)
         angles = None if rope is None else rope.angles(fz.positions, state[0].dtype)
