@@ -159,6 +159,8 @@ def test_flags_must_be_bools():
         linear_attention(q, k, v, causal=True, return_state=None)
     with pytest.raises(TypeError, match="normalize must be a bool"):
         linear_attention_step(None, q[:, :, :1], k[:, :, :1], v[:, :, :1], normalize="yes")
+    with pytest.raises(TypeError, match="causal must be a bool, got str 'False'"):
+        softmax_attention(q, k, v, causal="False")
 
 
 @pytest.mark.parametrize("dtype,state", [(torch.float32, torch.bfloat16), (torch.float32, torch.float64),
