@@ -39,8 +39,9 @@ final state (S, z), and every non-finite factor of the backward's products (a fe
 g, the final-state gradients) reaches the initial state's gradient (R, r); both are checked after
 a pass (`nonfinite.all_finite`, ~65k instructions against ~180M for a fused forward at N=4096), and
 only then is the pass run again exact: the same algorithm with products in which those zeros absorb
-a NaN or Inf (`nonfinite.strong_bmm`), zero cotangents giving G = g = 0, and rows whose feature
-gradients are 0 chained from zero inputs (their φ' may be NaN). A non-finite value then reaches
+a NaN or Inf (`nonfinite.strong_bmm`), zero cotangents giving G = g = 0, masked keys' feature
+gradients 0 (their features are the constant 0; a NaN v there is left to this pass), and rows whose
+feature gradients are 0 chained from zero inputs (their φ' may be NaN). A non-finite value then reaches
 exactly the outputs and gradients that depend on it, and the gradients of tokens that no output in
 the loss depends on are exactly 0. The fused CPU kernels (linattn.ops.native) take the same exact
 pass of these torch ops in that case.
@@ -124,7 +125,7 @@ def _block_states(Q, K, V, Kd, S, z, exact: bool = False):
     S_before (BH·nc, F, E), z_before (BH·nc, F) (state dtype), the states after the block, and the
     masked scores A = M ⊙ Q̃ K̃ᵀ (BH·nc, c, c)."""
     Kt = K.mT
-    S_before, S_after = _prefix(S, torch.bmm(Kt, V), exact=exact)
+    S_before, S_after = _prefix(S, (strong_bmm if exact else torch.bmm)(Kt, V), exact=exact)
     z_before, z_after = _prefix(z, Kd.sum(1), exact=exact)  # bf16 sums accumulate in fp32 (sum(dtype=) is 3× slower)
     A = torch.bmm(Q, Kt).tril_()
     return S_before, S_after, z_before, z_after, A
@@ -332,6 +333,12 @@ def _backward(ctx, saved, do, dkv, dz, exact: bool):
         grads = _feature_grads(mm, Q, K, V, Qd, Kd, A, G, g, S_before, z_before, R_after, r_after, dV)
         _store(dv[:, :, s:t], dV)
         del A
+        if exact and featurize.key_padding_mask is not None:
+            # a masked key's features are the constant 0: their gradient is 0 (a NaN v there made it NaN)
+            masked = ~featurize.key_padding_mask[:, None, s:t].expand(b, h, m).reshape(-1, c, 1)
+            for gr in (grads[2], grads[3]):
+                if gr is not None:
+                    gr.masked_fill_(masked, 0)
         if local:
             for dst, f, gr, is_q in ((dq, Q, grads[0], True), (dk, K, grads[2], False)):
                 if dst is not None:

@@ -140,7 +140,6 @@ def _linear_attention(q, k, v, *, causal, feature_map, normalize, eps, scale, ke
     fz, state = _prepare(q, k, v, feature_map=feature_map, scale=scale, key_padding_mask=key_padding_mask,
                          initial_state=initial_state, positions=positions, rope=rope)
     chunk_size = min(chunk_size, q.shape[2])  # one chunk at most: no C² work buffer beyond N²
-    v = fz.values(v)
     phi = None if not causal or rope is not None else native.fused_phi(feature_map, scale, key_padding_mask, state,
                                                                        q, k, v, bf16=True, train=True)
     if phi is not None and native.chunked_ready(q.dtype):  # CPU: fused forward (and backward)
@@ -166,6 +165,7 @@ def _noncausal(fz: Featurizer, q, k, v, state, normalize, eps):
         raise ValueError(f"positions cover {fz.positions.shape[-1]} keys but q has {n_q} tokens; use equal lengths")
     qr, qd = fz(q, 0, n_q, True)
     kr, kd = fz(k, 0, n_k, False)
+    v = fz.values(v)
     kv = state[0].to(sdt) + (kr.to(cdt).transpose(-1, -2) @ v.to(cdt)).to(sdt)
     z = state[1].to(sdt) + (kr if kd is None else kd).to(sdt).sum(-2)
     u = qr.to(cdt) @ kv.to(cdt)
