@@ -138,6 +138,43 @@ def _store(dst: torch.Tensor, buf: torch.Tensor) -> None:
         dst.copy_(buf.view(dst.shape))
 
 
+def chain_feature_grads(featurize: Featurizer, span, inputs, feats, grads, outs, dparams) -> None:
+    """Writes ∂L/∂q, ∂L/∂k of the tokens [s, t) into outs = (dq, dk) (either None when not wanted) and
+    adds φ's parameter gradients to dparams, from grads = (∂Q̃, ∂Q̃_d, ∂K̃, ∂K̃_d) (the numerator and
+    denominator feature gradients, None where absent), span = (B, H, s, t).
+
+    `featurize.local_grad`: elementwise; inputs is None and feats = (Q̃, K̃) (any shape holding
+    (B, H, t − s, F); overwritten). Otherwise autograd through the block's graph: inputs = (qb, kb) the
+    block's q, k (requiring grad where wanted) and feats = (q̃, q̃_d, k̃, k̃_d) made from them."""
+    b, h, s, t = span
+    m = t - s
+    dq, dk = outs
+    if inputs is None:
+        for dst, f, gr, is_q in ((dq, feats[0], grads[0], True), (dk, feats[1], grads[2], False)):
+            if dst is not None:
+                featurize.input_grad(f.view(b, h, m, -1), gr.view(b, h, m, -1), s, t, is_q, out=dst[:, :, s:t])
+        return
+    qb, kb = inputs
+    params = featurize.parameters
+    want = [x for x in (qb, kb) if x.requires_grad] + list(params)
+    pairs = [(f, gr.view(b, h, m, -1)) for f, gr in zip(feats, grads)
+             if f is not None and gr is not None and f.requires_grad]
+    if not want or not pairs:
+        for x, dst in ((qb, dq), (kb, dk)):
+            if dst is not None:
+                dst[:, :, s:t] = 0
+        return
+    res = iter(torch.autograd.grad([p[0] for p in pairs], want, [p[1] for p in pairs], allow_unused=True))
+    for x, dst in ((qb, dq), (kb, dk)):
+        if x.requires_grad:
+            gx = next(res)
+            dst[:, :, s:t] = 0 if gx is None else gx
+    for j in range(len(params)):
+        gp = next(res)
+        if gp is not None:
+            dparams[j] += gp
+
+
 class ChunkedCausalLinearAttention(torch.autograd.Function):
     """apply(featurize, chunk, normalize, eps, q, k, v, kv0, z0, *params) -> (o, kv, z)."""
 
@@ -263,28 +300,7 @@ class ChunkedCausalLinearAttention(torch.autograd.Function):
                 dQd.baddbmm_(g.to(cdt), z_before.to(cdt).unsqueeze(1))
             dKd += r_after.reshape(-1, 1, feat).to(cdt)
             grads = (dQ, dQd if not shared else None, dK, dKd if not shared else None)
-            if local:
-                for dst, f, gr, is_q in ((dq, Q, dQ, True), (dk, K, dK, False)):
-                    if dst is not None:
-                        featurize.input_grad(f.view(b, h, m, -1), gr.view(b, h, m, -1), s, t, is_q,
-                                             out=dst[:, :, s:t])
-                continue
-            want = [x for x in (qb, kb) if x.requires_grad] + list(params)
-            pairs = [(f, gr.view(b, h, m, -1)) for f, gr in zip(feats, grads)
-                     if f is not None and gr is not None and f.requires_grad]
-            if not want or not pairs:
-                for x, dst in ((qb, dq), (kb, dk)):
-                    if dst is not None:
-                        dst[:, :, s:t] = 0
-                continue
-            res = iter(torch.autograd.grad([p[0] for p in pairs], want, [p[1] for p in pairs], allow_unused=True))
-            for x, dst in ((qb, dq), (kb, dk)):
-                if x.requires_grad:
-                    gx = next(res)
-                    dst[:, :, s:t] = 0 if gx is None else gx
-            for j in range(len(params)):
-                gp = next(res)
-                if gp is not None:
-                    dparams[j] += gp
+            chain_feature_grads(featurize, (b, h, s, t), (qb, kb) if not local else None, (Q, K) if local else feats,
+                                grads, (dq, dk), dparams)
         return (None, None, None, None, dq, dk, dv, R.reshape(b, h, feat, e).to(ctx.kv0_dtype),
                 r.reshape(b, h, feat).to(ctx.z0_dtype), *dparams)

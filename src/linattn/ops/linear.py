@@ -29,6 +29,25 @@ def _feature_dim(feature_map, head_dim: int) -> int:
 
 def _prepare(q, k, v, *, feature_map, scale, key_padding_mask, initial_state, positions, rope):
     """Validates the arguments shared by every form and builds the featurizer."""
+    fz = featurizer(q, k, v, feature_map=feature_map, scale=scale, key_padding_mask=key_padding_mask,
+                    positions=positions, rope=rope, resuming=initial_state is not None)
+    b, h = k.shape[:2]
+    feat = _feature_dim(feature_map, k.shape[3])
+    if initial_state is not None:
+        check_state(initial_state, b, h, feat, v.shape[-1], q.device)
+    else:
+        sdt = state_dtype(q.dtype)
+        initial_state = (
+            torch.zeros(b, h, feat, v.shape[-1], dtype=sdt, device=q.device),
+            torch.zeros(b, h, feat, dtype=sdt, device=q.device),
+        )
+    return fz, initial_state
+
+
+def featurizer(q, k, v, *, feature_map, scale, key_padding_mask, positions, rope, resuming: bool) -> Featurizer:
+    """Validates q, k, v and the feature options (φ, scale, mask, positions, RoPE) and builds the
+    `Featurizer`; `resuming`: the call continues from a state (then positions must be given where
+    RoPE or φ needs them)."""
     check_qkv(q, k, v)
     b, h, n_k, d = k.shape
     if q.shape[2] < 1 or n_k < 1:
@@ -45,24 +64,15 @@ def _prepare(q, k, v, *, feature_map, scale, key_padding_mask, initial_state, po
     feat = _feature_dim(feature_map, d)
     if rope is not None and rope.dim != feat:
         raise ValueError(f"rope dim must equal the feature dim F={feat}, got {rope.dim}")
-    if initial_state is not None:
-        check_state(initial_state, b, h, feat, v.shape[-1], q.device)
     needs_pos = rope is not None or getattr(feature_map, "needs_positions", False)
     if positions is None and needs_pos:
-        if initial_state is not None:
+        if resuming:
             raise ValueError(
                 "positions are required when resuming from initial_state with RoPE or a position-dependent "
                 "feature map (pass the global token indices)"
             )
         positions = torch.arange(n_k, device=k.device)
-    fz = Featurizer(feature_map, rope, None if scale is None else float(scale), positions, key_padding_mask)
-    if initial_state is None:
-        sdt = state_dtype(q.dtype)
-        initial_state = (
-            torch.zeros(b, h, feat, v.shape[-1], dtype=sdt, device=q.device),
-            torch.zeros(b, h, feat, dtype=sdt, device=q.device),
-        )
-    return fz, initial_state
+    return Featurizer(feature_map, rope, None if scale is None else float(scale), positions, key_padding_mask)
 
 
 def advance_schedule(feature_map) -> None:

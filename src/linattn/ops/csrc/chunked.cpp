@@ -18,99 +18,94 @@
 #include <utility>
 #include <vector>
 
-#include "common.h"
+#include "chunk_common.h"
 
+namespace linattn_pool {
 namespace {
 
-// A symbol of the loaded torch (its BLAS), or nullptr: global lookup first, then libtorch_cpu itself.
-void* torch_symbol(const char* name) {
-  void* sym = dlsym(RTLD_DEFAULT, name);
-  if (sym == nullptr) {
-    void* lib = dlopen("libtorch_cpu.so", RTLD_LAZY | RTLD_NOLOAD);
-    if (lib != nullptr) sym = dlsym(lib, name);
-  }
-  return sym;
-}
-
-// Fortran BLAS gemm, column-major: C = alpha op(A) op(B) + beta C, with In operands and Out results
-// (sgemm_ / dgemm_: In = Out; MKL's gemm_bf16bf16f32_: bf16 in, float out).
-template <typename In, typename Out>
-using gemm_t = void (*)(const char*, const char*, const int*, const int*, const int*, const Out*, const In*,
-                        const int*, const In*, const int*, const Out*, Out*, const int*);
-
-template <typename In>
-using linattn_acc = typename std::conditional<std::is_same<In, at::BFloat16>::value, float, In>::type;
-
-// The gemm of the loaded torch for operands of type In, or nullptr (checked once).
-template <typename In>
-gemm_t<In, linattn_acc<In>> blas_gemm() {
-  static const auto fn = reinterpret_cast<gemm_t<In, linattn_acc<In>>>(
-      torch_symbol(std::is_same<In, at::BFloat16>::value ? "gemm_bf16bf16f32_"
-                   : std::is_same<In, float>::value      ? "sgemm_"
-                                                         : "dgemm_"));
-  return fn;
-}
-
-bool has_blas() { return blas_gemm<float>() != nullptr && blas_gemm<double>() != nullptr; }
-
-bool has_blas_bf16() { return blas_gemm<at::BFloat16>() != nullptr; }
-
-// Holds MKL to one thread on the calling thread while alive (MKL's thread-local setting; nothing
-// where torch's BLAS is not MKL). Called from inside a parallel region, MKL still sets up for
-// threads of its own on every call: two threads each calling 64×64 sgemms reached ~145 GFLOP/s on
-// this 2-core machine, ~205 with this guard.
-class SequentialBlas {
- public:
-  SequentialBlas() {
-    if (set_local() != nullptr) previous_ = set_local()(1);
-  }
-  ~SequentialBlas() {
-    if (set_local() != nullptr) set_local()(previous_);
-  }
-  SequentialBlas(const SequentialBlas&) = delete;
-  SequentialBlas& operator=(const SequentialBlas&) = delete;
-
- private:
-  using set_t = int (*)(int);
-  static set_t set_local() {
-    static const auto fn = reinterpret_cast<set_t>(torch_symbol("MKL_Set_Num_Threads_Local"));
-    return fn;
-  }
-  int previous_ = 0;
+// Large results (o, dq, dk, dv) come from a small pool of reusable buffers. glibc hands allocations
+// of 32 MiB and more straight back to the OS when freed, so each fresh one costs a page fault per
+// page and the kernel zeroing it (measured on the 2-core development machine: filling a fresh 32 MiB
+// tensor took 13.5 ms, 4.4 ms on 2 MiB huge pages, 1.5 ms reused; the forward at N = 16384,
+// B·H = 8, F = E = 64 takes 30-45 ms). A freed buffer goes back to the pool while it holds less than
+// the cap (LINATTN_POOL_MB, default 512; 0 turns the pool off), else to the OS; `release_pool`
+// empties it. New buffers are 2 MiB aligned, on transparent huge pages where Linux allows it. Such
+// results cannot be resized in place (their storage is not torch's).
+struct BufferPool {
+  std::mutex mu;
+  std::vector<std::pair<size_t, void*>> free;  // (bytes, buffer)
+  size_t held = 0;
 };
 
-// row-major C (M×N) = op(A) op(B) + beta·C, op(X) = Xᵀ when tX: the column-major gemm on the transposes
-template <typename In, typename Out = linattn_acc<In>>
-inline void gemm_rm(bool ta, bool tb, int M, int N, int K, const In* A, int lda, const In* B, int ldb, Out beta, Out* C,
-                    int ldc) {
-  const char tA = tb ? 'T' : 'N', tB = ta ? 'T' : 'N';
-  const Out one = 1;
-  blas_gemm<In>()(&tA, &tB, &N, &M, &K, &one, B, &ldb, A, &lda, &beta, C, &ldc);
+BufferPool& pool() {
+  static BufferPool* p = new BufferPool();  // never destroyed: buffers may be freed at exit
+  return *p;
 }
 
-// Elementwise pieces of the chunk loop, compiled for AVX-512 / AVX2 where the CPU has them (the rest
-// of this file is built for the baseline ISA). T is the dtype of q, k, v, o; Acc that of the scores
-// and the state (float for bf16).
+size_t pool_cap() {
+  const char* env = std::getenv("LINATTN_POOL_MB");
+  const long mb = env == nullptr ? 512 : std::atol(env);
+  return mb <= 0 ? 0 : static_cast<size_t>(mb) << 20;
+}
 
-// bf16 -> float (exact: the bf16 bits are the float's upper half)
-LINATTN_CLONES void widen_bf16(const at::BFloat16* __restrict__ src, float* __restrict__ dst, int64_t n) {
-  const uint16_t* __restrict__ in = reinterpret_cast<const uint16_t*>(src);
-  for (int64_t i = 0; i < n; ++i) {
-    const uint32_t u = uint32_t(in[i]) << 16;
-    std::memcpy(dst + i, &u, sizeof(u));
+constexpr size_t kPooledBytes = size_t{8} << 20;  // results below this size use the default allocator
+constexpr size_t kHuge = size_t{2} << 20;
+
+void return_buffer(void* buf, size_t bytes) {
+  BufferPool& p = pool();
+  {
+    std::lock_guard<std::mutex> lock(p.mu);
+    if (p.held + bytes <= pool_cap()) {
+      p.free.emplace_back(bytes, buf);
+      p.held += bytes;
+      return;
+    }
   }
+  std::free(buf);
 }
 
-// float -> bf16, round to nearest even (NaN stays NaN), written so that it vectorizes
-LINATTN_CLONES void narrow_bf16(const float* __restrict__ src, at::BFloat16* __restrict__ dst, int64_t n) {
-  uint16_t* __restrict__ out = reinterpret_cast<uint16_t*>(dst);
-  for (int64_t i = 0; i < n; ++i) {
-    uint32_t u;
-    std::memcpy(&u, src + i, sizeof(u));
-    const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-    out[i] = src[i] != src[i] ? uint16_t(0x7FC0) : static_cast<uint16_t>(rounded);
-  }
+}  // namespace
+
+int64_t release_pool() {
+  BufferPool& p = pool();
+  std::lock_guard<std::mutex> lock(p.mu);
+  const auto released = static_cast<int64_t>(p.held);
+  for (auto& entry : p.free) std::free(entry.second);
+  p.free.clear();
+  p.held = 0;
+  return released;
 }
+
+at::Tensor empty_result(at::IntArrayRef sizes, const at::TensorOptions& opts) {
+  const size_t bytes = static_cast<size_t>(c10::multiply_integers(sizes)) * opts.dtype().itemsize();
+  if (bytes < kPooledBytes || pool_cap() == 0) return at::empty(sizes, opts);
+  void* buf = nullptr;
+  {
+    BufferPool& p = pool();
+    std::lock_guard<std::mutex> lock(p.mu);
+    for (size_t i = 0; i < p.free.size(); ++i) {
+      if (p.free[i].first == bytes) {
+        buf = p.free[i].second;
+        p.held -= bytes;
+        p.free[i] = p.free.back();
+        p.free.pop_back();
+        break;
+      }
+    }
+  }
+  if (buf == nullptr) {
+    buf = std::aligned_alloc(kHuge, (bytes + kHuge - 1) / kHuge * kHuge);
+    TORCH_CHECK(buf != nullptr, "linattn_cpu: out of memory allocating ", bytes, " bytes");
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+    madvise(buf, (bytes + kHuge - 1) / kHuge * kHuge, MADV_HUGEPAGE);
+#endif
+  }
+  return at::from_blob(buf, sizes, [bytes](void* data) { return_buffer(data, bytes); }, opts);
+}
+
+}  // namespace linattn_pool
+
+namespace {
 
 // Causal mask and denominators of one chunk: A (c×c, row-major) loses its part above the diagonal;
 // den_i = Σ_{j≤i} A_ij + Q̃_i · z + ε
@@ -130,146 +125,9 @@ LINATTN_CLONES void mask_and_denominators(Acc* __restrict__ A, int c, const T* _
   }
 }
 
-template <typename Acc>
-LINATTN_CLONES void mask_upper(Acc* __restrict__ A, int c) {
-  for (int i = 0; i < c; ++i)
-    for (int j = i + 1; j < c; ++j) A[int64_t(i) * c + j] = Acc(0);
-}
-
-// U /= den row by row (c rows of E)
-template <typename Acc>
-LINATTN_CLONES void divide_rows(Acc* __restrict__ U, const Acc* __restrict__ den, int c, int64_t E) {
-  for (int i = 0; i < c; ++i) {
-    const Acc inv = Acc(1) / den[i];
-    for (int64_t x = 0; x < E; ++x) U[i * E + x] *= inv;
-  }
-}
-
-// z += K̃ᵀ 1 over the c rows of a chunk
-template <typename T, typename Acc>
-LINATTN_CLONES void add_column_sums(Acc* __restrict__ z, const T* __restrict__ K, int c, int64_t F) {
-  for (int i = 0; i < c; ++i)
-    for (int64_t x = 0; x < F; ++x) z[x] += static_cast<Acc>(K[i * F + x]);
-}
-
-// Backward pieces. G = ∂L/∂U = dO / den and g = ∂L/∂den = -Σ_e dO ⊙ O / den, per row of a chunk
-template <typename T, typename Acc>
-LINATTN_CLONES void output_grads(const T* __restrict__ dO, const T* __restrict__ O, const Acc* __restrict__ den,
-                                 bool normalize, Acc* __restrict__ G, Acc* __restrict__ g, int c, int64_t E) {
-  for (int i = 0; i < c; ++i) {
-    const Acc inv = normalize ? Acc(1) / den[i] : Acc(1);
-    Acc dot = 0;
-#pragma omp simd reduction(+ : dot)
-    for (int64_t x = 0; x < E; ++x) {
-      const Acc d = static_cast<Acc>(dO[i * E + x]);
-      G[i * E + x] = d * inv;
-      dot += d * static_cast<Acc>(O[i * E + x]);
-    }
-    g[i] = -dot * inv;
-  }
-}
-
-// P_ij += g_i (the denominator's share, P_d = M ⊙ g1ᵀ) on and below the diagonal, 0 above
-template <typename Acc>
-LINATTN_CLONES void add_rows_and_mask(Acc* __restrict__ P, const Acc* __restrict__ g, int c) {
-  for (int i = 0; i < c; ++i) {
-    Acc* __restrict__ Pi = P + int64_t(i) * c;
-    for (int j = 0; j <= i; ++j) Pi[j] += g[i];
-    for (int j = i + 1; j < c; ++j) Pi[j] = Acc(0);
-  }
-}
-
-// X_i += a_i · y (a = nullptr: a_i = 1) for the c rows of X (c×F)
-template <typename Acc>
-LINATTN_CLONES void add_outer(Acc* __restrict__ X, const Acc* __restrict__ a, const Acc* __restrict__ y, int c,
-                              int64_t F) {
-  for (int i = 0; i < c; ++i) {
-    const Acc ai = a == nullptr ? Acc(1) : a[i];
-    for (int64_t x = 0; x < F; ++x) X[i * F + x] += ai * y[x];
-  }
-}
-
-// y += Σ_i a_i X_i over the c rows of X (c×F)
-template <typename T, typename Acc>
-LINATTN_CLONES void add_weighted_rows(Acc* __restrict__ y, const Acc* __restrict__ a, const T* __restrict__ X, int c,
-                                      int64_t F) {
-  for (int i = 0; i < c; ++i)
-    for (int64_t x = 0; x < F; ++x) y[x] += a[i] * static_cast<Acc>(X[i * F + x]);
-}
-
-// ∂L/∂x = ∂L/∂φ(x) · φ'(x) with φ'(x) = min(φ(x), 1) for elu+1 (f its features), or ∂L/∂x = ∂L/∂φ
-// (f = nullptr: the identity)
-template <typename T, typename Acc>
-LINATTN_CLONES void chain_features(const Acc* __restrict__ grad, const Acc* __restrict__ f, T* __restrict__ out,
-                                   int64_t n) {
-  if (f == nullptr) {
-    for (int64_t i = 0; i < n; ++i) out[i] = static_cast<T>(grad[i]);
-  } else {
-    for (int64_t i = 0; i < n; ++i) out[i] = static_cast<T>(grad[i] * std::min(f[i], Acc(1)));
-  }
-}
-
-// A per-thread work buffer of n elements on a 64-byte boundary (a cache line, as torch aligns tensors:
-// the gemm operands made here are then laid out like the ones taken from q, k, v)
-template <typename X>
-class Aligned {
- public:
-  explicit Aligned(int64_t n)
-      : p_(n > 0 ? static_cast<X*>(std::aligned_alloc(64, (n * sizeof(X) + 63) / 64 * 64)) : nullptr) {
-    TORCH_CHECK(n == 0 || p_ != nullptr, "linattn_cpu: out of memory for a work buffer");
-  }
-  ~Aligned() { std::free(p_); }
-  Aligned(const Aligned&) = delete;
-  Aligned& operator=(const Aligned&) = delete;
-  X* data() { return p_; }
-  X* begin() { return p_; }
-
- private:
-  X* p_;
-};
-
-// Acc operands as T (a copy only for bf16)
-template <typename T, typename Acc>
-inline const T* as_operand(const Acc* src, Aligned<T>& buf, int64_t n) {
-  if constexpr (std::is_same<T, Acc>::value) {
-    return src;
-  } else {
-    narrow_bf16(src, buf.data(), n);
-    return buf.data();
-  }
-}
-
-// The features φ = elu + 1 of one block of n values of q and of k, as T (bf16: rounded once, as
-// they are gemm operands, and z sums the rounded values); *Q, *K point into feat.
-template <typename T, typename Acc>
-void block_features(const T* q, const T* k, int64_t n, Aligned<Acc>& wide, Aligned<T>& feat, const T** Q,
-                    const T** K) {
-  if constexpr (std::is_same<T, Acc>::value) {
-    elu_plus_one(q, feat.data(), n);
-    elu_plus_one(k, feat.data() + n, n);
-  } else {
-    // widened first: in one loop with the 16-bit loads GCC vectorizes φ 8 floats wide, not 16
-    widen_bf16(q, wide.data(), n);
-    widen_bf16(k, wide.data() + n, n);
-    elu_plus_one(wide.data(), wide.data(), 2 * n);
-    narrow_bf16(wide.data(), feat.data(), 2 * n);
-  }
-  *Q = feat.data();
-  *K = feat.data() + n;
-}
-
 // The forward for one dtype T of q, k, v, o; scores, state, normalizer and accumulation in Acc (T,
 // or float for bf16: then the scores and the state are rounded to bf16 only as gemm operands).
-// With a training forward (saves != nullptr) it also keeps what the backward needs: the denominators
-// d + ε of every token and the state entering every block.
-template <typename Acc>
-struct Saves {
-  Acc* den;       // (rows, N)
-  Acc* S_blocks;  // (rows, blocks, F, E)
-  Acc* z_blocks;  // (rows, blocks, F)
-  int64_t blocks;
-};
-
+// With a training forward (saves != nullptr) it also keeps what the backward needs (Saves).
 template <typename T>
 void chunked_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& o, at::Tensor& kv,
                   at::Tensor& z_all, int64_t phi, bool normalize, double eps, int64_t chunk, int64_t block,
@@ -338,107 +196,6 @@ void chunked_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
       }
     }
   });
-}
-
-// Large results (o, dq, dk, dv) come from a small pool of reusable buffers. glibc hands allocations
-// of 32 MiB and more straight back to the OS when freed, so each fresh one costs a page fault per
-// page and the kernel zeroing it (measured on the 2-core development machine: filling a fresh 32 MiB
-// tensor took 13.5 ms, 4.4 ms on 2 MiB huge pages, 1.5 ms reused; the forward at N = 16384,
-// B·H = 8, F = E = 64 takes 30-45 ms). A freed buffer goes back to the pool while it holds less than
-// the cap (LINATTN_POOL_MB, default 512; 0 turns the pool off), else to the OS; `release_pool`
-// empties it. New buffers are 2 MiB aligned, on transparent huge pages where Linux allows it. Such
-// results cannot be resized in place (their storage is not torch's).
-struct BufferPool {
-  std::mutex mu;
-  std::vector<std::pair<size_t, void*>> free;  // (bytes, buffer)
-  size_t held = 0;
-};
-
-BufferPool& pool() {
-  static BufferPool* p = new BufferPool();  // never destroyed: buffers may be freed at exit
-  return *p;
-}
-
-size_t pool_cap() {
-  const char* env = std::getenv("LINATTN_POOL_MB");
-  const long mb = env == nullptr ? 512 : std::atol(env);
-  return mb <= 0 ? 0 : static_cast<size_t>(mb) << 20;
-}
-
-constexpr size_t kPooledBytes = size_t{8} << 20;  // results below this size use the default allocator
-constexpr size_t kHuge = size_t{2} << 20;
-
-void return_buffer(void* buf, size_t bytes) {
-  BufferPool& p = pool();
-  {
-    std::lock_guard<std::mutex> lock(p.mu);
-    if (p.held + bytes <= pool_cap()) {
-      p.free.emplace_back(bytes, buf);
-      p.held += bytes;
-      return;
-    }
-  }
-  std::free(buf);
-}
-
-int64_t release_pool() {
-  BufferPool& p = pool();
-  std::lock_guard<std::mutex> lock(p.mu);
-  const auto released = static_cast<int64_t>(p.held);
-  for (auto& entry : p.free) std::free(entry.second);
-  p.free.clear();
-  p.held = 0;
-  return released;
-}
-
-at::Tensor empty_result(at::IntArrayRef sizes, const at::TensorOptions& opts) {
-  const size_t bytes = static_cast<size_t>(c10::multiply_integers(sizes)) * opts.dtype().itemsize();
-  if (bytes < kPooledBytes || pool_cap() == 0) return at::empty(sizes, opts);
-  void* buf = nullptr;
-  {
-    BufferPool& p = pool();
-    std::lock_guard<std::mutex> lock(p.mu);
-    for (size_t i = 0; i < p.free.size(); ++i) {
-      if (p.free[i].first == bytes) {
-        buf = p.free[i].second;
-        p.held -= bytes;
-        p.free[i] = p.free.back();
-        p.free.pop_back();
-        break;
-      }
-    }
-  }
-  if (buf == nullptr) {
-    buf = std::aligned_alloc(kHuge, (bytes + kHuge - 1) / kHuge * kHuge);
-    TORCH_CHECK(buf != nullptr, "linattn_cpu: out of memory allocating ", bytes, " bytes");
-#if defined(__linux__) && defined(MADV_HUGEPAGE)
-    madvise(buf, (bytes + kHuge - 1) / kHuge * kHuge, MADV_HUGEPAGE);
-#endif
-  }
-  return at::from_blob(buf, sizes, [bytes](void* data) { return_buffer(data, bytes); }, opts);
-}
-
-// Tokens per block of a row: φ is computed for a block at a time, and the training forward saves the
-// state entering each block (the backward recomputes the chunk states inside a block from it).
-int64_t block_tokens(int64_t chunk) { return std::max<int64_t>(chunk, (512 / chunk) * chunk); }
-
-// q, k (B, H, N, F), v (B, H, N, E) of one dtype, states (kv-like, z-like) in the state dtype (float32
-// for bf16 inputs, else q's), a BLAS gemm for the dtype: the checks shared by both passes.
-void check_inputs(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& kv,
-                  const at::Tensor& z, int64_t phi, int64_t chunk) {
-  TORCH_CHECK(q.dim() == 4 && k.sizes() == q.sizes() && v.dim() == 4 && v.sizes().slice(0, 3) == q.sizes().slice(0, 3),
-              op, " expects q, k (B, H, N, F) and v (B, H, N, E)");
-  TORCH_CHECK(phi == 0 || phi == 1, op, ": phi must be 0 (identity) or 1 (elu + 1)");
-  TORCH_CHECK(chunk > 0, op, ": chunk must be positive");
-  const bool bf16 = q.scalar_type() == at::kBFloat16;
-  for (const at::Tensor* t : {&k, &v}) {
-    TORCH_CHECK(t->scalar_type() == q.scalar_type(), op, ": q, k, v must share a dtype");
-  }
-  for (const at::Tensor* t : {&kv, &z}) {
-    TORCH_CHECK(t->scalar_type() == (bf16 ? at::kFloat : q.scalar_type()), op,
-                ": the state must be float32 for bf16 inputs, else of q's dtype");
-  }
-  TORCH_CHECK(bf16 ? has_blas_bf16() : has_blas(), op, ": no BLAS gemm found in torch");
 }
 
 // Returns (o, kv, z, den, S_blocks, z_blocks); the last three are empty unless save (training).
@@ -598,7 +355,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> chunked_b
 TORCH_LIBRARY(linattn_cpu, m) {
   m.def("has_blas() -> bool", has_blas);
   m.def("has_blas_bf16() -> bool", has_blas_bf16);
-  m.def("release_pool() -> int", release_pool);
+  m.def("release_pool() -> int", linattn_pool::release_pool);
   m.def(
       "chunked(Tensor q, Tensor k, Tensor v, Tensor kv0, Tensor z0, int phi, bool normalize, float eps, int chunk, "
       "bool save) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
