@@ -5,7 +5,13 @@
 
 from .feature_maps import FEATURE_MAPS, make_feature_map
 from .models import LinearTransformerEncoder, LinearTransformerLM, ModelConfig
-from .ops import linear_attention, linear_attention_step, softmax_attention
+from .ops import (
+    gated_linear_attention,
+    gated_linear_attention_step,
+    linear_attention,
+    linear_attention_step,
+    softmax_attention,
+)
 from .positional import RotaryEmbedding
 
 __version__ = "0.1.0"
@@ -16,6 +22,8 @@ __all__ = [
     "LinearTransformerLM",
     "ModelConfig",
     "RotaryEmbedding",
+    "gated_linear_attention",
+    "gated_linear_attention_step",
     "linear_attention",
     "linear_attention_step",
     "make_feature_map",

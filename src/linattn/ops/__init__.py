@@ -1,8 +1,9 @@
 """Pure functions on (B, H, N, D) tensors: linear attention (causal chunked, non-causal, recurrent
-step), softmax attention, and the quadratic `reference` oracles."""
+step), gated linear attention (`gated`), softmax attention, and the quadratic `reference` oracles."""
 
 from . import reference
+from .gated import gated_linear_attention, gated_linear_attention_step
 from .linear import State, linear_attention, linear_attention_step
 from .softmax import softmax_attention
 
-__all__ = ["State", "linear_attention", "linear_attention_step", "reference", "softmax_attention"]
+__all__ = ["State", "gated_linear_attention", "gated_linear_attention_step", "linear_attention", "linear_attention_step", "reference", "softmax_attention"]
