@@ -1,4 +1,4 @@
-"""The fused CPU kernels of gated linear attention (csrc/gated.cpp) where they differ from the torch-op
+"""The fused CPU kernels of gated linear attention (csrc/gated*.cpp) where they differ from the torch-op
 path: which calls take them, fp32 at the benchmark's shape, bf16 accuracy, the fused step, and the
 kernels' own checks. Their agreement with the float64 recurrence is in test_ops_gated.py."""
 

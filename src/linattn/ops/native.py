@@ -30,7 +30,7 @@ import torch
 from ..feature_maps import EluPlusOne
 
 _CSRC = Path(__file__).with_name("csrc")
-_SOURCES = [str(_CSRC / name) for name in ("decode.cpp", "chunked.cpp", "gated.cpp")]
+_SOURCES = [str(_CSRC / name) for name in ("decode.cpp", "chunked.cpp", "gated.cpp", "gated_backward.cpp")]
 _CFLAGS = ["-O3", "-fopenmp", "-fno-trapping-math"]
 _lock = threading.Lock()
 _state: dict = {"loaded": None, "error": None}

@@ -1,5 +1,5 @@
-"""The fused CPU kernels of gated linear attention (csrc/gated.cpp, in the linattn_cpu extension that
-`linattn.ops.native` builds), wired into Python and autograd.
+"""The fused CPU kernels of gated linear attention (csrc/gated.h, gated.cpp, gated_backward.cpp, in the
+linattn_cpu extension that `linattn.ops.native` builds), wired into Python and autograd.
 
     linattn_cpu::gated_chunked           the chunked forward, one (batch, head) row per task; for
                                          training it also saves the denominators and the state
