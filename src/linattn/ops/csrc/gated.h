@@ -115,7 +115,8 @@ LINATTN_CLONES void add_rows_and_decay(Acc* __restrict__ P, const Acc* __restric
 }
 
 // The rows of a vector-gated piece starting at g (rows of F): γ_0 = 0, γ_i = γ_{i−1} + g_i; returns the
-// largest len ≤ maxlen whose γ stay ≥ −kSpanLimit (γ rows 0…len−1 left in gam)
+// largest len ≤ maxlen whose γ stay ≥ −kSpanLimit (γ rows 0…len−1 left in gam). γ only falls row by
+// row (g ≤ 0), so each new row is the only one to check.
 template <typename Acc>
 LINATTN_CLONES int piece_length(const Acc* __restrict__ g, int maxlen, int64_t F, double* __restrict__ gam) {
   for (int64_t f = 0; f < F; ++f) gam[f] = 0;
@@ -124,13 +125,12 @@ LINATTN_CLONES int piece_length(const Acc* __restrict__ g, int maxlen, int64_t F
     const double* __restrict__ prev = gam + (len - 1) * F;
     double* __restrict__ row = gam + len * F;
     const Acc* __restrict__ gr = g + len * F;
-    double lo = 0;
-#pragma omp simd reduction(min : lo)
+    int beyond = 0;
     for (int64_t f = 0; f < F; ++f) {
       row[f] = prev[f] + static_cast<double>(gr[f]);
-      lo = std::min(lo, row[f]);
+      beyond |= row[f] < -kSpanLimit;
     }
-    if (lo < -kSpanLimit) break;
+    if (beyond) break;
   }
   return len;
 }
@@ -304,15 +304,15 @@ void scalar_chunk_forward(Work<T>& wk, int c, int64_t F, int64_t E, const T* Q, 
   }
 }
 
-// The forward of one vector-gated piece of len rows whose γ is in wk.gam, from (S, z), which it
-// advances; O = nullptr: the state only.
+// The forward of one vector-gated piece of len rows whose γ (piece_length) is in gam, from (S, z), which
+// it advances; O = nullptr: the state only.
 template <typename T>
-void piece_forward(Work<T>& wk, int len, int64_t F, int64_t E, const linattn_acc<T>* Qa, const linattn_acc<T>* Ka,
-                   const T* V, const linattn_acc<T>* g, linattn_acc<T>* S, linattn_acc<T>* z, T* O, bool normalize,
-                   linattn_acc<T> eps, linattn_acc<T>* den_out) {
+void piece_forward(Work<T>& wk, int len, int64_t F, int64_t E, const double* gam, const linattn_acc<T>* Qa,
+                   const linattn_acc<T>* Ka, const T* V, const linattn_acc<T>* g, linattn_acc<T>* S, linattn_acc<T>* z,
+                   T* O, bool normalize, linattn_acc<T> eps, linattn_acc<T>* den_out) {
   using Acc = linattn_acc<T>;
   const int f = static_cast<int>(F), e = static_cast<int>(E);
-  piece_factors(g, wk.gam.data(), len, F, Qa, Ka, wk.dec.data(), wk.w.data(), wk.Qv.data(), wk.Kv.data());
+  piece_factors(g, gam, len, F, Qa, Ka, wk.dec.data(), wk.w.data(), wk.Qv.data(), wk.Kv.data());
   decay_rows(S, wk.dec.data(), F, E);
   if (normalize) decay_rows(z, wk.dec.data(), F, 1);
   const T* Kop = as_operand<T>(wk.Kv.data(), wk.Kv_low, len * F);
@@ -342,8 +342,8 @@ void vector_chunk_forward(Work<T>& wk, int c, int64_t F, int64_t E, const linatt
                           linattn_acc<T>* z, T* O, bool normalize, linattn_acc<T> eps, linattn_acc<T>* den_out) {
   for (int p = 0; p < c;) {
     const int len = piece_length(g + p * F, c - p, F, wk.gam.data());
-    piece_forward<T>(wk, len, F, E, Qa + p * F, Ka + p * F, V + p * E, g + p * F, S, z, O == nullptr ? nullptr : O + p * E,
-                     normalize, eps, den_out == nullptr ? nullptr : den_out + p);
+    piece_forward<T>(wk, len, F, E, wk.gam.data(), Qa + p * F, Ka + p * F, V + p * E, g + p * F, S, z,
+                     O == nullptr ? nullptr : O + p * E, normalize, eps, den_out == nullptr ? nullptr : den_out + p);
     p += len;
   }
 }

@@ -103,17 +103,18 @@ void scalar_chunk_backward(Work<T>& wk, Grads<T>& gr, const Span<T>& sp, int64_t
   chain_features(gr.dK.data(), sp.fK, sp.dk, int64_t(c) * F);
 }
 
-// The backward of one vector-gated piece (γ in wk.gam) from the states (S, z) entering and (S_out, z_out)
+// The backward of one vector-gated piece (its γ in gam) from the states (S, z) entering and (S_out, z_out)
 // leaving it
 template <typename T>
-void piece_backward(Work<T>& wk, Grads<T>& gr, const Span<T>& sp, int64_t F, int64_t E, const linattn_acc<T>* S,
+void piece_backward(Work<T>& wk, Grads<T>& gr, const Span<T>& sp, int64_t F, int64_t E, const double* gam,
+                    const linattn_acc<T>* S,
                     const linattn_acc<T>* z, const linattn_acc<T>* S_out, const linattn_acc<T>* z_out,
                     linattn_acc<T>* R, linattn_acc<T>* rr, bool normalize, double* carry) {
   using Acc = linattn_acc<T>;
   const int c = sp.c, f = static_cast<int>(F), e = static_cast<int>(E);
   const int64_t cc = int64_t(c) * c;
   end_term(S_out, R, z_out, rr, F, E, true, carry);
-  piece_factors(sp.g, wk.gam.data(), c, F, sp.Qa, sp.Ka, wk.dec.data(), wk.w.data(), wk.Qv.data(), wk.Kv.data());
+  piece_factors(sp.g, gam, c, F, sp.Qa, sp.Ka, wk.dec.data(), wk.w.data(), wk.Qv.data(), wk.Kv.data());
   std::copy(S, S + F * E, wk.S_hat.begin());
   decay_rows(wk.S_hat.data(), wk.dec.data(), F, E);  // Ŝ = e^{λ} ⊙ S
   if (normalize) {
@@ -159,7 +160,8 @@ void piece_backward(Work<T>& wk, Grads<T>& gr, const Span<T>& sp, int64_t F, int
 }
 
 // A vector-gated chunk backward: its pieces in reverse, each between the states entering and leaving it
-// (recomputed into Sp, zp when the chunk has more than one piece)
+// (recomputed into Sp, zp when the chunk has more than one piece); the γ of the piece at row p are kept
+// at row p of wk.gam
 template <typename T>
 void vector_chunk_backward(Work<T>& wk, Grads<T>& gr, const Span<T>& ch, int64_t F, int64_t E,
                            const linattn_acc<T>* S, const linattn_acc<T>* z, const linattn_acc<T>* S_out,
@@ -169,7 +171,7 @@ void vector_chunk_backward(Work<T>& wk, Grads<T>& gr, const Span<T>& ch, int64_t
   starts.clear();
   for (int p = 0; p < ch.c;) {
     starts.push_back(p);
-    p += piece_length(ch.g + p * F, ch.c - p, F, wk.gam.data());
+    p += piece_length(ch.g + p * F, ch.c - p, F, wk.gam.data() + p * F);
   }
   const int np = static_cast<int>(starts.size());
   starts.push_back(ch.c);
@@ -182,15 +184,13 @@ void vector_chunk_backward(Work<T>& wk, Grads<T>& gr, const Span<T>& ch, int64_t
       const int p = starts[i], len = starts[i + 1] - p;
       std::copy(Sp.begin() + i * F * E, Sp.begin() + (i + 1) * F * E, Sp.begin() + (i + 1) * F * E);
       if (normalize) std::copy(zp.begin() + i * F, zp.begin() + (i + 1) * F, zp.begin() + (i + 1) * F);
-      piece_length(ch.g + p * F, len, F, wk.gam.data());
-      piece_forward<T>(wk, len, F, E, ch.Qa + p * F, ch.Ka + p * F, ch.V + p * E, ch.g + p * F,
+      piece_forward<T>(wk, len, F, E, wk.gam.data() + p * F, ch.Qa + p * F, ch.Ka + p * F, ch.V + p * E, ch.g + p * F,
                        Sp.data() + (i + 1) * F * E, normalize ? zp.data() + (i + 1) * F : nullptr, nullptr, normalize,
                        linattn_acc<T>(0), nullptr);
     }
   }
   for (int i = np - 1; i >= 0; --i) {
     const int p = starts[i], len = starts[i + 1] - p;
-    piece_length(ch.g + p * F, len, F, wk.gam.data());
     Span<T> sp = ch;
     sp.c = len;
     sp.Q += p * F;
@@ -211,7 +211,7 @@ void vector_chunk_backward(Work<T>& wk, Grads<T>& gr, const Span<T>& ch, int64_t
     sp.dv += p * E;
     sp.dg += p * F;
     const bool first = i == 0, last = i + 1 == np;
-    piece_backward<T>(wk, gr, sp, F, E, first ? S : Sp.data() + i * F * E,
+    piece_backward<T>(wk, gr, sp, F, E, wk.gam.data() + p * F, first ? S : Sp.data() + i * F * E,
                       first ? z : (normalize ? zp.data() + i * F : nullptr), last ? S_out : Sp.data() + (i + 1) * F * E,
                       last ? z_out : (normalize ? zp.data() + (i + 1) * F : nullptr), R, rr, normalize, carry);
   }
