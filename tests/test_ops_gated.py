@@ -16,6 +16,11 @@ from linattn.ops.gated.reference import gated_recurrence
 DT = torch.float64
 
 
+@pytest.fixture(autouse=True)
+def _one_thread(one_thread):
+    """Small shapes, many ops: one thread (on a shared machine two wait on each other at every op)."""
+
+
 @pytest.fixture(params=["fused", "torch ops"])
 def op_path(request, monkeypatch):
     """The fused kernels (φ elu+1 or identity without scale or mask) or the torch-op Function."""

@@ -50,8 +50,9 @@ def test_the_fused_path_is_taken_where_it_applies(monkeypatch):
 @pytest.mark.parametrize("vector", [False, True])
 @pytest.mark.parametrize("normalize", [False, True])
 def test_fused_equals_the_torch_ops_in_float32(monkeypatch, vector, normalize):
-    """The benchmark's shape class (B·H = 8, F = E = 64), 1000 tokens (blocks and a tail), strided
-    inputs, an initial state: outputs, final state and the gradients of q, k, v, g and the state."""
+    """The benchmark's shape class (B·H = 8, F = E = 64, rows in parallel on the suite's two threads),
+    1000 tokens (blocks and a tail), strided inputs, an initial state: outputs, final state and the
+    gradients of q, k, v, g and the state."""
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(1, 1000, 8, 3 * 64, generator=gen)
     g0 = _gates((1, 8, 1000, *((64,) if vector else ())), gen)
@@ -79,7 +80,7 @@ def test_fused_equals_the_torch_ops_in_float32(monkeypatch, vector, normalize):
 
 
 @pytest.mark.parametrize("vector", [False, True])
-def test_bf16_is_as_close_to_float64_as_the_torch_ops(monkeypatch, vector):
+def test_bf16_is_as_close_to_float64_as_the_torch_ops(monkeypatch, one_thread, vector):
     """bf16 q, k, v on a float32 state (fp32 scores, states and accumulation): the errors of the
     outputs and of every gradient against the float64 recurrence are within one bf16 ulp of the
     torch-op path's."""
@@ -111,7 +112,7 @@ def test_bf16_is_as_close_to_float64_as_the_torch_ops(monkeypatch, vector):
 
 @pytest.mark.parametrize("vector", [False, True])
 @pytest.mark.parametrize("normalize", [False, True])
-def test_fused_step_equals_the_torch_op_step(monkeypatch, vector, normalize):
+def test_fused_step_equals_the_torch_op_step(monkeypatch, one_thread, vector, normalize):
     """B=2, H=8, F=E=64 from a random state, four steps, without gradients."""
     gen = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(2, 8, 4, 64, generator=gen) for _ in range(3))
