@@ -45,15 +45,18 @@ LINATTN_CLONES void scalar_decays(const Acc* __restrict__ g, int c, double* __re
   }
 }
 
-// A_ij ← A_ij · D_ij with D_ij = e^{β_i − β_j} on and below the diagonal, 0 above (D kept for the backward)
+// A_ij ← A_ij · D_ij with D_ij = e^{β_i − β_j} on and below the diagonal, 0 above (D kept for the backward).
+// The differences are taken in double, then the exponentials in a loop of Acc alone (it vectorizes).
 template <typename Acc>
 LINATTN_CLONES void decay_scores(Acc* __restrict__ A, Acc* __restrict__ D, int c, const double* __restrict__ beta) {
   for (int i = 0; i < c; ++i) {
     Acc* __restrict__ Ai = A + int64_t(i) * c;
     Acc* __restrict__ Di = D + int64_t(i) * c;
     const double bi = beta[i];
+    for (int j = 0; j <= i; ++j) Di[j] = static_cast<Acc>(bi - beta[j]);
+#pragma omp simd
     for (int j = 0; j <= i; ++j) {
-      Di[j] = exp_nonpositive(static_cast<Acc>(bi - beta[j]));
+      Di[j] = exp_nonpositive(Di[j]);
       Ai[j] *= Di[j];
     }
     for (int j = i + 1; j < c; ++j) Ai[j] = Di[j] = Acc(0);
@@ -136,21 +139,27 @@ LINATTN_CLONES int piece_length(const Acc* __restrict__ g, int maxlen, int64_t F
 }
 
 // A piece's decays: dec_f = e^{g_0f + γ_{len−1,f}} (the whole piece), w_if = e^{γ_{len−1,f} − γ_if} ∈
-// [e^{−kSpanLimit}, 1], and its scaled features Qv = Q / w, Kv = K ⊙ w (rows of F, Acc)
+// [e^{−kSpanLimit}, 1], and its scaled features Qv = Q / w, Kv = K ⊙ w (rows of F, Acc). Differences in
+// double, exponentials in a loop of Acc alone (it vectorizes).
 template <typename Acc>
 LINATTN_CLONES void piece_factors(const Acc* __restrict__ g0, const double* __restrict__ gam, int len, int64_t F,
                                   const Acc* __restrict__ Q, const Acc* __restrict__ K, Acc* __restrict__ dec,
                                   Acc* __restrict__ w, Acc* __restrict__ Qv, Acc* __restrict__ Kv) {
   const double* __restrict__ last = gam + (len - 1) * F;
-  for (int64_t f = 0; f < F; ++f) dec[f] = exp_nonpositive(static_cast<Acc>(static_cast<double>(g0[f]) + last[f]));
+  for (int64_t f = 0; f < F; ++f) dec[f] = static_cast<Acc>(static_cast<double>(g0[f]) + last[f]);
+#pragma omp simd
+  for (int64_t f = 0; f < F; ++f) dec[f] = exp_nonpositive(dec[f]);
   for (int i = 0; i < len; ++i) {
     const int64_t o = i * F;
-    for (int64_t f = 0; f < F; ++f) {
-      const Acc wx = exp_nonpositive(static_cast<Acc>(last[f] - gam[o + f]));
-      w[o + f] = wx;
-      Qv[o + f] = Q[o + f] / wx;
-      Kv[o + f] = K[o + f] * wx;
-    }
+    for (int64_t f = 0; f < F; ++f) w[o + f] = static_cast<Acc>(last[f] - gam[o + f]);
+  }
+  const int64_t n = len * F;
+#pragma omp simd
+  for (int64_t x = 0; x < n; ++x) {
+    const Acc wx = exp_nonpositive(w[x]);
+    w[x] = wx;
+    Qv[x] = Q[x] / wx;
+    Kv[x] = K[x] * wx;
   }
 }
 
