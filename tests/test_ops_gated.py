@@ -353,6 +353,18 @@ def test_bad_state_and_the_checks_of_linear_attention():
         gated_linear_attention(q, k, v, g, key_padding_mask=torch.ones(1, 5, dtype=torch.bool))
     with pytest.raises(TypeError, match="scale must be a float or None"):
         gated_linear_attention(q, k, v, g, scale="2")
+    for bad in (-1e-6, float("nan")):
+        with pytest.raises(ValueError, match=f"eps must be a finite float >= 0, got {bad!r}"):
+            gated_linear_attention(q, k, v, g, eps=bad)
+        with pytest.raises(ValueError, match=f"eps must be a finite float >= 0, got {bad!r}"):
+            gated_linear_attention_step(None, q[:, :, :1], k[:, :, :1], v[:, :, :1], g[:, :, :1], eps=bad)
+    with pytest.raises(TypeError, match="eps must be a finite float >= 0, got '1e-6'"):
+        gated_linear_attention(q, k, v, g, eps="1e-6")
+    for name in ("normalize", "return_state"):
+        with pytest.raises(TypeError, match=f"{name} must be a bool, got str 'False'"):
+            gated_linear_attention(q, k, v, g, **{name: "False"})
+    with pytest.raises(TypeError, match="normalize must be a bool, got int 1"):
+        gated_linear_attention_step(None, q[:, :, :1], k[:, :, :1], v[:, :, :1], g[:, :, :1], normalize=1)
     cos = make_feature_map("cosformer", 4, max_len=64)
     with pytest.raises(ValueError, match="take no positions, so a position-dependent feature map .*initial_state"):
         gated_linear_attention(q, k, v, g, feature_map=cos, initial_state=torch.zeros(1, 2, cos.feature_dim, 3))

@@ -1,4 +1,4 @@
-// What the fused CPU operators of gated causal linear attention share (DESIGN §12; gated.cpp: the
+// What the fused CPU operators of gated causal linear attention share (design §12; gated.cpp: the
 // forward and the step, gated_backward.cpp: the backward; linattn/ops/gated/fused.py wires them).
 //
 // Per (batch, head) row, features Q, K (φ = elu + 1 or the identity), values V, log-decays g ≤ 0 of

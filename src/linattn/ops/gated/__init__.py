@@ -1,4 +1,4 @@
-"""Gated linear attention (DESIGN §12): linear attention whose state decays by e^{g_t} per token, with
+"""Gated linear attention (design §12): linear attention whose state decays by e^{g_t} per token, with
 g one log-decay per head and token (RetNet, Mamba2/SSD-style) or one per feature (GLA).
 
     api.py        the public operators: gated_linear_attention, gated_linear_attention_step

@@ -2,7 +2,7 @@
 
 Tensors are (B, H, N, D) as everywhere in linattn.ops; g is the log of the decay (≤ 0), one per head
 and token (B, H, N) — RetNet with a constant, Mamba2/SSD-style when data-dependent — or one per
-feature of φ(k) (B, H, N, F) — GLA (DESIGN §12). The state is the tensor kv (B, H, F, E), or the tuple
+feature of φ(k) (B, H, N, F) — GLA (design §12). The state is the tensor kv (B, H, F, E), or the tuple
 (kv, z (B, H, F)) with normalize=True, in float32 (float64 for float64 inputs).
 """
 
@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from ..._checks import check_positive_int
+from ..._checks import check_bool, check_eps, check_positive_int
 from .. import native
-from ..chunked import state_dtype
+from ..chunked import DEFAULT_CHUNK_SIZE, state_dtype
 from ..linear import advance_schedule, check_arguments, make_featurizer
 from . import fused
 from .checks import check_gate, check_gate_values, check_gated_state
@@ -31,7 +31,7 @@ def gated_linear_attention(
     scale: float | None = None,
     initial_state=None,
     return_state: bool = False,
-    chunk_size: int = 64,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
     key_padding_mask: torch.Tensor | None = None,
 ):
     """Causal gated linear attention, per (batch, head), with q̃ = φ(scale·q), k̃ = φ(k):
@@ -57,9 +57,13 @@ def gated_linear_attention(
     """
     advance_schedule(feature_map)
     check_positive_int("chunk_size", chunk_size)
+    for name, flag in (("normalize", normalize), ("return_state", return_state)):
+        check_bool(name, flag, error=TypeError)
+    check_eps("eps", eps)
     fz, kv0, z0 = _prepare(q, k, v, g, feature_map=feature_map, scale=scale, key_padding_mask=key_padding_mask,
                            state=initial_state, normalize=normalize, name="initial_state")
     check_gate_values(g)
+    chunk_size = min(chunk_size, q.shape[2])  # one chunk at most: no C² work buffer beyond N²
     if key_padding_mask is not None:
         keep = key_padding_mask[:, None, :] if g.dim() == 3 else key_padding_mask[:, None, :, None]
         g = g.masked_fill(~keep, 0.0)
@@ -103,6 +107,8 @@ def gated_linear_attention_step(
         return gated_linear_attention(q, k, v, g, feature_map=feature_map, normalize=normalize, eps=eps, scale=scale,
                                       initial_state=state, return_state=True)
     advance_schedule(feature_map)
+    check_bool("normalize", normalize, error=TypeError)
+    check_eps("eps", eps)
     fz, kv, z = _prepare(q, k, v, g, feature_map=feature_map, scale=scale, key_padding_mask=None, state=state,
                          normalize=normalize, name="state")
     phi = native.fused_phi(feature_map, scale, None, (kv, kv if z is None else z), q, k, v)

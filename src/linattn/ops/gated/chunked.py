@@ -1,5 +1,5 @@
 """Gated causal linear attention, chunked, in torch ops, with an explicit memory-bounded backward
-(DESIGN §12). The path for every device, feature map and dtype; the CPU fast path is `fused.py`.
+(design §12). The path for every device, feature map and dtype; the CPU fast path is `fused.py`.
 
 Per (batch, head) and chunk of c rows, features Q, K (c×F), values V (c×E), log-decays g (c, or
 c×F), β = the inclusive cumulative sum of g inside the chunk (float64), λ = β_c (the chunk's total),
@@ -29,7 +29,7 @@ chunk (a reverse decayed scan of (Q ⊙ e^{β})ᵀ G and (Q ⊙ e^{β})ᵀ γ), 
             ∂K = (Pᵀ (Q ⊙ e^{β−λ}) + V Rᵀ + 1 rᵀ) ⊙ e^{λ−β}
     ∂(S, z)_entering = (Q ⊙ e^{β})ᵀ (G, γ) + e^{λ} ⊙ (R, r)
 
-and the gates' gradient from the identity of DESIGN §12 applied to each chunk with its entering state
+and the gates' gradient from the identity of design §12 applied to each chunk with its entering state
 held fixed: for s in the chunk,
 
     ∂L/∂g_s = Σ_{t ≥ s in the chunk} (q_t ⊙ ∂q_t − k_t ⊙ ∂k_t) + Σ_e S_out ⊙ R_out (+ z_out ⊙ r_out)

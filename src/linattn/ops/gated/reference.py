@@ -1,5 +1,5 @@
 """The oracle of gated linear attention: its recurrence, token by token, in float64, written from the
-definition (DESIGN §12). Tests only; it never uses the chunk form.
+definition (design §12). Tests only; it never uses the chunk form.
 
 Per (batch, head), with features q̃_t, k̃_t (F), values v_t (E) and the log-decay g_t ≤ 0 (a scalar,
 or one per feature):
