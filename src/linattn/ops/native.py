@@ -23,6 +23,7 @@ torch-op paths run, with the same numbers up to rounding (tests/test_ops_native.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import threading
@@ -61,8 +62,10 @@ def load() -> bool:
             try:
                 from torch.utils.cpp_extension import load as build
 
-                build("linattn_cpu", sources=_SOURCES, extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"],
-                      build_directory=_build_directory(), is_python_module=False, verbose=False)
+                folder = _build_directory()
+                with _build_guard(folder):
+                    build("linattn_cpu", sources=_SOURCES, extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"],
+                          build_directory=folder, is_python_module=False, verbose=False)
                 _state["loaded"] = hasattr(torch.ops.linattn_cpu, "step")
             except Exception as exc:  # no compiler, no ninja, a failed build: keep the torch-op path
                 _state["loaded"], _state["error"] = False, build_failure(exc)
@@ -91,11 +94,34 @@ def build_failure(exc: BaseException, lines: int = 6, width: int = 240) -> str:
     return f"{type(exc).__name__}: {head}" + (f": {cause}" if cause else "")
 
 
+@contextlib.contextmanager
+def _build_guard(folder: str):
+    """Holds an OS lock on `folder` while torch builds or loads the extension there, and removes torch's
+    own lock file ("lock") once it holds it. torch waits for that file to disappear, forever, and a
+    build killed midway (Ctrl-C, SIGKILL) leaves it behind; the OS lock is released when its holder
+    dies, so whoever holds it knows that any "lock" left in the folder is stale."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: torch's own lock alone
+        yield
+        return
+    with open(Path(folder) / ".linattn-build.lock", "a") as guard:
+        fcntl.flock(guard, fcntl.LOCK_EX)
+        try:
+            (Path(folder) / "lock").unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(guard, fcntl.LOCK_UN)
+
+
 def _build_directory() -> str:
-    """<torch extension cache>/linattn_cpu-<hash of the sources, headers, flags and torch version>."""
+    """<torch extension cache>/linattn_cpu-<hash of the sources, headers, flags, torch version and headers' path>."""
     from torch.utils.cpp_extension import get_default_build_root
 
-    digest = hashlib.sha256(" ".join(_CFLAGS + [torch.__version__]).encode())
+    from torch.utils.cpp_extension import include_paths
+
+    # the build's command lines name torch's headers: two environments on the same sources get two folders
+    digest = hashlib.sha256(" ".join(_CFLAGS + [torch.__version__, *include_paths()]).encode())
     for path in sorted(_CSRC.iterdir()):
         if path.suffix in (".cpp", ".h"):
             digest.update(path.name.encode() + path.read_bytes())
