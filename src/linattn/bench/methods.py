@@ -8,6 +8,11 @@ The linear ones use the normalized elu+1 feature map unless another is given.
     recurrent     a Python loop of linattn.linear_attention_step over the tokens (slow; capped)
     quadratic     linattn.ops.reference.kernel_attention on φ(q), φ(k): the N×N oracle (capped)
     softmax       F.scaled_dot_product_attention(is_causal=True)
+    deltanet      linattn.delta_rule(qk_l2norm=True), β = sigmoid(N(0, 1))      (DeltaNet)
+    gated_deltanet  the same with g = logsigmoid(N(0, 1))                       (Gated DeltaNet)
+
+The gates of the recurrent kinds are fixed tensors (B, H, N) in float32, drawn once per shape from a
+seeded generator (`fixed_gates`); gradients are taken with respect to q, k and v only.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from ..feature_maps import EluPlusOne
-from ..ops import linear_attention, linear_attention_step
+from ..ops import delta_rule, linear_attention, linear_attention_step
 from ..ops.chunked import DEFAULT_CHUNK_SIZE
 from ..ops.reference import kernel_attention
 from .flops import chunked_linear_flops
@@ -56,6 +61,36 @@ class Method:
 
 def short_dtype(dtype: torch.dtype) -> str:
     return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}[dtype]
+
+
+_GATES: dict = {}
+
+
+def fixed_gates(q: torch.Tensor, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """β = sigmoid(N(0, 1)) and g = logsigmoid(N(0, 1)) of shape q.shape[:3] = (B, H, N), float32 on q's
+    device, drawn once per shape and device (then reused, so timings do not include the draw)."""
+    key = (tuple(q.shape[:3]), str(q.device), seed)
+    if key not in _GATES:
+        if len(_GATES) > 16:
+            _GATES.clear()
+        gen = torch.Generator().manual_seed(seed * 1_000_003 + q.shape[2])
+        beta = torch.sigmoid(torch.randn(key[0], generator=gen)).to(q.device)
+        _GATES[key] = beta, F.logsigmoid(torch.randn(key[0], generator=gen)).to(q.device)
+    return _GATES[key]
+
+
+def recurrent_methods(*, chunk: int = DEFAULT_CHUNK_SIZE) -> list[Method]:
+    """The operators of the recurrent attention kinds (delta rule) as rows of the operator sweep."""
+
+    def deltanet(q, k, v):
+        beta, _ = fixed_gates(q)
+        return delta_rule(q, k, v, beta, qk_l2norm=True, chunk_size=chunk)
+
+    def gated_deltanet(q, k, v):
+        beta, g = fixed_gates(q)
+        return delta_rule(q, k, v, beta, g=g, qk_l2norm=True, chunk_size=chunk)
+
+    return [Method("deltanet", "DeltaNet", deltanet), Method("gated_deltanet", "Gated DeltaNet", gated_deltanet)]
 
 
 def core_methods(dtype: torch.dtype = torch.float32, *, feature_map=None, head_dim: int = 64,
@@ -96,7 +131,7 @@ def core_methods(dtype: torch.dtype = torch.float32, *, feature_map=None, head_d
                cap_reason="materializes N×N: memory"),
         Method("softmax", "softmax SDPA", softmax),
     ]
-    return methods
+    return methods + recurrent_methods(chunk=chunk)
 
 
 def make_inputs(shape: Shape, n: int, dtype: torch.dtype, device, *, seed: int = 0, requires_grad: bool = False):
