@@ -118,7 +118,7 @@ class DeltaNetAttention(_RecurrentAttention):
         self.beta_proj = nn.Linear(d_model, n_heads, bias=False)
 
     def _activate(self, q, k, v):
-        # SiLU on q, k and v after the projection and convolution, as in Gated DeltaNet's block (Yang et al. 2024b, Fig. 1)
+        # SiLU on q, k and v after the projection and convolution: Gated DeltaNet's block (Yang et al. 2024b, Fig. 1)
         return F.silu(q), F.silu(k), F.silu(v)
 
     def _log_decay(self, x):
