@@ -34,7 +34,7 @@ from linattn._checks import (
     (lambda: check_number("dropout", 1, minimum=0, maximum=1, high_open=True), r"dropout must be a number in \[0, 1\)"),
     (lambda: check_number("wd", -0.1, minimum=0), "wd must be a number >= 0, got -0.1"),
     (lambda: check_number("x", True), "x must be a number, got True"),
-    (lambda: check_bool("bias", 1), "bias must be a bool, got 1"),
+    (lambda: check_bool("bias", 1), "bias must be a bool, got int 1"),
     (lambda: check_choice("norm", "batch", ("rmsnorm", "layernorm")), r"norm must be one of \('rmsnorm', 'layernorm'\)"),
     (lambda: check_device("device", "gpu0"), "device must be 'cpu', 'cuda', 'cuda:N' or 'auto', got 'gpu0'"),
     (lambda: check_device("device", ""), "device must be a string"),
@@ -74,3 +74,15 @@ def test_resolve_device():
             resolve_device("cuda")
     else:
         assert resolve_device("cuda", local_rank=torch.cuda.device_count()) == torch.device("cuda", 0)
+
+
+def test_check_output_folder(tmp_path):
+    from linattn._checks import check_output_folder
+
+    check_output_folder("out_dir", tmp_path)  # an existing folder
+    check_output_folder("out_dir", tmp_path / "new" / "deeper")  # created later
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(ValueError, match=r"^out_dir '.*f' is a file, not a folder"):
+        check_output_folder("out_dir", tmp_path / "f")
+    with pytest.raises(ValueError, match=r"out_dir '.*f/a/b' lies under '.*f', which is a file"):
+        check_output_folder("out_dir", tmp_path / "f" / "a" / "b")

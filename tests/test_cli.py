@@ -92,3 +92,104 @@ def test_commands_are_discovered_from_the_package(tmp_path, monkeypatch, capsys)
         assert "hello linattn" in capsys.readouterr().out
     finally:
         sys.modules.pop("linattn.commands.zz_hello", None)
+
+
+# ---- user mistakes and the machine: one line on stderr and a non-zero status, no traceback (issue 13, item 8)
+
+
+def _status(argv, capsys):
+    """(exit status, stdout, stderr) whether main returns or argparse exits."""
+    try:
+        code = cli.main(argv)
+    except SystemExit as exc:
+        code = exc.code
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+
+@pytest.mark.parametrize("argv", [
+    ["train", "--steps", "1"], ["demo", "--quick"], ["bench", "decode", "--contexts", "8"],
+    ["eval", "--steps", "1"],
+])
+def test_out_naming_a_file_is_refused_before_any_work(tmp_path, capsys, argv):
+    afile = tmp_path / "afile"
+    afile.write_text("keep me")
+    for out, what in ((afile, "is a file, not a folder"), (afile / "sub", "lies under")):
+        code, _, err = _status([*argv, "--out", str(out)], capsys)
+        assert code == 2 and what in err and str(out) in err and "Traceback" not in err
+        assert len(err.strip().splitlines()[-1]) > 0
+    assert afile.read_text() == "keep me"
+
+
+def test_a_prompt_that_is_not_utf8_is_refused(tmp_path, capsys):
+    bad = b"ab\xff".decode("utf-8", "surrogateescape")  # how Python hands over such an argument
+    for argv in (["generate", "--checkpoint", str(tmp_path), "--prompt", bad], ["demo", "--quick", "--prompt", bad]):
+        code, _, err = _status(argv, capsys)
+        assert code == 2 and "--prompt: not valid UTF-8 text (byte 0xff at byte 2)" in err
+
+
+def _failing_command(tmp_path, monkeypatch, raise_line: str):
+    (tmp_path / "zz_fail.py").write_text(
+        "def add_parser(subparsers):\n"
+        "    p = subparsers.add_parser('zz-fail')\n"
+        f"    p.set_defaults(func=lambda args: {raise_line})\n")
+    monkeypatch.setattr(commands, "__path__", [*commands.__path__, str(tmp_path)])
+    monkeypatch.delitem(sys.modules, "linattn.commands.zz_fail", raising=False)
+
+
+@pytest.mark.parametrize("raise_line, status, message", [
+    ("(_ for _ in ()).throw(PermissionError(13, 'Permission denied', '/srv/x'))", 2, "Permission denied: /srv/x"),
+    ("(_ for _ in ()).throw(MemoryError())", 1, "out of memory (MemoryError"),
+    ("(_ for _ in ()).throw(RuntimeError('CUDA out of memory. Tried to allocate 2.00 GiB'))", 1,
+     "out of memory (CUDA out of memory. Tried to allocate 2.00 GiB); use smaller sizes"),
+])
+def test_machine_errors_are_one_line(tmp_path, monkeypatch, capsys, raise_line, status, message):
+    _failing_command(tmp_path, monkeypatch, raise_line)
+    try:
+        assert cli.main(["zz-fail"]) == status
+    finally:
+        sys.modules.pop("linattn.commands.zz_fail", None)
+    err = capsys.readouterr().err
+    assert err.startswith("linattn zz-fail: error: ") and message in err and len(err.strip().splitlines()) == 1
+
+
+def test_other_runtime_errors_are_not_hidden(tmp_path, monkeypatch):
+    """A bug is not a user mistake: it keeps its traceback."""
+    _failing_command(tmp_path, monkeypatch, "(_ for _ in ()).throw(RuntimeError('shape mismatch'))")
+    try:
+        with pytest.raises(RuntimeError, match="shape mismatch"):
+            cli.main(["zz-fail"])
+    finally:
+        sys.modules.pop("linattn.commands.zz_fail", None)
+
+
+def test_a_real_allocation_failure_is_one_line(tmp_path, capsys):
+    """The KV cache of 2^32 tokens (8 TiB) cannot be allocated: torch raises at once."""
+    code, _, err = _status(["bench", "decode", "--contexts", str(2**32), "--min-run-time", "0.01",
+                         "--out", str(tmp_path)], capsys)
+    assert code == 1 and "error: out of memory (" in err and "Traceback" not in err
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="POSIX pipes")
+def test_generate_into_a_closed_pipe_ends_quietly(tmp_path):
+    import os
+    import subprocess
+
+    from linattn.models import LinearTransformerLM, ModelConfig
+
+    LinearTransformerLM(ModelConfig(d_model=16, n_layers=1, n_heads=2)).save_pretrained(tmp_path / "m")
+    cmd = [sys.executable, "-m", "linattn.cli", "generate", "--checkpoint", str(tmp_path / "m"), "--prompt", "ab",
+           "--max-new-tokens", "100000"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ,
+                                                                                       "OMP_NUM_THREADS": "1"})
+    try:
+        assert len(proc.stdout.read(10)) == 10  # like `| head -c 10`
+        proc.stdout.close()
+        err = proc.stderr.read().decode()
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 141, err
+    assert err.strip() == "linattn generate: error: the output was closed by its reader (broken pipe); stopped"

@@ -160,3 +160,31 @@ def test_summary_mean_and_spread():
     report["runs"].append({"task": "mqar", "kind": "elu", "seed": 2, "status": "diverged", "metrics": None})
     st = summarize(report)["mqar"]["elu"]["accuracy"]
     assert st["n"] == 2 and st["mean"] == pytest.approx(0.3) and st["spread"] == pytest.approx(math.sqrt(0.02))
+
+
+def test_help_lists_per_preset_the_task_names_that_preset_accepts(capsys, monkeypatch):
+    """Every task name `linattn eval --help` lists for a preset is accepted by `--preset P --tasks NAME`
+    (issue 13, item 11: the help listed mqar-32, which --preset quick rejects)."""
+    import re
+
+    from linattn import cli, evaluation
+
+    with pytest.raises(SystemExit):
+        cli.main(["eval", "--help"])
+    text = "".join(capsys.readouterr().out.split())  # argparse wraps lines, also at hyphens
+    listed = {p: m.group(1).split(",") for p in evaluation.PRESETS
+              if (m := re.search(rf"(?:preset:|;){p}:([\w,-]+?)(?:;|$)", text))}
+    assert listed.keys() == evaluation.PRESETS.keys(), text
+
+    class Accepted(Exception):
+        pass
+
+    def stop(*args, **kwargs):  # the task selection passed: stop before any training
+        raise Accepted
+
+    monkeypatch.setattr(evaluation, "_train_config", stop)
+    for preset, names in listed.items():
+        assert names and set(names) <= {t.name for t in evaluation.PRESETS[preset].tasks}
+        for name in names + [n.split("-")[0] for n in names if "-" in n]:  # and what the help says of prefixes
+            with pytest.raises(Accepted):
+                cli.main(["eval", "--preset", preset, "--tasks", name, "--quiet"])

@@ -61,6 +61,22 @@ def test_generate_matches_the_library_and_honours_stop(checkpoint, capsys):
     assert out == bytes(expected[:cut]).decode("utf-8", errors="replace") + "\n"
 
 
+def test_generate_runs_the_model_in_its_saved_dtype_unless_asked(tmp_path, monkeypatch, capsys):
+    LinearTransformerLM(ModelConfig(d_model=16, n_layers=2, n_heads=2, seed=3)).bfloat16().save_pretrained(tmp_path)
+    seen = []
+    stream = LinearTransformerLM.stream
+
+    def recording(self, *a, **k):
+        seen.append(next(self.parameters()).dtype)
+        return stream(self, *a, **k)
+
+    monkeypatch.setattr(LinearTransformerLM, "stream", recording)
+    argv = ["generate", "--checkpoint", str(tmp_path), "--prompt", "x", "--max-new-tokens", "2"]
+    assert _run(argv, capsys)[0] == 0
+    assert _run(argv + ["--dtype", "float32"], capsys)[0] == 0
+    assert seen == [torch.bfloat16, torch.float32]
+
+
 def test_generate_missing_checkpoint_names_the_path(tmp_path, capsys):
     missing = tmp_path / "no-such-model"
     code, _, err = _run(["generate", "--checkpoint", str(missing), "--prompt", "x"], capsys)

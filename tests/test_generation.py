@@ -1,6 +1,8 @@
 """linattn.generation: greedy == argmax of the full forward, padded batches == prompts alone,
 constant-size linear state, streaming, sampling filters, stop tokens, argument checks."""
 
+import re
+
 import pytest
 import torch
 
@@ -127,6 +129,9 @@ def test_filter_logits_top_k_and_top_p():
     (dict(temperature=-0.5), "temperature"),
     (dict(top_k=0), "top_k"),
     (dict(top_p=1.5), "top_p"),
+    (dict(temperature=float("nan")), r"temperature .*got nan"),
+    (dict(temperature=float("inf")), r"temperature .*got inf"),
+    (dict(top_p=float("nan")), r"top_p .*got nan"),
 ])
 def test_bad_generation_arguments(kw, field):
     model = lm()
@@ -143,3 +148,16 @@ def test_bad_prompts_and_length_limit():
     with pytest.raises(ValueError, match="max_new_tokens"):
         model.generate([1] * 10, 8)
     assert len(model.generate([1] * 10, 7, temperature=0)[0]) == 7  # positions 0..15 exactly fit
+
+
+@pytest.mark.parametrize("bad, where", [(300, [1, 2]), (-1, [0, 0])])
+def test_out_of_vocabulary_ids_name_the_value_and_vocab_size(bad, where):
+    model = lm()  # tiny_config's vocabulary
+    ids = torch.tensor([[1, 2, 3], [4, 5, 6]])
+    ids[tuple(where)] = bad
+    vocab = model.config.vocab_size
+    message = f"ids must be token ids in [0, vocab_size={vocab}), got {bad} at ids{where}"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        model(ids)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        model.generate(ids.tolist(), 2)

@@ -4,7 +4,9 @@ one fsync, SHA-256 of a file, and JSON / TOML readers whose errors name the file
 Atomic write: the new content is written under a temporary name beside its destination
 (`.<name>.tmp-<pid>-<random>`), flushed to disk, renamed over the destination (`os.replace`, atomic
 on POSIX and Windows) and the parent folder is flushed, so a crash leaves the old content or the
-new one, never a torn one. The same scheme writes files, folders (a checkpoint) and pointers.
+new one, never a torn one. The same scheme writes files, folders (a checkpoint) and pointers. A
+process killed mid-write leaves its temporary behind; `remove_stale_temporaries` removes those whose
+writer is gone.
 """
 
 from __future__ import annotations
@@ -12,10 +14,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import uuid
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterable
 
 
 def fsync_path(path) -> None:
@@ -57,6 +60,52 @@ def atomic_write(path, write: Callable[[Path], None]) -> Path:
             _remove(tmp)
     fsync_path(path.parent)
     return path
+
+
+#: The name atomic_write gives the temporary of `<name>`: `.<name>.tmp-<pid>-<8 hex digits>`.
+ATOMIC_TEMPORARY = re.compile(r"^\.(?P<name>.+)\.tmp-(?P<pid>\d+)-[0-9a-f]{8}$")
+
+
+def process_alive(pid: int) -> bool:
+    """Whether a process with this id runs on this machine (POSIX; elsewhere: only this process)."""
+    if pid == os.getpid():
+        return True
+    if os.name != "posix":  # os.kill(pid, 0) would terminate the process on Windows
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def remove_stale_temporaries(folder, names: Callable[[str], bool],
+                             patterns: Iterable[re.Pattern] = (ATOMIC_TEMPORARY,)) -> list[Path]:
+    """Removes the temporaries left in `folder` by writes that were killed: entries whose name
+    matches one of `patterns` (default: atomic_write's), whose "name" group (when the pattern has one)
+    passes `names`, and whose writer is gone: the "pid" group names a process that no longer runs or
+    this one (call this only when the process is not writing into `folder`), or the pattern has no
+    pid. Nothing else is touched. Returns the removed paths."""
+    folder = Path(folder)
+    removed = []
+    if not folder.is_dir():
+        return removed
+    for entry in folder.iterdir():
+        for pattern in patterns:
+            m = pattern.match(entry.name)
+            if m is None:
+                continue
+            groups = m.groupdict()
+            if "name" in groups and not names(groups["name"]):
+                break
+            pid = int(groups["pid"]) if groups.get("pid") else None
+            if pid is None or pid == os.getpid() or not process_alive(pid):
+                _remove(entry)
+                removed.append(entry)
+            break
+    return removed
 
 
 def write_text_synced(path, text: str) -> None:

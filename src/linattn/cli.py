@@ -12,16 +12,19 @@ argparse error that says what to pass instead.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
+import os
 import pkgutil
+import sys
 
 import torch
 
 from ._checks import DTYPE_NAMES as DTYPES
-from ._checks import resolve_device, torch_dtype
+from ._checks import check_output_folder, resolve_device, torch_dtype
 
 __all__ = ["add_common_options", "build_parser", "device_arg", "dtype_arg", "float_in", "int_list", "main",
-           "positive_float", "positive_int", "resolve_device", "torch_dtype"]
+           "output_folder", "positive_float", "positive_int", "resolve_device", "torch_dtype", "utf8_text"]
 
 DEVICES = ("cpu", "cuda", "auto")
 
@@ -105,6 +108,29 @@ def int_list(value: str) -> list[int]:
     return out
 
 
+def utf8_text(value: str) -> str:
+    """argparse type: text that is valid UTF-8 (a command-line argument that is not arrives with
+    surrogate escapes, which cannot be encoded)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raw = value.encode("utf-8", "surrogateescape")
+        pos = len(value[:exc.start].encode("utf-8", "surrogateescape"))
+        raise argparse.ArgumentTypeError(f"not valid UTF-8 text (byte 0x{raw[pos]:02x} at byte {pos}): pass UTF-8 "
+                                         "text") from None
+    return value
+
+
+def output_folder(value: str) -> str:
+    """argparse type for --out: a folder, or a path where one can be created (not an existing file,
+    not under one)."""
+    try:
+        check_output_folder("", value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return value
+
+
 def add_common_options(parser: argparse.ArgumentParser, *, device: bool = True, dtype: bool = True, seed: bool = True,
                        out: bool = True, default_dtype: str = "float32") -> None:
     """Adds the options most commands share: --device, --dtype, --seed, --out."""
@@ -119,7 +145,7 @@ def add_common_options(parser: argparse.ArgumentParser, *, device: bool = True, 
     if seed:
         parser.add_argument("--seed", type=int, default=0, help="seed for every random draw (default: %(default)s)")
     if out:
-        parser.add_argument("--out", metavar="DIR", default=None,
+        parser.add_argument("--out", metavar="DIR", default=None, type=output_folder,
                             help="output folder for the report (JSON, plots); created if missing "
                                  "(default: ./reports/<command>-<timestamp>)")
 
@@ -145,14 +171,59 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: Exit statuses of the failures `main` turns into one line (user mistakes exit 2, as argparse does).
+EXIT_USAGE, EXIT_OUT_OF_MEMORY, EXIT_BROKEN_PIPE = 2, 1, 141  # 141 = 128 + SIGPIPE, what a shell reports
+
+
+def _out_of_memory(exc: BaseException) -> bool:
+    if isinstance(exc, MemoryError):
+        return True
+    oom = tuple(t for t in (getattr(torch, "OutOfMemoryError", None), getattr(torch.cuda, "OutOfMemoryError", None))
+                if t is not None)
+    text = str(exc).lower()
+    return isinstance(exc, oom) or (isinstance(exc, RuntimeError) and ("out of memory" in text or
+                                                                       "can't allocate memory" in text))
+
+
+def _silence_stdout() -> None:
+    """Points stdout at /dev/null so that the interpreter's last flush of a closed pipe stays quiet."""
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the `linattn` console script; returns the exit status."""
+    """Entry point of the `linattn` console script; returns the exit status.
+
+    What a user's mistake or the machine causes ends as one line on stderr and a non-zero status,
+    never a traceback: a path that cannot be written or read (an --out naming a file, a missing
+    file, no permission), the reader of stdout going away (`linattn generate ... | head -c 10`),
+    running out of memory. Commands report their own errors the same way."""
     parser = build_parser()
     args = parser.parse_args(argv)
     func = getattr(args, "func", None)
     if func is None:
         parser.error(f"command {args.command!r} needs a subcommand; see linattn {args.command} --help")
-    return int(func(args) or 0)
+    name = " ".join(x for x in (args.command, getattr(args, "bench_command", None)) if x)
+
+    def fail(status: int, message: str) -> int:
+        with contextlib.suppress(OSError, ValueError):
+            print(f"linattn {name}: error: {message}", file=sys.stderr)
+        return status
+
+    try:
+        return int(func(args) or 0)
+    except BrokenPipeError:
+        _silence_stdout()
+        return fail(EXIT_BROKEN_PIPE, "the output was closed by its reader (broken pipe); stopped")
+    except (FileExistsError, NotADirectoryError, IsADirectoryError, PermissionError, FileNotFoundError) as exc:
+        return fail(EXIT_USAGE, f"{exc.strerror}: {exc.filename}" if exc.strerror and exc.filename else str(exc))
+    except (MemoryError, RuntimeError) as exc:
+        if not _out_of_memory(exc):
+            raise
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        return fail(EXIT_OUT_OF_MEMORY, f"out of memory ({first}); use smaller sizes (batch, lengths, model) "
+                                        "or free memory")
 
 
 if __name__ == "__main__":

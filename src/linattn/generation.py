@@ -18,7 +18,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from ._checks import check_int, check_positive_int
+from ._checks import check_int, check_number, check_positive_int
 
 
 def prepare_prompts(prompt_ids, mask: torch.Tensor | None = None, pad_id: int = 0, device=None):
@@ -64,11 +64,9 @@ def prepare_prompts(prompt_ids, mask: torch.Tensor | None = None, pad_id: int = 
 
 def _check_sampling(max_new_tokens, temperature, top_k, top_p):
     check_int("max_new_tokens", max_new_tokens, minimum=0)
-    if not isinstance(temperature, (int, float)) or temperature < 0:
-        raise ValueError(f"temperature must be a float >= 0 (0 = greedy), got {temperature!r}")
+    check_number("temperature (0 = greedy)", temperature, minimum=0)  # NaN and inf refused
     check_positive_int("top_k", top_k, allow_none=True)
-    if top_p is not None and (not isinstance(top_p, (int, float)) or not 0 < top_p <= 1):
-        raise ValueError(f"top_p must be in (0, 1] or None, got {top_p!r}")
+    check_number("top_p", top_p, minimum=0, low_open=True, maximum=1, allow_none=True)
 
 
 def filter_logits(logits: torch.Tensor, top_k: int | None = None, top_p: float | None = None) -> torch.Tensor:

@@ -38,7 +38,7 @@ from ._checks import (
     check_positive_int,
     dataclass_from_dict,
 )
-from .checkpoint import CONFIG_NAME, CheckpointError, load_weights, read_config, save_pretrained
+from .checkpoint import CONFIG_NAME, CheckpointError, load_model, read_config, save_pretrained
 from .feature_maps import FEATURE_MAPS, make_feature_map
 from .gated_layers import DeltaNetAttention, GatedDeltaNetAttention
 from .layers import (
@@ -343,10 +343,11 @@ class _Transformer(nn.Module):
         return save_pretrained(self, directory)
 
     @classmethod
-    def from_pretrained(cls, directory, *, config: ModelConfig | None = None, device="cpu"):
-        """The model saved in `directory` (by save_pretrained or a training checkpoint), on `device`.
-        config: the expected ModelConfig; if given and different, a CheckpointError lists the fields."""
-        return load_pretrained(directory, cls, config=config, device=device)
+    def from_pretrained(cls, directory, *, config: ModelConfig | None = None, device="cpu", dtype=None):
+        """The model saved in `directory` (by save_pretrained or a training checkpoint), on `device`,
+        in `dtype` (None: the saved dtype). config: the expected ModelConfig; if given and different,
+        a CheckpointError lists the fields. See load_pretrained."""
+        return load_pretrained(directory, cls, config=config, device=device, dtype=dtype)
 
     def set_activation_checkpointing(self, enabled: bool = True) -> None:
         """Recompute each block's activations in the backward (torch.utils.checkpoint) in training."""
@@ -373,6 +374,13 @@ class _Transformer(nn.Module):
         if mask is not None and (not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool
                                  or mask.shape != ids.shape):
             raise ValueError(f"mask must be a bool tensor of ids' shape {tuple(ids.shape)} (True = real token)")
+        if ids.numel() and not torch.compiler.is_compiling():  # one reduction; an embedding lookup would fail obscurely
+            low, high = (int(x) for x in torch.aminmax(ids))
+            if low < 0 or high >= self.config.vocab_size:
+                bad = low if low < 0 else high
+                where = tuple(int(i) for i in (ids == bad).nonzero()[0])
+                raise ValueError(f"ids must be token ids in [0, vocab_size={self.config.vocab_size}), got {bad} at "
+                                 f"ids{list(where)}")
 
     def _trunk(self, ids, mask=None, cache: ModelCache | None = None, positions=None):
         """ids (B, N) -> hidden (B, N, d) after the final norm; advances the cache. positions: (N,) or
@@ -536,11 +544,15 @@ class LinearTransformerEncoder(_Transformer):
         return self.head(pooled)
 
 
-def load_pretrained(directory, cls=None, *, config: ModelConfig | None = None, device="cpu"):
+def load_pretrained(directory, cls=None, *, config: ModelConfig | None = None, device="cpu", dtype=None):
     """Builds the model saved in `directory` and loads its weights (JSON + safetensors only).
 
     cls: the expected model class (None: the one recorded in config.json). config: an expected
-    ModelConfig; if given and different, a CheckpointError lists the differing fields.
+    ModelConfig; if given and different, a CheckpointError lists the differing fields. dtype: the
+    floating dtype of the model; None keeps the dtype the weights were saved in (a file holding
+    several floating dtypes is refused), a torch dtype casts the floating tensors to it; integer
+    buffers keep theirs. The config is checked against the weights file's header before the model
+    is built (linattn.checkpoint.load_model).
     """
     directory = Path(directory)
     arch, saved, ckpt_id = read_config(directory, ModelConfig)
@@ -557,8 +569,8 @@ def load_pretrained(directory, cls=None, *, config: ModelConfig | None = None, d
         if diff:
             desc = ", ".join(f"{k}: expected {a!r}, checkpoint has {b!r}" for k, (a, b) in sorted(diff.items()))
             raise CheckpointError(f"config mismatch with {directory / CONFIG_NAME}: {desc}")
-    model = cls(saved)
-    load_weights(directory, model, ckpt_id)
+    model = load_model(directory, lambda: cls(saved), checkpoint_id=ckpt_id, dtype=dtype,
+                       layers=("blocks.", saved.n_layers))
     return model.to(device)
 
 

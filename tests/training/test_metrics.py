@@ -19,6 +19,9 @@ def test_log_resumes_at_the_checkpoint_and_writes_strict_json(tmp_path):
     with open(path, "a") as f:
         f.write('{"step": 7, "spl')  # a torn last line after a crash
     assert [r["step"] for r in read_metrics(path)] == [1, 2, 3, 4, 5, 6]
+    with open(path, "ab") as f:  # torn inside a multi-byte character
+        f.write(b'\n{"step": 7, "note": "\xc3')
+    assert [r["step"] for r in read_metrics(path)] == [1, 2, 3, 4, 5, 6]
     MetricsLog(path, 3)  # resuming from step 3 drops what came after it
     assert [r["step"] for r in read_metrics(path)] == [1, 2, 3]
     MetricsLog(None, None).write({"step": 1})  # no file: nothing happens

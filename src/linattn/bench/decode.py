@@ -21,6 +21,7 @@ from rich.console import Console
 from ..feature_maps import EluPlusOne
 from ..ops import delta_rule_step, linear_attention_step
 from ..report import fmt_bytes, fmt_time, make_table, plot_loglog, progress
+from .consistency import growing_series, unstable
 from .methods import Shape, short_dtype
 from .timing import measure
 
@@ -150,6 +151,23 @@ def run_decode(cfg: DecodeConfig, console: Console | None = None) -> dict:
     config["dtype"] = short_dtype(cfg.dtype)
     config.update(feature_map="elu+1", normalize=True, state_dtype="float32")
     return {"config": config, "methods": DECODE_METHODS, "results": rows}
+
+
+#: the decode methods whose per-token cost grows with the context (the linear step's does not)
+GROWS_WITH_CONTEXT = ("kv_cache", "no_cache")
+
+
+def check_decode(res: dict) -> list[str]:
+    """Warnings about the sweep's own numbers (bench.consistency): unstable points, and softmax with
+    or without a cache faster at a longer context, or flat over the sweep."""
+    out = []
+    for key, label in DECODE_METHODS.items():
+        pts = [(r["ctx"], r[key]["median_s"], r[key]["iqr_s"]) for r in res["results"] if r[key]]
+        for ctx, median, iqr in pts:
+            out += unstable(label, f"context {ctx}", median, iqr)
+        if key in GROWS_WITH_CONTEXT:
+            out += growing_series(label, "context", pts)
+    return out
 
 
 def render_decode(res: dict, console: Console) -> None:

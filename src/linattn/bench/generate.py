@@ -38,6 +38,7 @@ from rich.console import Console
 from ..generation import sample_next
 from ..models import LinearTransformerLM, ModelConfig
 from ..report import fmt_bytes, make_table, progress
+from .consistency import growing_series
 from .methods import short_dtype
 from .timing import measure
 
@@ -307,6 +308,29 @@ def run_generate(cfg: GenerateConfig, console: Console | None = None) -> dict:
              for d in DATASETS}
     return {"config": config, "methods": METHODS, "paper": paper, "paper_source": PAPER_SOURCE,
             "results": results, "notes": notes}
+
+
+def check_generate(res: dict) -> list[str]:
+    """Warnings about the run's own numbers (bench.consistency), which are single end-to-end runs
+    (no spread: a 10% slack): per method and batch, a larger model (layers × tokens) faster per
+    token than a smaller one; per image size and method, a larger batch generated faster than a
+    smaller one; softmax without a cache faster per token at a longer prefix."""
+    out, rows = [], res["results"]
+    for key, label in METHODS.items():
+        for batch in sorted({r["batch"] for r in rows}):
+            pts = [(r["layers"] * r["tokens"], r["methods"][key]["ms_per_token"] / 1e3, None)
+                   for r in rows if r["batch"] == batch and key in r["methods"]]
+            out += growing_series(f"{label}, batch {batch}, per token", "layers×tokens", pts)
+        for dataset in dict.fromkeys(r["dataset"] for r in rows):
+            pts = [(r["batch"], r["methods"][key]["seconds"], None) for r in rows
+                   if r["dataset"] == dataset and key in r["methods"]]
+            out += growing_series(f"{label}, {DATASETS[dataset]['label']}, one batch", "batch", pts)
+    for r in rows:
+        m = r["methods"].get("no_cache")
+        if m and m["latency_ms"]:
+            out += growing_series(f"softmax, no cache, {r['label']} B={r['batch']}, one step", "prefix",
+                                  [(t, ms / 1e3, None) for t, ms in m["latency_ms"]])
+    return out
 
 
 def _rate(x: float | None) -> str:

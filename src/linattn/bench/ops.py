@@ -14,6 +14,7 @@ import torch
 from rich.console import Console
 
 from ..report import fmt_bytes, fmt_time, make_table, plot_loglog, progress
+from .consistency import growing_series, unstable
 from .flops import matmul_peak
 from .methods import MODE_LABELS, MODES, Shape, core_methods, measure_method
 from .peers import peer_methods
@@ -95,6 +96,21 @@ def crossover(results: list[dict], linear: str = "chunked", softmax: str = "soft
             break
     return {"n": n_cross, "from_first": bool(ns) and n_cross == ns[0], "mode": mode, "linear": linear,
             "softmax": softmax}
+
+
+def check_ops(res: dict) -> list[str]:
+    """Warnings about the sweep's own numbers (bench.consistency): unstable points, and a method
+    faster at a larger N, or flat over the sweep, although every method's cost grows with N."""
+    out = []
+    for m in res["methods"]:
+        for mode in MODES:
+            label = f"{m['label']} {MODE_LABELS[mode]}"
+            pts = [(r["n"], r[mode]["median_s"], r[mode]["iqr_s"]) for r in res["results"]
+                   if r["method"] == m["key"] and r.get(mode)]
+            for n, median, iqr in pts:
+                out += unstable(label, f"N={n}", median, iqr)
+            out += growing_series(label, "N", pts)
+    return out
 
 
 def render_ops(res: dict, console: Console) -> None:

@@ -12,6 +12,11 @@ from ..ops.chunked import DEFAULT_CHUNK_SIZE
 from ..report import args_dict, machine_info, make_console, output_dir, timestamp, write_json
 
 
+_THREADS_HELP = ("torch intra-op threads (default: one per idle core, i.e. the usable CPUs less the 1-minute load "
+                 "average, at least 1: more threads than idle cores make timings jump to multiples of the "
+                 "scheduler slice)")
+
+
 def add_parser(subparsers) -> None:
     from ..bench.decode import DEFAULT_CONTEXTS
     from ..bench.ops import DEFAULT_LENGTHS
@@ -77,8 +82,7 @@ def _run_options(p) -> None:
     p.add_argument("--min-run-time", type=positive_float, default=0.5, metavar="SECONDS",
                    help="minimum measuring time per point, for torch.utils.benchmark blocked_autorange "
                         "(default: %(default)s)")
-    p.add_argument("--threads", type=positive_int, metavar="T", default=None,
-                   help="torch intra-op threads (default: torch's choice)")
+    p.add_argument("--threads", type=positive_int, metavar="T", default=None, help=_THREADS_HELP)
 
 
 def _shape(args):
@@ -88,11 +92,14 @@ def _shape(args):
                  chunk=getattr(args, "chunk_size", DEFAULT_CHUNK_SIZE))
 
 
-def _finish(kind: str, res: dict, args, device, out, console: Console, render, plot) -> int:
-    res = {"kind": kind, "timestamp": timestamp(), "machine": machine_info(device), "args": args_dict(args), **res}
-    render(res, console)
+def _finish(kind: str, res: dict, args, device, out, console: Console, render, plot, check) -> int:
+    res = {"kind": kind, "timestamp": timestamp(), "machine": machine_info(device), "args": args_dict(args),
+           "threads": {"count": torch.get_num_threads(), "how": args.threads_how}, **res}
+    res["warnings"] = check(res)
     text = Console(file=io.StringIO(), width=200, record=True)
-    render(res, text)
+    for con in (console, text):
+        render(res, con)
+        _print_warnings(res["warnings"], res["threads"]["count"], con)
     (out / f"{kind}.txt").write_text(text.export_text(), encoding="utf-8")
     write_json(out / f"{kind}.json", res)
     plot(res, out / f"{kind}.png")
@@ -100,30 +107,49 @@ def _finish(kind: str, res: dict, args, device, out, console: Console, render, p
     return 0
 
 
+def _print_warnings(warnings: list[str], threads: int, console: Console) -> None:
+    from ..bench.consistency import advice
+
+    for w in warnings:
+        console.print(f"[yellow]warning:[/] {w}", markup=True, highlight=False)
+    if warnings:
+        console.print(f"[yellow]{advice(warnings, threads)}[/]", highlight=False)
+
+
 def _setup(args, kind: str):
-    """Threads, device, output folder and console shared by the bench commands."""
+    """Threads (--threads, else one per idle core: bench.consistency.stable_threads), device, output
+    folder and console shared by the bench commands."""
+    from ..bench.consistency import stable_threads
+
     if args.threads:
-        torch.set_num_threads(args.threads)
-    return resolve_device(args.device), output_dir(kind, args.out), make_console()
+        args.threads_how = "--threads"
+        threads = args.threads
+    else:
+        threads, args.threads_how = stable_threads()
+    torch.set_num_threads(threads)
+    device, out, console = resolve_device(args.device), output_dir(kind, args.out), make_console()
+    console.print(f"threads: {threads} ({args.threads_how})", highlight=False)
+    return device, out, console
 
 
 def run_ops_command(args) -> int:
-    from ..bench.ops import OpsConfig, plot_ops, render_ops, run_ops
+    from ..bench.ops import OpsConfig, check_ops, plot_ops, render_ops, run_ops
 
     device, out, console = _setup(args, "bench-ops")
     cfg = OpsConfig(lengths=args.lengths, shape=_shape(args), dtype=torch_dtype(args.dtype), device=str(device),
                     seed=args.seed, min_run_time=args.min_run_time, recurrent_max=args.recurrent_max,
                     quadratic_max=args.quadratic_max, memory=not args.no_memory, peers=not args.no_peers)
-    return _finish("bench-ops", run_ops(cfg, console), args, device, out, console, render_ops, plot_ops)
+    return _finish("bench-ops", run_ops(cfg, console), args, device, out, console, render_ops, plot_ops, check_ops)
 
 
 def run_decode_command(args) -> int:
-    from ..bench.decode import DecodeConfig, plot_decode, render_decode, run_decode
+    from ..bench.decode import DecodeConfig, check_decode, plot_decode, render_decode, run_decode
 
     device, out, console = _setup(args, "bench-decode")
     cfg = DecodeConfig(contexts=args.contexts, shape=_shape(args), dtype=torch_dtype(args.dtype), device=str(device),
                        seed=args.seed, min_run_time=args.min_run_time, no_cache_max=args.no_cache_max)
-    return _finish("bench-decode", run_decode(cfg, console), args, device, out, console, render_decode, plot_decode)
+    return _finish("bench-decode", run_decode(cfg, console), args, device, out, console, render_decode, plot_decode,
+                   check_decode)
 
 
 def _add_generate_parser(sub) -> None:
@@ -160,8 +186,7 @@ def _add_generate_parser(sub) -> None:
                           "(default: %(default)s)")
     gen.add_argument("--min-run-time", type=positive_float, default=0.2, metavar="SECONDS",
                      help="minimum measuring time per timed prefix length (default: %(default)s)")
-    gen.add_argument("--threads", type=positive_int, metavar="T", default=None,
-                     help="torch intra-op threads (default: torch's choice)")
+    gen.add_argument("--threads", type=positive_int, metavar="T", default=None, help=_THREADS_HELP)
     add_common_options(gen)
     gen.set_defaults(func=run_generate_command)
 
@@ -190,11 +215,11 @@ def _at_least_two(value: str) -> int:
 
 
 def run_generate_command(args) -> int:
-    from ..bench.generate import GenerateConfig, plot_generate, render_generate, run_generate
+    from ..bench.generate import GenerateConfig, check_generate, plot_generate, render_generate, run_generate
 
     device, out, console = _setup(args, "bench-generate")
     cfg = GenerateConfig(datasets=args.datasets, batches=args.batches, scale=args.scale, layers=args.layers,
                          tokens=args.tokens, dtype=torch_dtype(args.dtype), device=str(device), seed=args.seed,
                          min_run_time=args.min_run_time, probes=args.probes, full_no_cache_max=args.full_no_cache_max)
     return _finish("bench-generate", run_generate(cfg, console), args, device, out, console, render_generate,
-                   plot_generate)
+                   plot_generate, check_generate)

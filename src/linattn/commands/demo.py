@@ -7,7 +7,7 @@ import sys
 
 import torch
 
-from ..cli import add_common_options, positive_float, positive_int, resolve_device
+from ..cli import add_common_options, positive_float, positive_int, resolve_device, utf8_text
 
 
 def add_parser(subparsers) -> None:
@@ -30,7 +30,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--attention", default="linear", metavar="PATTERN",
                    help="layer kinds of the trained LM, repeated over its 4 layers, e.g. linear or "
                         "linear,linear,linear,softmax (default: %(default)s)")
-    p.add_argument("--prompt", default="def ", help="prompt of the generation step (default: %(default)r)")
+    p.add_argument("--prompt", default="def ", type=utf8_text,
+                   help="prompt of the generation step (default: %(default)r)")
     p.add_argument("--gen-bytes", type=positive_int, default=200, metavar="N",
                    help="bytes to generate in RNN mode (default: %(default)s)")
     p.add_argument("--threads", type=positive_int, default=None, metavar="T",

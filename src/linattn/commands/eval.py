@@ -29,7 +29,7 @@ def _seeds(value: str) -> list[int]:
 def add_parser(subparsers) -> None:
     from ..evaluation import ATTENTION_KINDS, PRESETS
 
-    tasks = sorted({t.name for p in PRESETS.values() for t in p.tasks})
+    tasks = "; ".join(f"{name}: {','.join(t.name for t in pr.tasks)}" for name, pr in PRESETS.items())
     p = subparsers.add_parser(
         "eval", help="train and compare attention kinds on copy, MQAR, ListOps and byte-LM in one table",
         description="Trains one small model per attention kind × task × seed (fixed seeds) and prints one table of "
@@ -42,7 +42,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--kinds", type=_names, default=None, metavar="K[,K...]",
                    help="attention kinds (default: all): " + ",".join(ATTENTION_KINDS))
     p.add_argument("--tasks", type=_names, default=None, metavar="T[,T...]",
-                   help="tasks (default: all of the preset); 'mqar' selects every MQAR setting: " + ",".join(tasks))
+                   help=f"tasks of the --preset (default: all of them); per preset: {tasks}; a name before its "
+                        "'-' (e.g. mqar) selects every setting of that task")
     p.add_argument("--seeds", type=_seeds, default=None, metavar="S[,S...]", help="seeds (default: the preset's)")
     p.add_argument("--steps", type=positive_int, default=None,
                    help="override every task's training steps (smoke tests)")

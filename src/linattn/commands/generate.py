@@ -15,7 +15,7 @@ import codecs
 import sys
 from pathlib import Path
 
-from ..cli import add_common_options, float_in, positive_int, resolve_device, torch_dtype
+from ..cli import add_common_options, dtype_arg, float_in, positive_int, resolve_device, torch_dtype, utf8_text
 
 
 _nonneg_float = float_in(0.0, low_inclusive=True, example="0.8; 0 = greedy")
@@ -35,7 +35,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--checkpoint", required=True, metavar="DIR",
                    help="a model folder (config.json + model.safetensors), a training checkpoint folder, or a run "
                         "folder (its checkpoints/last is used)")
-    p.add_argument("--prompt", required=True, help="text to continue (encoded as UTF-8 bytes; must not be empty)")
+    p.add_argument("--prompt", required=True, type=utf8_text,
+                   help="text to continue (encoded as UTF-8 bytes; must not be empty)")
     p.add_argument("--max-new-tokens", type=positive_int, default=200, metavar="N",
                    help="bytes to generate at most (default: %(default)s)")
     p.add_argument("--temperature", type=_nonneg_float, default=0.8, metavar="T",
@@ -44,10 +45,12 @@ def add_parser(subparsers) -> None:
                    help="sample among the K most likely bytes only (default: all)")
     p.add_argument("--top-p", type=_top_p, default=None, metavar="P",
                    help="nucleus sampling: the smallest set of bytes with probability >= P (default: off)")
-    p.add_argument("--stop", default=None, metavar="STRING",
+    p.add_argument("--stop", default=None, metavar="STRING", type=utf8_text,
                    help="stop once the generated text contains STRING (not printed); e.g. a blank line $'\\n\\n'")
     p.add_argument("--no-echo", action="store_true", help="do not print the prompt before the continuation")
-    add_common_options(p, out=False)
+    p.add_argument("--dtype", type=dtype_arg, default=None, metavar="{float32,bfloat16,float16}",
+                   help="floating dtype of the model (default: the dtype it was saved in)")
+    add_common_options(p, out=False, dtype=False)
     p.set_defaults(func=run_generate_command)
 
 
@@ -113,13 +116,14 @@ def run_generate_command(args) -> int:
     device = resolve_device(args.device)
     try:
         directory = _model_dir(Path(args.checkpoint))
-        model = LinearTransformerLM.from_pretrained(directory, device=device)
+        dtype = None if args.dtype is None else torch_dtype(args.dtype)
+        model = LinearTransformerLM.from_pretrained(directory, device=device, dtype=dtype)
     except (FileNotFoundError, CheckpointError, SafetensorError, ValueError, OSError) as exc:
         return fail(f"cannot load the model from {str(args.checkpoint)!r}: {exc}")
     if model.config.vocab_size < 256:
         return fail(f"the model in {str(directory)!r} has a vocabulary of {model.config.vocab_size} tokens, not bytes "
                     "(256): generate needs a byte-level LM")
-    model = model.to(dtype=torch_dtype(args.dtype)).eval()
+    model = model.eval()
     prompt = list(args.prompt.encode("utf-8"))
     out = sys.stdout
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")

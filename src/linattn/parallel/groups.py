@@ -16,6 +16,9 @@ from .._checks import check_number, check_positive_int
 #: Default collective timeout (seconds) for `init_distributed`.
 DEFAULT_TIMEOUT_S = 300.0
 
+# the timeout init_distributed gave the default group it created (keyed by the group object)
+_default_group_timeouts: dict[int, datetime.timedelta] = {}
+
 
 def init_distributed(
     backend: str | None = None,
@@ -69,9 +72,27 @@ def init_distributed(
     if backend == "nccl":
         local = int(env.get("LOCAL_RANK", rank % max(1, torch.cuda.device_count())))
         torch.cuda.set_device(local)
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=float(timeout_s)))
+    timeout = datetime.timedelta(seconds=float(timeout_s))
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size, timeout=timeout)
+    _default_group_timeouts.clear()
+    _default_group_timeouts[id(dist.group.WORLD)] = timeout
     return rank, world_size
+
+
+def default_group_timeout() -> datetime.timedelta:
+    """The collective timeout of the default process group: the one init_distributed set, else the
+    one its backend reports (a group made with torch.distributed directly), else DEFAULT_TIMEOUT_S.
+    Groups made later do not inherit it by themselves: torch.distributed.new_group without a timeout
+    takes torch's default (30 minutes for gloo), which is why make_parallel_groups passes this one."""
+    world = dist.group.WORLD
+    try:
+        device = torch.device("cuda" if dist.get_backend() == "nccl" else "cpu")
+        timeout = world._get_backend(device).options._timeout
+        if isinstance(timeout, datetime.timedelta) and timeout.total_seconds() > 0:
+            return timeout
+    except (AttributeError, RuntimeError, TypeError):  # private API, varies with the torch version
+        pass
+    return _default_group_timeouts.get(id(world), datetime.timedelta(seconds=DEFAULT_TIMEOUT_S))
 
 
 def free_port() -> int:
@@ -98,23 +119,27 @@ class ParallelGroups:
     dp_size: int
 
 
-def make_parallel_groups(sequence_parallel: int) -> ParallelGroups:
+def make_parallel_groups(sequence_parallel: int, *, timeout_s: float | None = None) -> ParallelGroups:
     """Splits the default group into sequence-parallel blocks of `sequence_parallel` ranks and the
-    matching data-parallel groups (see ParallelGroups). Every rank must call it (collective)."""
+    matching data-parallel groups (see ParallelGroups). Every rank must call it (collective).
+    timeout_s: seconds a collective on the new groups waits for a missing rank before it raises
+    (None: the default group's, see default_group_timeout)."""
     if not (dist.is_available() and dist.is_initialized()):
         raise ValueError("make_parallel_groups needs an initialized default process group (init_distributed())")
     check_positive_int("sequence_parallel", sequence_parallel)
+    check_number("timeout_s", timeout_s, minimum=0, low_open=True, allow_none=True)
+    timeout = default_group_timeout() if timeout_s is None else datetime.timedelta(seconds=float(timeout_s))
     world, rank = dist.get_world_size(), dist.get_rank()
     if world % sequence_parallel:
         raise ValueError(f"sequence_parallel={sequence_parallel} must divide the world size {world}")
     p, r = sequence_parallel, world // sequence_parallel
     sp_group = dp_group = None
     for i in range(r):  # every rank creates every group, in the same order
-        g = dist.new_group(list(range(i * p, (i + 1) * p)))
+        g = dist.new_group(list(range(i * p, (i + 1) * p)), timeout=timeout)
         if rank // p == i:
             sp_group = g
     for j in range(p):
-        g = dist.new_group(list(range(j, world, p)))
+        g = dist.new_group(list(range(j, world, p)), timeout=timeout)
         if rank % p == j:
             dp_group = g
     return ParallelGroups(sp_group, dp_group, rank % p, p, rank // p, r)

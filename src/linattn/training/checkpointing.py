@@ -8,7 +8,8 @@ checkpoint a run resumes from.
     trainer.safetensors              optimizer tensors ("optim.<param>.<name>") and RNG states ("rng.*")
     trainer.json                     format, step, the TrainConfig, optimizer hyper-parameters and
                                      scalar state, scheduler state, data position, RNG bookkeeping,
-                                     and the SHA-256 and size of every other file of the checkpoint
+                                     the SHA-256 and size of every other file of the checkpoint, and
+                                     "sha256": the SHA-256 of its own content (see doc_checksum)
 
 No pickle anywhere: JSON and safetensors only. A checkpoint folder is written under a temporary
 name, every file fsynced, renamed into place (linattn._io.atomic_write), and only then `last` is
@@ -23,15 +24,18 @@ task's data position, the config's dict): it imports no other part of linattn.tr
 from __future__ import annotations
 
 import datetime as _dt
+import hashlib
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from .._io import atomic_write, fsync_path, read_json, sha256_file, write_text_synced
+from .._io import (ATOMIC_TEMPORARY, atomic_write, fsync_path, read_json, remove_stale_temporaries, sha256_file,
+                   write_text_synced)
 from ..checkpoint import CONFIG_NAME, WEIGHTS_NAME, CheckpointError, load_weights, read_config, save_pretrained
 
 TRAINER_JSON = "trainer.json"
@@ -106,6 +110,14 @@ def set_rng_state(tensors: dict) -> None:
         torch.cuda.set_rng_state_all([tensors[k] for k in cuda])
 
 
+def doc_checksum(doc: dict) -> str:
+    """SHA-256 of a trainer.json document without its "sha256" entry, in a canonical form (sorted
+    keys, no spaces): it survives re-indentation but not a changed value. Stored in the document."""
+    body = {k: v for k, v in doc.items() if k != "sha256"}
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
+    return hashlib.sha256(text.encode("ascii")).hexdigest()
+
+
 # ----------------------------------------------------------------------------------------------
 # saving
 
@@ -122,6 +134,7 @@ def save_training_checkpoint(ckpt_root: Path, step: int, model: nn.Module, opt, 
 
     ckpt_root = Path(ckpt_root)
     ckpt_root.mkdir(parents=True, exist_ok=True)
+    remove_interrupted_saves(ckpt_root)
 
     def write(tmp: Path) -> None:
         save_pretrained(model, tmp)  # config.json + model.safetensors, each fsynced
@@ -146,12 +159,26 @@ def save_training_checkpoint(ckpt_root: Path, step: int, model: nn.Module, opt, 
             "files": manifest,
             **(extra or {}),
         }
+        doc["sha256"] = doc_checksum(doc)
         write_text_synced(tmp / TRAINER_JSON, json.dumps(doc, indent=2, allow_nan=False) + "\n")
 
     final = atomic_write(ckpt_root / _step_name(step), write)  # re-saving a step replaces its folder
     _point_last(ckpt_root, final.name)
     _prune(ckpt_root, keep, final.name)
     return final
+
+
+#: Temporaries of earlier linattn versions: `.tmp-step-XXXXXXXX-<pid>-<hex>` and `.last-<hex>`.
+_OLD_TEMPORARIES = (re.compile(r"^\.tmp-step-\d{8}-(?P<pid>\d+)-[0-9a-f]{8}$"), re.compile(r"^\.last-[0-9a-f]{8}$"))
+_STEP = re.compile(r"^step-\d{8}$")
+
+
+def remove_interrupted_saves(ckpt_root) -> list[Path]:
+    """Removes what killed saves left in a checkpoints/ folder: the temporaries of step folders and
+    of the `last` pointer whose writer is gone (see linattn._io.remove_stale_temporaries). Complete
+    checkpoints (step-XXXXXXXX) and `last` itself are never touched. Returns the removed paths."""
+    return remove_stale_temporaries(ckpt_root, lambda name: name == LAST or _STEP.match(name) is not None,
+                                    (ATOMIC_TEMPORARY, *_OLD_TEMPORARIES))
 
 
 def _point_last(ckpt_root: Path, name: str) -> None:
@@ -181,6 +208,8 @@ class Checkpointer:
                  resumed_step: int = -1):
         self.root, self.keep, self.main = root, keep, main
         self.last, self.last_step = resumed_from, resumed_step
+        if main and root is not None:
+            remove_interrupted_saves(root)  # of an earlier run of this folder that was killed mid-save
 
     def save(self, step: int, model: nn.Module, opt, sched, task, cfg) -> None:
         if self.main and self.root is not None and step != self.last_step:
@@ -209,7 +238,11 @@ def find_checkpoint(path) -> Path:
         if link.is_symlink():
             target = link.parent / os.readlink(link)
         elif link.is_file():  # text-file pointer (no symlinks on this filesystem)
-            target = link.parent / link.read_text(encoding="utf-8").strip()
+            try:
+                target = link.parent / link.read_text(encoding="utf-8").strip()
+            except UnicodeDecodeError:
+                raise CheckpointError(f"{link} is corrupted: a pointer file should hold a checkpoint folder's name "
+                                      "as UTF-8 text") from None
         else:
             target = link
         if not target.is_dir():
@@ -265,6 +298,9 @@ def read_trainer_doc(ckpt) -> dict:
     if doc.get("format_version") != TRAINER_FORMAT_VERSION:
         raise CheckpointError(f"{doc_path} has format_version {doc.get('format_version')!r}; this linattn reads "
                               f"{TRAINER_FORMAT_VERSION}")
+    if "sha256" in doc and doc["sha256"] != doc_checksum(doc):  # checkpoints before the field: unchecked
+        raise CheckpointError(f"checkpoint {ckpt} is corrupted: {TRAINER_JSON} does not match the checksum it "
+                              "records (a changed value); resume from an earlier checkpoint")
     for key in ("step", "train_config", "optimizer", "scheduler", "data", "files"):
         if key not in doc:
             raise CheckpointError(f"checkpoint {ckpt} is corrupted: {TRAINER_JSON} has no {key!r} entry")

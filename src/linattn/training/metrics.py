@@ -22,13 +22,13 @@ def read_metrics(path) -> list[dict]:
     p = Path(path)
     if not p.is_file():
         return out
-    for line in p.read_text(encoding="utf-8").splitlines():
-        line = line.strip()
+    for raw in p.read_bytes().splitlines():
+        line = raw.strip()
         if line:
             try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue  # a torn last line after a crash
+                out.append(json.loads(line.decode("utf-8")))
+            except (UnicodeDecodeError, json.JSONDecodeError):
+                continue  # a torn last line after a crash (it may end inside a multi-byte character)
     return out
 
 

@@ -87,7 +87,7 @@ def processes_for(cfg) -> Iterator[Processes]:
             if world % cfg.sequence_parallel:
                 raise ValueError(f"sequence_parallel={cfg.sequence_parallel} must divide the number of processes "
                                  f"({world})")
-            groups = make_parallel_groups(cfg.sequence_parallel)
+            groups = make_parallel_groups(cfg.sequence_parallel, timeout_s=cfg.dist_timeout_s)
         yield Processes(True, rank, world, local_rank, groups)
     finally:
         if created:
