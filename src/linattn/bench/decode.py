@@ -162,7 +162,7 @@ def check_decode(res: dict) -> list[str]:
     or without a cache faster at a longer context, or flat over the sweep."""
     out = []
     for key, label in DECODE_METHODS.items():
-        pts = [(r["ctx"], r[key]["median_s"], r[key]["iqr_s"]) for r in res["results"] if r[key]]
+        pts = [(r["ctx"], r[key]["median_s"], r[key]["iqr_s"]) for r in res["results"] if r.get(key)]
         for ctx, median, iqr in pts:
             out += unstable(label, f"context {ctx}", median, iqr)
         if key in GROWS_WITH_CONTEXT:
