@@ -7,7 +7,11 @@ step (φ = elu+1 or identity, optional RoPE, state update, output) in one operat
 In `csrc/chunked.cpp`, `linattn_cpu::chunked` runs the causal chunked forward row by row with the
 state and the chunk scores kept in cache, its products by the BLAS gemm that torch itself links; for
 training it also saves the denominators and block states, and `linattn_cpu::chunked_backward` walks
-the rows back. `csrc/common.h` holds what both files share (φ, the ISA clones).
+the rows back. `csrc/gated.cpp` and `csrc/gated_backward.cpp` are the gated form's kernels
+(linattn.ops.gated.fused), `csrc/delta.cpp` the delta rule's (linattn.ops.delta.fused). The files
+share headers: `csrc/common.h` (φ, bf16 conversions, work buffers, the ISA clones), `csrc/blas.h`
+(torch's BLAS), `csrc/pool.h` (the one pool of result buffers), `csrc/chunked.h` (the pieces of the
+ungated and gated chunk loops).
 
 The extension is built the first time a kernel can be used (about 15 s) into a folder named after a
 hash of its sources and flags, under torch's extension cache (~/.cache/torch_extensions, or
@@ -33,7 +37,8 @@ from .chunked import ChunkedCausalLinearAttention
 from .nonfinite import all_finite
 
 _CSRC = Path(__file__).with_name("csrc")
-_SOURCES = [str(_CSRC / name) for name in ("decode.cpp", "chunked.cpp", "delta.cpp")]
+_SOURCES = [str(_CSRC / name)
+            for name in ("decode.cpp", "chunked.cpp", "gated.cpp", "gated_backward.cpp", "delta.cpp")]
 _CFLAGS = ["-O3", "-fopenmp", "-fno-trapping-math"]
 _lock = threading.Lock()
 _state: dict = {"loaded": None, "error": None}
