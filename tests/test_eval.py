@@ -42,7 +42,8 @@ def test_every_kind_and_task_of_the_presets_makes_a_valid_config(preset):
             elif kind == "hybrid":
                 assert mc.layer_kinds[-1] == "softmax" and mc.layer_kinds.count("softmax") == max(1, mc.n_layers // 4)
             elif kind in MIXER_KINDS:
-                assert mc.layer_kinds == [kind] * mc.n_layers and mc.positions == "none"
+                assert mc.layer_kinds == [kind] * mc.n_layers
+                assert mc.positions == ("rope" if kind == "retnet" else "none")  # as in the papers
                 assert (applies(kind, task) is None) == (task.task != "listops")
             else:
                 assert set(mc.layer_kinds) == {"linear"} and mc.feature_map == kind

@@ -7,7 +7,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from linattn.gated_layers import DeltaNetAttention, GatedDeltaNetAttention, RecurrentCache
+from linattn.decay import FeatureDecay, FixedDecay
+from linattn.gated_layers import (
+    DeltaNetAttention,
+    GatedDeltaNetAttention,
+    GLAAttention,
+    RecurrentCache,
+    RetNetAttention,
+    SimpleGLAAttention,
+)
 from linattn.layers import LinearAttention, OutputGate, SoftmaxAttention
 
 from .conftest import spread
@@ -18,7 +26,9 @@ def _one_thread(one_thread):
     yield
 
 
-LAYERS = {"deltanet": DeltaNetAttention, "gated_deltanet": GatedDeltaNetAttention}
+LAYERS = {"retnet": RetNetAttention, "simple_gla": SimpleGLAAttention, "gla": GLAAttention,
+          "deltanet": DeltaNetAttention, "gated_deltanet": GatedDeltaNetAttention}
+DELTA = ("deltanet", "gated_deltanet")
 KINDS = sorted(LAYERS)
 D_MODEL, HEADS = 16, 2
 
@@ -46,10 +56,17 @@ def _heads(t, h):
 
 
 def _log_decay(kind, layer, x):
-    """g (B, H, N) as the papers define it, or None."""
-    if kind == "gated_deltanet":
+    """g (B, H, N) or (B, H, N, D) as the papers define it, or None (DeltaNet)."""
+    b, n, _ = x.shape
+    if kind in ("gated_deltanet", "simple_gla"):  # Mamba2's form
         a = x @ layer.decay.proj.weight.T + layer.decay.dt_bias
         return (-torch.exp(layer.decay.A_log) * F.softplus(a)).transpose(1, 2)
+    if kind == "retnet":  # γ_h = 1 − 2^(−5−h)
+        gamma = 1 - 2.0 ** (-5 - torch.arange(layer.n_heads, dtype=torch.float64))
+        return torch.log(gamma)[None, :, None].expand(b, -1, n)
+    if kind == "gla":  # logsigmoid(W₂W₁x + b) / 16
+        a = x @ layer.decay.down.weight.T @ layer.decay.up.weight.T + layer.decay.up.bias
+        return (F.logsigmoid(a) / 16).view(b, n, layer.n_heads, layer.qk_dim).transpose(1, 2)
     return None
 
 
@@ -64,19 +81,33 @@ def reference(kind, layer, x, mask=None, positions=None):
     if layer.conv is not None:
         y = _conv(y, layer.conv.weight)
     q, k, v = (_heads(t, h) for t in y.split((h * dk, h * dk, h * dv), -1))
-    q, k, v = F.silu(q), F.silu(k), F.silu(v)
+    if kind in DELTA:
+        q, k, v = F.silu(q), F.silu(k), F.silu(v)
     if layer.rope is not None:
         q, k = layer.rope.rotate(q, positions), layer.rope.rotate(k, positions)
-    q = q / torch.sqrt((q * q).sum(-1, keepdim=True) + 1e-6) / math.sqrt(dk)
-    k = k / torch.sqrt((k * k).sum(-1, keepdim=True) + 1e-6)
-    beta = torch.sigmoid(x @ layer.beta_proj.weight.T).transpose(1, 2)
+    if kind in DELTA:
+        q = q / torch.sqrt((q * q).sum(-1, keepdim=True) + 1e-6)
+        k = k / torch.sqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+        beta = torch.sigmoid(x @ layer.beta_proj.weight.T).transpose(1, 2)
+    else:  # gated linear attention: S_t = diag(e^g) S + k vᵀ, i.e. the delta rule's form with β k̂k̂ᵀ = 0, β k̂ = k
+        beta = None
+    q = q / math.sqrt(dk)
     g = _log_decay(kind, layer, x)
     S = torch.zeros(b, h, dk, dv, dtype=x.dtype)
     outs = []
     for t in range(n):
-        kt, vt, bt = k[:, :, t], v[:, :, t], beta[:, :, t, None, None]
-        alpha = 1.0 if g is None else torch.exp(g[:, :, t])[..., None, None]
-        new = alpha * (S - bt * kt[..., :, None] * (kt[..., None, :] @ S)) + bt * kt[..., :, None] * vt[..., None, :]
+        kt, vt = k[:, :, t], v[:, :, t]
+        if g is None:
+            alpha = 1.0
+        elif g.dim() == 3:
+            alpha = torch.exp(g[:, :, t])[..., None, None]
+        else:  # one decay per key feature: per row of S
+            alpha = torch.exp(g[:, :, t])[..., None]
+        if beta is None:
+            new = alpha * S + kt[..., :, None] * vt[..., None, :]
+        else:
+            bt = beta[:, :, t, None, None]
+            new = alpha * (S - bt * kt[..., :, None] * (kt[..., None, :] @ S)) + bt * kt[..., :, None] * vt[..., None, :]
         if mask is not None:
             new = torch.where(mask[:, t, None, None, None], new, S)
         S = new
@@ -193,6 +224,26 @@ def test_gated_deltanet_decay_is_mamba2_style_and_seeded():
     layer.decay.init_parameters(torch.Generator().manual_seed(1))
     other.decay.init_parameters(torch.Generator().manual_seed(1))
     assert torch.equal(layer.decay.A_log, other.decay.A_log) and torch.equal(layer.decay.dt_bias, other.decay.dt_bias)
+
+
+def test_retnet_decays_are_the_papers():
+    g = FixedDecay(4)(torch.zeros(2, 3, 8, dtype=torch.float64))
+    assert g.shape == (2, 4, 3) and g.dtype == torch.float64
+    torch.testing.assert_close(g.exp()[0, :, 0], torch.tensor([31 / 32, 63 / 64, 127 / 128, 255 / 256],
+                                                               dtype=torch.float64), rtol=1e-15, atol=0)
+    assert FixedDecay(4)(torch.zeros(1, 2, 8)).dtype == torch.float32  # the state dtype
+    assert not list(FixedDecay(4).parameters()) and not FixedDecay(4).state_dict()
+
+
+def test_gla_decay_is_low_rank_with_temperature_16():
+    decay = FeatureDecay(8, 2, 3)
+    assert decay.down.weight.shape == (16, 8) and decay.up.weight.shape == (6, 16) and decay.temperature == 16
+    g = decay(torch.randn(2, 5, 8) * 100)
+    assert g.shape == (2, 2, 5, 3) and (g <= 0).all() and (g >= -100 / 16 - 1).all()
+    with torch.no_grad():
+        decay.up.weight.zero_()
+        decay.up.bias.zero_()
+    torch.testing.assert_close(decay(torch.randn(1, 2, 8)), torch.full((1, 2, 2, 3), math.log(0.5) / 16))
 
 
 def test_beta_never_underflows_to_zero():

@@ -57,7 +57,10 @@ def test_decoding_equals_the_parallel_forward_in_hybrids_fp64(kind, block):
         assert isinstance(first, ConvMixerCache) and first.conv.shape == (2, 2, 32)
         first, second = first.attn, second.attn
     assert isinstance(first, RecurrentCache) and isinstance(second, KVCache)
-    assert first.conv.shape == (2, 3, 3 * 32)  # the kind's default short convolution, K = 4
+    if kind in ("deltanet", "gated_deltanet"):  # their default short convolution, K = 4
+        assert first.conv.shape == (2, 3, 3 * 32)
+    else:  # RetNet and GLA have none
+        assert first.conv is None and model.blocks[0].attn.conv is None
 
 
 @pytest.mark.parametrize("kind", NEW_KINDS)
@@ -86,7 +89,8 @@ def test_batch_of_left_padded_prompts_generates_what_each_prompt_does_alone(kind
     assert len({tuple(a) for a in alone}) == 3
 
 
-@pytest.mark.parametrize("kind, block", [("deltanet", "transformer"), ("gated_deltanet", "conv_mixer")])
+@pytest.mark.parametrize("kind, block", [("deltanet", "transformer"), ("gated_deltanet", "conv_mixer"),
+                                         ("gla", "transformer"), ("retnet", "conv_mixer"), ("simple_gla", "transformer")])
 def test_save_and_load_round_trip(tmp_path, kind, block):
     model = lm(attention=[kind, "softmax"], block=block, short_conv=2, tie_embeddings=False)
     model.save_pretrained(tmp_path / "m")
@@ -112,8 +116,9 @@ def test_configs_written_before_the_new_fields_load_with_the_old_behaviour():
 def test_kind_defaults_and_overrides():
     cfg = tiny(attention="gated_deltanet,softmax")
     assert cfg.layer_kinds == ["gated_deltanet", "softmax"]
-    assert [cfg.short_conv_for(k) for k in cfg.layer_kinds] == [4, 0]
-    assert [cfg.output_gate_for(k) for k in cfg.layer_kinds] == [True, False]
+    kinds = ["linear", "softmax", "retnet", "simple_gla", "gla", "deltanet", "gated_deltanet"]
+    assert [cfg.short_conv_for(k) for k in kinds] == [0, 0, 0, 0, 0, 4, 4]
+    assert [cfg.output_gate_for(k) for k in kinds] == [False, False, True, True, True, True, True]
     model = LinearTransformerLM(tiny(attention="deltanet,softmax", short_conv=0, output_gate=True))
     assert [b.attn.conv for b in model.blocks] == [None, None]
     assert all(b.attn.output_gate is not None for b in model.blocks)
@@ -163,7 +168,8 @@ def test_logits_at_rejects_bad_indices():
         model(ids, last_only=True, logits_at=torch.tensor([1]))
 
 
-@pytest.mark.parametrize("attention, block", [("gated_deltanet,softmax", "transformer"), ("deltanet", "conv_mixer")])
+@pytest.mark.parametrize("attention, block", [("gated_deltanet,softmax", "transformer"), ("deltanet", "conv_mixer"),
+                                              ("gla,simple_gla", "transformer"), ("retnet", "conv_mixer")])
 def test_a_few_training_steps_lower_the_loss(attention, block):
     torch.manual_seed(0)
     model = LinearTransformerLM(tiny(attention=attention, block=block))
@@ -178,7 +184,8 @@ def test_a_few_training_steps_lower_the_loss(attention, block):
         opt.step()
         losses.append(loss.item())
     assert losses[-1] < losses[0] - 0.5, losses
-    assert model.blocks[0].attn.beta_proj.weight.grad.abs().sum() > 0
+    assert all(p.grad.abs().sum() > 0 for p in model.parameters()), [n for n, p in model.named_parameters()
+                                                                      if not p.grad.abs().sum() > 0]
 
 
 @pytest.mark.parametrize("kind", NEW_KINDS)

@@ -3,8 +3,9 @@
 Kinds (ATTENTION_KINDS): softmax, elu (elu+1), relu, favor (FAVOR+), cosformer, taylor (Based's
 2nd-order Taylor features, q/k dim 16), hedgehog, hybrid (elu+1 layers with one softmax layer in
 every four; with fewer than four layers the last layer is the softmax one), and the kinds with a
-gated or delta-rule state of linattn.gated_layers (MIXER_KINDS: deltanet, gated_deltanet), with
-their default short convolution and output gate and, as in their papers, no position encoding.
+gated or delta-rule state of linattn.gated_layers (MIXER_KINDS: retnet, simple_gla, gla, deltanet,
+gated_deltanet), with their default short convolution and output gate and, as in their papers, no
+position encoding except RetNet's rotation (positions "rope").
 Tasks: copy (loss and token accuracy on the copied half), MQAR (accuracy at the query positions;
 one column per (seq_len, n_pairs) setting), ListOps (accuracy, bidirectional encoder: the causal-only
 MIXER_KINDS skip it), byte-level LM (validation bits per byte).
@@ -57,7 +58,8 @@ MIXER_KINDS = tuple(RECURRENT_KINDS)
 ATTENTION_KINDS = ("softmax", "elu", "relu", "favor", "cosformer", "taylor", "hedgehog", "hybrid") + MIXER_KINDS
 KIND_LABELS = {"softmax": "softmax", "elu": "elu+1", "relu": "relu", "favor": "FAVOR+", "cosformer": "cosFormer",
                "taylor": "Taylor (Based)", "hedgehog": "Hedgehog", "hybrid": "hybrid (elu+1/softmax)",
-               "deltanet": "DeltaNet", "gated_deltanet": "Gated DeltaNet"}
+               "retnet": "RetNet", "simple_gla": "simple GLA", "gla": "GLA", "deltanet": "DeltaNet",
+               "gated_deltanet": "Gated DeltaNet"}
 METRIC_LABELS = {"loss": "loss", "accuracy": "acc", "bpb": "bpb"}
 HIGHER_IS_BETTER = {"accuracy": True, "loss": False, "bpb": False}
 
@@ -188,7 +190,7 @@ def kind_model(kind: str, base: dict, kind_options: dict | None = None) -> dict:
         m["attention"] = ["linear", "linear", "linear", "softmax"] if n % 4 == 0 else ["linear"] * (n - 1) + ["softmax"]
     elif kind in MIXER_KINDS:
         m["attention"] = [kind]
-        m["positions"] = "none"  # DeltaNet and Gated DeltaNet use no position encoding
+        m["positions"] = "rope" if kind == "retnet" else "none"  # RetNet rotates q, k (xPos); GLA, DeltaNet use none
     else:
         m["attention"] = ["linear"]
         m["feature_map"] = kind

@@ -34,9 +34,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ._checks import check_positive_int
-from .decay import ScalarDecay
+from .decay import FeatureDecay, FixedDecay, ScalarDecay
 from .layers import LayerCache, _Attention, token_positions
-from .ops import delta_rule, delta_rule_step
+from .ops import delta_rule, delta_rule_step, gated_linear_attention, gated_linear_attention_step
 from .ops.chunked import DEFAULT_CHUNK_SIZE, state_dtype
 from .positional import RotaryEmbedding
 
@@ -105,6 +105,60 @@ class _RecurrentAttention(_Attention):
                 f"output_gate={self.output_gate is not None}, rope={self.rope is not None}")
 
 
+class _GatedAttention(_RecurrentAttention):
+    """Gated linear attention on q, k directly (no feature map, no normalizer): S_t = diag(e^{g_t})
+    S_{t−1} + k_t v_tᵀ, o_t = S_tᵀ q_t · D^{−1/2}, with g = `self.decay(x)` (linattn.decay). The scale is
+    applied to q here rather than by the operator, whose fused CPU kernels take no scale. Decoding:
+    `linattn.ops.gated_linear_attention_step` per token."""
+
+    decay: nn.Module
+
+    def _mix(self, x, q, k, v, mask, state, stateful: bool):
+        g = self.decay(x)
+        q = q * self.scale
+        if not stateful:
+            return gated_linear_attention(q, k, v, g, key_padding_mask=mask, chunk_size=self.chunk_size), None
+        if q.shape[2] == 1 and mask is None:
+            return gated_linear_attention_step(state, q, k, v, g)
+        return gated_linear_attention(q, k, v, g, key_padding_mask=mask, initial_state=state, return_state=True,
+                                      chunk_size=self.chunk_size)
+
+
+class RetNetAttention(_GatedAttention):
+    """RetNet's retention (Sun et al. 2023) in its recurrent form: a fixed decay per head, γ_h = 1 −
+    2^{−5−h} (linattn.decay.FixedDecay), so heads remember over ~32 … 2^{4+H} tokens. RetNet rotates q
+    and k (xPos) and normalizes and gates its output: positions="rope" and the output gate."""
+
+    kind = "retnet"
+
+    def __init__(self, d_model: int, n_heads: int, **kw):
+        super().__init__(d_model, n_heads, **kw)
+        self.decay = FixedDecay(n_heads)
+
+
+class SimpleGLAAttention(_GatedAttention):
+    """Gated linear attention with one data-dependent decay per head and token, Mamba2's form
+    g_t = −exp(A_log)·softplus(W_α x_t + dt_bias) (linattn.decay.ScalarDecay): the SSD / "simple GLA"
+    recurrence of Mamba2 (Dao & Gu 2024), with q, k, v as attention names them."""
+
+    kind = "simple_gla"
+
+    def __init__(self, d_model: int, n_heads: int, **kw):
+        super().__init__(d_model, n_heads, **kw)
+        self.decay = ScalarDecay(d_model, n_heads)
+
+
+class GLAAttention(_GatedAttention):
+    """GLA (Yang et al. 2023): a data-dependent decay per head, token and key feature from a rank-16
+    projection, g_t = logsigmoid(W₂W₁ x_t + b)/16 (linattn.decay.FeatureDecay)."""
+
+    kind = "gla"
+
+    def __init__(self, d_model: int, n_heads: int, **kw):
+        super().__init__(d_model, n_heads, **kw)
+        self.decay = FeatureDecay(d_model, n_heads, self.qk_dim)
+
+
 class DeltaNetAttention(_RecurrentAttention):
     """DeltaNet (Schlag et al. 2021; Yang et al. 2024): the delta rule with β_t = sigmoid(W_β x_t) per
     head and token, q, k, v through SiLU, q and k L2-normalized (inside the operator), q scaled by
@@ -158,6 +212,9 @@ class GatedDeltaNetAttention(DeltaNetAttention):
 
 __all__ = [
     "DeltaNetAttention",
+    "GLAAttention",
     "GatedDeltaNetAttention",
     "RecurrentCache",
+    "RetNetAttention",
+    "SimpleGLAAttention",
 ]

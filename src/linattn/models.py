@@ -40,7 +40,13 @@ from ._checks import (
 )
 from .checkpoint import CONFIG_NAME, CheckpointError, load_model, read_config, save_pretrained
 from .feature_maps import FEATURE_MAPS, make_feature_map
-from .gated_layers import DeltaNetAttention, GatedDeltaNetAttention
+from .gated_layers import (
+    DeltaNetAttention,
+    GatedDeltaNetAttention,
+    GLAAttention,
+    RetNetAttention,
+    SimpleGLAAttention,
+)
 from .layers import (
     ACTIVATIONS,
     NORMS,
@@ -59,12 +65,15 @@ from .positional import RotaryEmbedding
 ATTENTION_LAYERS = {
     "linear": LinearAttention,
     "softmax": SoftmaxAttention,
+    "retnet": RetNetAttention,
+    "simple_gla": SimpleGLAAttention,
+    "gla": GLAAttention,
     "deltanet": DeltaNetAttention,
     "gated_deltanet": GatedDeltaNetAttention,
 }
 ATTENTION_KINDS = tuple(ATTENTION_LAYERS)
 #: the kinds with a decaying or corrected state (linattn.gated_layers): causal only, output gate on by default
-RECURRENT_KINDS = ("deltanet", "gated_deltanet")
+RECURRENT_KINDS = ("retnet", "simple_gla", "gla", "deltanet", "gated_deltanet")
 #: short convolution kernel on q, k, v when ModelConfig.short_conv is None (DeltaNet and Gated DeltaNet use 4)
 DEFAULT_SHORT_CONV = {"deltanet": 4, "gated_deltanet": 4}
 POSITIONS = ("rope", "learned", "none")

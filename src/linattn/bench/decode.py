@@ -1,6 +1,7 @@
 """`linattn bench decode`: the cost of generating one token against a context of length `ctx`.
 
     linear step     linattn.linear_attention_step on a (kv, z) state — O(1) in ctx
+    gated step      linattn.gated_linear_attention_step on a state kv (D×E per head), scalar or vector g
     DeltaNet step   linattn.delta_rule_step (qk_l2norm) on a state S (D×E per head) — O(1) in ctx
     Gated DeltaNet step  the same with a log-decay g — O(1) in ctx
     softmax + cache SDPA of the new query against a KV cache of ctx tokens — O(ctx)
@@ -19,14 +20,15 @@ import torch.nn.functional as F
 from rich.console import Console
 
 from ..feature_maps import EluPlusOne
-from ..ops import delta_rule_step, linear_attention_step
+from ..ops import delta_rule_step, gated_linear_attention_step, linear_attention_step
 from ..report import fmt_bytes, fmt_time, make_table, plot_loglog, progress
 from .consistency import growing_series, unstable
 from .methods import Shape, short_dtype
 from .timing import measure
 
 DEFAULT_CONTEXTS = [256, 512, 1024, 2048, 4096, 8192, 16384]
-DECODE_METHODS = {"linear_step": "linear RNN step", "deltanet_step": "DeltaNet step",
+DECODE_METHODS = {"linear_step": "linear RNN step", "gated_scalar_step": "gated step, scalar g",
+                  "gated_vector_step": "GLA step, vector g", "deltanet_step": "DeltaNet step",
                   "gated_deltanet_step": "Gated DeltaNet step", "kv_cache": "softmax + KV cache",
                   "no_cache": "softmax, no cache"}
 
@@ -48,6 +50,22 @@ def linear_step_fn(shape: Shape, dtype: torch.dtype, device, seed: int = 0):
     def fn():
         with torch.inference_mode():
             return linear_attention_step(state, q, k, v, feature_map=fm)
+
+    return fn
+
+
+def gated_step_fn(shape: Shape, dtype: torch.dtype, device, seed: int = 0, per_feature: bool = False):
+    """One linattn.gated_linear_attention_step (g = −0.1, per head or per feature) from a float32 state kv."""
+    gen = torch.Generator().manual_seed(seed)
+    b, h, d, e = shape.batch, shape.heads, shape.head_dim, shape.value_dim
+    q, k = (_randn(gen, b, h, 1, d, dtype=dtype, device=device) for _ in range(2))
+    v = _randn(gen, b, h, 1, e, dtype=dtype, device=device)
+    state = _randn(gen, b, h, d, e, dtype=torch.float32, device=device)
+    g = torch.full((b, h, 1, d) if per_feature else (b, h, 1), -0.1, device=device)
+
+    def fn():
+        with torch.inference_mode():
+            return gated_linear_attention_step(state, q, k, v, g)
 
     return fn
 
@@ -136,6 +154,9 @@ def run_decode(cfg: DecodeConfig, console: Console | None = None) -> dict:
                     row[key] = None
                 else:
                     fn = {"linear_step": lambda: linear_step_fn(cfg.shape, cfg.dtype, device, cfg.seed),
+                          "gated_scalar_step": lambda: gated_step_fn(cfg.shape, cfg.dtype, device, cfg.seed),
+                          "gated_vector_step": lambda: gated_step_fn(cfg.shape, cfg.dtype, device, cfg.seed,
+                                                                     per_feature=True),
                           "deltanet_step": lambda: delta_step_fn(cfg.shape, cfg.dtype, device, cfg.seed),
                           "gated_deltanet_step": lambda: delta_step_fn(cfg.shape, cfg.dtype, device, cfg.seed,
                                                                        gated=True),
