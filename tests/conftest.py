@@ -6,6 +6,14 @@ import torch
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 
+@pytest.fixture(params=["bf16", "fp32"])
+def bf16_path(request, monkeypatch):
+    """Runs a test on each way of multiplying bf16 inputs (LINATTN_BF16_PATH, linattn.ops.precision):
+    bf16 gemms, and fp32 gemms on blocks widened in cache. Returns the mode."""
+    monkeypatch.setenv("LINATTN_BF16_PATH", request.param)
+    return request.param
+
+
 def oracle(q, k, v, *, causal, feature_map=None, normalize=True, eps=1e-6, scale=None, key_padding_mask=None,
            initial_state=None, positions=None, rope=None):
     """Quadratic float64-friendly oracle for linattn.ops.linear_attention built from the definitions."""

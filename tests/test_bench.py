@@ -5,6 +5,7 @@ import gc
 import importlib.util
 import json
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -116,6 +117,13 @@ def test_bench_ops_tiny_run(tmp_path, capsys):
         assert r["memory"]["extra_bytes"] >= 0 and r["memory"]["output_and_grads_bytes"] > 0
     assert by[("chunked", 128)]["fwd"]["gflops"] > 0 and by[("chunked", 128)]["fwd"]["pct_peak"] > 0
     assert data["peaks"]["float32"]["gflops"] > 0 and data["peaks"]["bfloat16"]["gflops"] > 0
+    bf16 = data["bf16"]  # the way bf16 is multiplied here, and why, printed and in the report
+    assert " ".join(bf16["line"].split()) in " ".join(printed.split())
+    assert bf16["line"].startswith("bf16 → ") and "torch ops: " in bf16["line"]
+    assert bf16["torch_ops"]["path"] in ("bf16 gemms", "fp32 gemms") and bf16["torch_ops"]["reason"]
+    if bf16["fused"] is not None and bf16["mode"] == "auto":  # without AMX the fused kernels widen bf16
+        assert (bf16["fused"]["path"] == "bf16 gemms") == bool(bf16["cpu"]["amx"]), bf16
+        assert bf16["fused"]["reason"] in bf16["line"]
 
 
 def test_bench_decode_tiny_run(tmp_path, capsys):
@@ -171,3 +179,25 @@ def test_ops_gated_script_smoke(capsys, tmp_path):
     assert ratio["per_round"][1] == pytest.approx(expected)
     memory = data["rows"][-1]
     assert 0 < memory["median"] < 100
+
+
+def test_ops_bf16_script_smoke(capsys, tmp_path, monkeypatch):
+    """benchmarks/ops_bf16.py: both forced paths timed in every round, the ratios formed within a
+    round, the default path named and judged, LINATTN_BF16_PATH left as it was."""
+    monkeypatch.setenv("LINATTN_BF16_PATH", "bf16")
+    spec = importlib.util.spec_from_file_location("ops_bf16", ROOT / "benchmarks" / "ops_bf16.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = tmp_path / "bf16.json"
+    assert mod.main(["--lengths", "70", "--ops", "ungated,gated", "--min-run-time", "0.01", "--threads", "1",
+                     "--rounds", "2", "--json", str(out)]) == 0
+    assert os.environ["LINATTN_BF16_PATH"] == "bf16"
+    printed = capsys.readouterr().out
+    assert "bf16 → " in printed and "2 interleaved rounds" in printed
+    data = json.loads(out.read_text())
+    assert data["bf16"]["mode"] == "auto" and len(data["rows"]) == 4 and len(data["rounds"]) == 2
+    for row in data["rows"]:
+        assert row["default_path"] in ("bf16 gemms", "fp32 gemms")
+        for name in ("bf16·bf16 gemms", "bf16·fp32 gemms"):
+            per_round = [rnd[row["op"]][str(row["n"])][row["mode"]] for rnd in data["rounds"]]
+            assert row["fp32_over_bf16"][name] == pytest.approx([t["fp32"] / t[name] for t in per_round])

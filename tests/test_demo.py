@@ -43,6 +43,7 @@ def test_quick_demo_writes_the_report(demo_run):
     md = (out / "summary.md").read_text()
     for heading in ("agree", "Benchmarks", "Training", "Generation"):
         assert heading in md
+    assert summary["bench_ops"]["bf16"]["line"] in md  # which path bf16 takes here, and why
     figures = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", md)
     assert {"bench-ops.png", "bench-decode.png", "training.png"} <= set(figures)
     for name in figures:

@@ -80,10 +80,10 @@ def test_fused_equals_the_torch_ops_in_float32(monkeypatch, vector, normalize):
 
 
 @pytest.mark.parametrize("vector", [False, True])
-def test_bf16_is_as_close_to_float64_as_the_torch_ops(monkeypatch, one_thread, vector):
-    """bf16 q, k, v on a float32 state (fp32 scores, states and accumulation): the errors of the
-    outputs and of every gradient against the float64 recurrence are within one bf16 ulp of the
-    torch-op path's."""
+def test_bf16_is_as_close_to_float64_as_the_torch_ops(monkeypatch, one_thread, bf16_path, vector):
+    """bf16 q, k, v on a float32 state (fp32 scores, states and accumulation), either path: the errors
+    of the outputs and of every gradient against the float64 recurrence are within one bf16 ulp of
+    the torch-op path's on the same path."""
     if not native.chunked_ready(torch.bfloat16):
         pytest.skip("no bf16 gemm in this torch")
     gen = torch.Generator().manual_seed(2)
@@ -148,7 +148,9 @@ def test_the_kernels_name_bad_shapes_and_dtypes():
     x = torch.zeros(1, 2, 1, 4)
     with pytest.raises(RuntimeError, match="shapes of kv, z, q, k, v, g do not agree"):
         ops.gated_step(kv, z, x, x, x, torch.zeros(1, 2, 1, 3), 1, 1e-6)
-    with pytest.raises(RuntimeError, match="all tensors must share kv's dtype"):
+    with pytest.raises(RuntimeError, match="g must have kv's dtype"):
         ops.gated_step(kv, None, x, x, x, torch.zeros(1, 2, 1, dtype=torch.float64), 1, 1e-6)
+    with pytest.raises(RuntimeError, match="q, k, v must have the state's dtype, or be bf16 on a float32 state"):
+        ops.gated_step(kv, None, x.double(), x.double(), x.double(), torch.zeros(1, 2, 1), 1, 1e-6)
     with pytest.raises(ValueError, match=r"g \(the log of the decay\) must be ≤ 0 and finite, got 0.5"):
         ops.gated_step(kv, None, x, x, x, torch.full((1, 2, 1), 0.5), 1, 1e-6)

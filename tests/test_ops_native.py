@@ -126,8 +126,13 @@ def test_the_kernel_names_bad_shapes():
     q = k = torch.zeros(1, 2, 1, 4)
     with pytest.raises(RuntimeError, match="shapes of kv, z, q, k, v do not agree"):
         native.step((kv, z), q, k, torch.zeros(1, 2, 1, 5), phi=1, normalize=True, eps=1e-6)
-    with pytest.raises(RuntimeError, match="share kv's dtype"):
+    with pytest.raises(RuntimeError, match="z must have kv's dtype"):
         native.step((kv, z.double()), q, k, torch.zeros(1, 2, 1, 3), phi=1, normalize=True, eps=1e-6)
+    with pytest.raises(RuntimeError, match="q, k, v must have the state's dtype, or be bf16 on a float32 state"):
+        native.step((kv.double(), z.double()), q.bfloat16(), k.bfloat16(), torch.zeros(1, 2, 1, 3).bfloat16(), phi=1,
+                    normalize=True, eps=1e-6)
+    with pytest.raises(RuntimeError, match="q, k, v must share a dtype"):
+        native.step((kv, z), q.bfloat16(), k, torch.zeros(1, 2, 1, 3), phi=1, normalize=True, eps=1e-6)
 
 
 def test_fused_phi_picks_the_fused_path_only_where_it_applies(monkeypatch):
@@ -142,9 +147,10 @@ def test_fused_phi_picks_the_fused_path_only_where_it_applies(monkeypatch):
     assert native.fused_phi(EluPlusOne(4), 0.5, None, st32, x, x, x) is None
     assert native.fused_phi(EluPlusOne(4), None, torch.ones(1, 1, dtype=torch.bool), st32, x, x, x) is None
     xb = x.bfloat16()
-    assert native.fused_phi(EluPlusOne(4), None, None, st32, xb, xb, xb) is None  # bf16 inputs, fp32 state: step no
-    assert native.fused_phi(EluPlusOne(4), None, None, st32, xb, xb, xb, bf16=True) == 1  # chunked forward: yes
-    assert native.fused_phi(EluPlusOne(4), None, None, st32, xb, xb, x, bf16=True) is None  # mixed q/v dtypes
+    assert native.fused_phi(EluPlusOne(4), None, None, st32, xb, xb, xb) == 1  # bf16 inputs on a float32 state
+    assert native.fused_phi(EluPlusOne(4), None, None, st32, xb, xb, xb, bf16=False) is None  # unless refused
+    assert native.fused_phi(EluPlusOne(4), None, None, (st32[0].double(), st32[1].double()), xb, xb, xb) is None
+    assert native.fused_phi(EluPlusOne(4), None, None, st32, xb, xb, x) is None  # mixed q/v dtypes
     xg = x.clone().requires_grad_()
     assert native.fused_phi(EluPlusOne(4), None, None, st32, xg, x, x) is None
     with torch.no_grad():
@@ -289,9 +295,10 @@ def test_fused_chunked_features_are_elu_plus_one_within_an_ulp(dtype):
 
 @needs_native
 @pytest.mark.parametrize("n", [1, 70, 600])
-def test_fused_chunked_forward_in_bf16_is_as_close_to_the_oracle_as_the_torch_ops(monkeypatch, n):
-    """bf16 q, k, v on a float32 state (MKL's bf16 gemm, fp32 scores and accumulation): its error
-    against the float64 oracle is no larger than the torch-op path's."""
+def test_fused_chunked_forward_in_bf16_is_as_close_to_the_oracle_as_the_torch_ops(monkeypatch, bf16_path, n):
+    """bf16 q, k, v on a float32 state (MKL's bf16 gemm or fp32 gemms on widened blocks, fp32 scores
+    and accumulation): its error against the float64 oracle is no larger than the torch-op path's on
+    the same path."""
     if not native.chunked_ready(torch.bfloat16):
         pytest.skip("no bf16 gemm in this torch")
     g = torch.Generator().manual_seed(8)
@@ -387,9 +394,10 @@ def test_fused_training_equals_the_autograd_op_in_float32(monkeypatch):
 
 
 @needs_native
-def test_fused_training_in_bf16_is_as_close_to_the_oracle_as_the_torch_ops(monkeypatch):
-    """bf16 inputs on a float32 state: the gradients' error against the float64 oracle is within a
-    bf16 ulp of the torch-op path's (the fused path keeps G, P and every accumulation in float32)."""
+def test_fused_training_in_bf16_is_as_close_to_the_oracle_as_the_torch_ops(monkeypatch, bf16_path):
+    """bf16 inputs on a float32 state, either path: the gradients' error against the float64 oracle is
+    within a bf16 ulp of the torch-op path's (the fused path keeps G, P and every accumulation in
+    float32)."""
     if not native.chunked_ready(torch.bfloat16):
         pytest.skip("no bf16 gemm in this torch")
     g = torch.Generator().manual_seed(11)

@@ -2,8 +2,9 @@
 
 A sweep over N of every method in `methods.core_methods` (plus importable peers), forward and
 forward+backward, timed with torch.utils.benchmark (median, IQR); peak fwd+bwd memory beyond the
-output and input gradients; GFLOP/s and % of the measured bmm peak for the chunked op. Produces a
-result dict (written as JSON), rich tables and a log-log plot.
+output and input gradients; GFLOP/s and % of the measured bmm peak for the chunked op; the way bf16
+inputs are multiplied on this machine and why (`bf16_path`). Produces a result dict (written as JSON),
+rich tables and a log-log plot.
 """
 
 from __future__ import annotations
@@ -36,8 +37,20 @@ class OpsConfig:
     peers: bool = True
 
 
+def bf16_path(device: torch.device) -> dict:
+    """How the operators multiply bf16 inputs on `device`: on the CPU `native.bf16_summary()` (fused
+    kernels and torch ops: bf16 gemms or fp32 gemms on widened blocks, and why); elsewhere bf16 gemms.
+    Always has "line", one sentence for reports."""
+    if device.type == "cpu":
+        from ..ops import native
+
+        return native.bf16_summary()
+    return {"mode": None, "line": f"bf16 → bf16 gemms on {device.type} (fp32 accumulation)"}
+
+
 def run_ops(cfg: OpsConfig, console: Console | None = None) -> dict:
-    """Runs the sweep; returns {"config", "peaks", "methods", "results", "crossover", "notes"}."""
+    """Runs the sweep; returns {"config", "peaks", "methods", "results", "crossover", "notes", "bf16"}
+    ("bf16": `bf16_path`)."""
     console = console or Console()
     device = torch.device(cfg.device)
     methods = core_methods(cfg.dtype, head_dim=cfg.shape.head_dim, chunk=cfg.shape.chunk,
@@ -74,7 +87,7 @@ def run_ops(cfg: OpsConfig, console: Console | None = None) -> dict:
     out = {"config": config, "peaks": peaks,
            "methods": [{"key": m.key, "label": m.label, "dtype": str(m.dtype or cfg.dtype).replace("torch.", ""),
                         "max_n": m.max_n} for m in methods],
-           "results": results, "notes": notes}
+           "results": results, "notes": notes, "bf16": bf16_path(device)}
     out["crossover"] = crossover(results)
     return out
 
@@ -114,7 +127,8 @@ def check_ops(res: dict) -> list[str]:
 
 
 def render_ops(res: dict, console: Console) -> None:
-    """Prints the time tables (one per mode), the chunked throughput table and the memory table."""
+    """Prints the time tables (one per mode), the chunked throughput table, the memory table and the
+    way bf16 inputs are multiplied here."""
     methods, results = res["methods"], res["results"]
     ns = sorted({r["n"] for r in results})
     by = {(r["method"], r["n"]): r for r in results}
@@ -183,6 +197,8 @@ def render_ops(res: dict, console: Console) -> None:
     else:
         console.print(f"crossover: chunked linear fwd+bwd is faster than softmax SDPA from N = {cross['n']}"
                       + (" (the smallest measured N)" if cross["from_first"] else ""))
+    if res.get("bf16"):  # reports written before the bf16 rule have none
+        console.print(res["bf16"]["line"], highlight=False, markup=False)
 
 
 def plot_ops(res: dict, path) -> None:

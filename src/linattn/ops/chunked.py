@@ -55,6 +55,7 @@ import torch
 
 from ._features import Featurizer
 from .nonfinite import Products, all_finite, strong_bmm
+from .precision import compute_dtype_cpu
 
 #: Target number of elements of one block temporary of shape (B·H, tokens, max(F, E, C)).
 BLOCK_ELEMENTS = 1 << 18
@@ -62,10 +63,14 @@ BLOCK_ELEMENTS = 1 << 18
 DEFAULT_CHUNK_SIZE = 64
 
 
-def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Matmul dtype: bf16 stays bf16 (fast on AMX / tensor cores), fp16 is upcast to fp32 because
-    its range cannot hold states that grow like N; fp64 stays fp64 (used by the tests)."""
-    if dtype in (torch.bfloat16, torch.float64):
+def compute_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """Matmul dtype of the torch-op paths: fp16 is upcast to fp32 because its range cannot hold states
+    that grow like N; fp64 stays fp64 (used by the tests); bf16 stays bf16 on CUDA (tensor cores) and
+    on the CPU is what `precision.torch_choice` found faster here: bf16, or fp32 on each block widened
+    as it is cut into chunks (`_chunks`), only the outputs rounded to bf16."""
+    if dtype == torch.bfloat16:
+        return compute_dtype_cpu(dtype) if device.type == "cpu" else dtype
+    if dtype == torch.float64:
         return dtype
     return torch.float32
 
@@ -230,7 +235,7 @@ class ChunkedCausalLinearAttention(torch.autograd.Function):
         b, h, n, _ = q.shape
         e = v.shape[-1]
         bh, feat = b * h, kv0.shape[2]
-        cdt, sdt = compute_dtype(q.dtype), state_dtype(q.dtype)
+        cdt, sdt = compute_dtype(q.dtype, q.device), state_dtype(q.dtype)
         S = kv0.to(sdt).reshape(bh, feat, e)
         z = z0.to(sdt).reshape(bh, feat)
         blocks = _blocks(n, chunk, bh, max(feat, e, chunk))
@@ -292,7 +297,7 @@ def _backward(ctx, saved, do, dkv, dz, exact: bool):
     b, h, n, _ = q.shape
     e = v.shape[-1]
     bh, feat = b * h, S_in[0].shape[-2]
-    cdt, sdt = compute_dtype(q.dtype), state_dtype(q.dtype)
+    cdt, sdt = compute_dtype(q.dtype, q.device), state_dtype(q.dtype)
     R = torch.zeros(bh, feat, e, dtype=sdt, device=q.device) if dkv is None else dkv.to(sdt).reshape(bh, feat, e)
     r = torch.zeros(bh, feat, dtype=sdt, device=q.device) if dz is None else dz.to(sdt).reshape(bh, feat)
     want_q, want_k = ctx.needs_input_grad[5], ctx.needs_input_grad[6]

@@ -189,7 +189,7 @@ def run_linear_attention(fz: Featurizer, state: State, q, k, v, *, causal: bool,
 
 def _noncausal(fz: Featurizer, q, k, v, state, normalize, eps):
     """O = φ(Q)(kv0 + φ(K)ᵀV) / (φ(Q)(z0 + φ(K)ᵀ1) + ε), O(N·F·E), plain autograd."""
-    cdt, sdt = compute_dtype(q.dtype), state_dtype(q.dtype)
+    cdt, sdt = compute_dtype(q.dtype, q.device), state_dtype(q.dtype)
     n_q, n_k = q.shape[2], k.shape[2]
     if fz.positions is not None and fz.positions.shape[-1] != n_q:
         # positions describe the keys; queries of another length get their own arange only if unused
@@ -204,7 +204,7 @@ def _noncausal(fz: Featurizer, q, k, v, state, normalize, eps):
 def state_readout(fz: Featurizer, q, kv, z, *, normalize: bool, eps: float):
     """Every query reads one state: O = φ(Q) kv / (φ(Q) z + ε) (O = φ(Q) kv without normalize),
     q (B, H, N, D), kv (B, H, F, E), z (B, H, F) in the state dtype -> (B, H, N, E) in q's dtype."""
-    cdt, sdt = compute_dtype(q.dtype), state_dtype(q.dtype)
+    cdt, sdt = compute_dtype(q.dtype, q.device), state_dtype(q.dtype)
     qr, qd = fz(q, 0, q.shape[2], True)
     u = qr.to(cdt) @ kv.to(cdt)
     if not normalize:

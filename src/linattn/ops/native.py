@@ -13,6 +13,12 @@ share headers: `csrc/common.h` (φ, bf16 conversions, work buffers, the ISA clon
 (torch's BLAS), `csrc/pool.h` (the one pool of result buffers), `csrc/chunked.h` (the pieces of the
 ungated and gated chunk loops).
 
+bf16 inputs: the chunked kernels multiply them with MKL's bf16 gemm where the CPU has AMX, else
+widen each block to fp32 in cache and use the fp32 gemm (`bf16_choice`, the rule of
+linattn.ops.precision; LINATTN_BF16_PATH=bf16|fp32 forces either). Either way scores, states and
+accumulations are float32 and the outputs bf16. The steps always widen bf16 q, k, v to the float32
+state's dtype (a rank-1 update and a matrix-vector product: nothing for a bf16 gemm to speed up).
+
 The extension is built the first time a kernel can be used (about 15 s) into a folder named after a
 hash of its sources and flags, under torch's extension cache (~/.cache/torch_extensions, or
 TORCH_EXTENSIONS_DIR): two checkouts or versions of linattn keep one build each instead of
@@ -33,6 +39,7 @@ from pathlib import Path
 import torch
 
 from ..feature_maps import EluPlusOne
+from . import precision
 from ._features import Featurizer
 from .chunked import ChunkedCausalLinearAttention
 from .nonfinite import all_finite
@@ -148,9 +155,9 @@ def _inference(*tensors) -> bool:
     return _ready()
 
 
-def fused_phi(feature_map, scale, key_padding_mask, state, q, k, v, *, bf16: bool = False, train: bool = False):
+def fused_phi(feature_map, scale, key_padding_mask, state, q, k, v, *, bf16: bool = True, train: bool = False):
     """The kernels' φ code when a call can take a fused operator, else None: CPU tensors of the
-    state's floating dtype (fp32/fp64; with bf16=True also bf16 q, k, v on a float32 state), φ the
+    state's floating dtype (fp32/fp64; unless bf16=False also bf16 q, k, v on a float32 state), φ the
     identity or elu+1 (neither has parameters), no scale, no mask, and no gradient wanted unless
     train=True (the chunked forward has a fused backward; the step has none)."""
     if feature_map is None:
@@ -177,12 +184,54 @@ def step(state, q, k, v, *, phi: int, normalize: bool, eps: float, angles=None):
     return o, (kv_new, z_new)
 
 
+def bf16_choice() -> precision.Bf16Choice:
+    """How the fused chunked kernels multiply bf16 inputs on this machine: bf16 gemms (MKL's
+    gemm_bf16bf16f32) with AMX, else fp32 gemms on blocks widened in cache (linattn.ops.precision's
+    rule; LINATTN_BF16_PATH=bf16|fp32 forces either). Made once per process (and mode)."""
+    return precision.cached_choice("fused", _fused_choice)
+
+
+def _fused_choice(mode: str) -> precision.Bf16Choice:
+    ok = available() and bool(torch.ops.linattn_cpu.has_blas_bf16())
+    return precision.choose(precision.cpu_bf16_features(), None, "MKL's bf16 gemm", mode, available=ok)
+
+
+def bf16_compute() -> torch.dtype:
+    """The dtype in which linattn's CPU matrix products of bf16 inputs run on this machine: the fused
+    kernels' (`bf16_choice`) where they are built, else the torch ops' (precision.torch_choice).
+    torch.bfloat16 or torch.float32; for code that multiplies bf16 operands itself (a model-level
+    decode, say) and should follow the same rule: with torch.float32, widen bf16 operands block by
+    block and multiply in fp32, rounding only the results."""
+    return bf16_choice().dtype if available() else precision.torch_choice().dtype
+
+
+def bf16_summary() -> dict:
+    """What bf16 inputs take on this CPU, for reports: {"mode": LINATTN_BF16_PATH's mode, "cpu": the
+    bf16 features (precision.cpu_bf16_features), "fused" and "torch_ops": {"path", "dtype", "reason",
+    "speedup"} ("fused" None without the extension), "line": one sentence}."""
+    fused = bf16_choice() if available() else None
+    torch_ops = precision.torch_choice()
+
+    def as_dict(c):
+        return None if c is None else {"path": c.label, "dtype": str(c.dtype).replace("torch.", ""),
+                                       "reason": c.reason, "speedup": c.speedup}
+
+    return {"mode": precision.mode(), "cpu": precision.cpu_bf16_features(), "fused": as_dict(fused),
+            "torch_ops": as_dict(torch_ops), "line": precision.describe(fused, torch_ops)}
+
+
+def wide(q: torch.Tensor) -> bool:
+    """The fused kernels widen these inputs to fp32 for their products (bf16 on the fp32 path)."""
+    return q.dtype == torch.bfloat16 and bf16_choice().dtype == torch.float32
+
+
 def chunked_ready(dtype: torch.dtype) -> bool:
-    """The fused chunked forward found torch's BLAS gemm for `dtype` (fp32/fp64, or MKL's bf16 gemm)."""
-    key = "blas_bf16" if dtype == torch.bfloat16 else "blas"
+    """The fused chunked kernels found torch's BLAS gemm for inputs of `dtype`: fp32/fp64, and for
+    bf16 MKL's bf16 gemm, or the fp32 one where bf16 takes the fp32 path (`bf16_choice`)."""
+    low = dtype == torch.bfloat16 and bf16_choice().dtype == torch.bfloat16
+    key = "blas_bf16" if low else "blas"
     if _state.get(key) is None:
-        _state[key] = bool(torch.ops.linattn_cpu.has_blas_bf16() if dtype == torch.bfloat16
-                           else torch.ops.linattn_cpu.has_blas())
+        _state[key] = bool(torch.ops.linattn_cpu.has_blas_bf16() if low else torch.ops.linattn_cpu.has_blas())
     return _state[key]
 
 
@@ -191,26 +240,28 @@ def chunked(q, k, v, state, *, phi: int, normalize: bool, eps: float, chunk: int
     wanted, else through `FusedChunkedCausal` (its backward is linattn_cpu::chunked_backward).
     Returns (o, (kv, z))."""
     kv0, z0 = state
+    w = wide(q)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, kv0, z0)):
-        o, kv, z = FusedChunkedCausal.apply(q, k, v, kv0, z0, phi, normalize, eps, chunk)
+        o, kv, z = FusedChunkedCausal.apply(q, k, v, kv0, z0, phi, normalize, eps, chunk, w)
     else:
-        o, kv, z, *_ = torch.ops.linattn_cpu.chunked.default(q, k, v, kv0, z0, phi, normalize, eps, chunk, False)
+        o, kv, z, *_ = torch.ops.linattn_cpu.chunked.default(q, k, v, kv0, z0, phi, normalize, eps, chunk, False, w)
     return o, (kv, z)
 
 
 class FusedChunkedCausal(torch.autograd.Function):
-    """apply(q, k, v, kv0, z0, phi, normalize, eps, chunk) -> (o, kv, z), fused forward and backward.
+    """apply(q, k, v, kv0, z0, phi, normalize, eps, chunk, wide) -> (o, kv, z), fused forward and backward
+    (wide: bf16 inputs on the fp32 path, `wide`; the backward takes the forward's path).
 
     Saved for the backward: q, k, v, o, the denominators d + ε (B·H·N floats) and the state entering
     every block of 512 tokens (B·H·⌈N/512⌉·F·E floats); the backward recomputes φ and the chunk states
     of one block at a time. Not twice differentiable."""
 
     @staticmethod
-    def forward(ctx, q, k, v, kv0, z0, phi, normalize, eps, chunk):
+    def forward(ctx, q, k, v, kv0, z0, phi, normalize, eps, chunk, wide):
         o, kv, z, den, S_blocks, z_blocks = torch.ops.linattn_cpu.chunked.default(q, k, v, kv0, z0, phi, normalize,
-                                                                                 eps, chunk, True)
+                                                                                 eps, chunk, True, wide)
         ctx.save_for_backward(q, k, v, o, den, S_blocks, z_blocks, kv0, z0)
-        ctx.phi, ctx.normalize, ctx.eps, ctx.chunk = phi, normalize, eps, chunk
+        ctx.phi, ctx.normalize, ctx.eps, ctx.chunk, ctx.wide = phi, normalize, eps, chunk, wide
         ctx.set_materialize_grads(False)  # unused outputs get None, not zero tensors
         return o, kv, z
 
@@ -220,10 +271,10 @@ class FusedChunkedCausal(torch.autograd.Function):
         q, k, v, o, den, S_blocks, z_blocks, kv0, z0 = ctx.saved_tensors
         dq, dk, dv, dkv0, dz0 = torch.ops.linattn_cpu.chunked_backward.default(
             q, k, v, o, torch.zeros_like(o) if do is None else do, den, S_blocks, z_blocks, dkv, dz, ctx.phi,
-            ctx.normalize, ctx.chunk)
+            ctx.normalize, ctx.chunk, ctx.wide)
         if not all_finite(dkv0, dz0):  # a NaN or Inf among the factors: the torch ops' exact pass
             dq, dk, dv, dkv0, dz0 = _exact_backward(ctx, (q, k, v, kv0, z0), (do, dkv, dz))
-        return dq, dk, dv, dkv0.to(kv0.dtype), dz0.to(z0.dtype), None, None, None, None
+        return dq, dk, dv, dkv0.to(kv0.dtype), dz0.to(z0.dtype), None, None, None, None, None
 
 
 def _exact_backward(ctx, inputs, grads):

@@ -39,14 +39,17 @@ LINATTN_CLONES void mask_and_denominators(Acc* __restrict__ A, int c, const T* _
 }
 
 // The forward for one dtype T of q, k, v, o; scores, state, normalizer and accumulation in Acc (T,
-// or float for bf16: then the scores and the state are rounded to bf16 only as gemm operands).
-// With a training forward (saves != nullptr) it also keeps what the backward needs (Saves).
-template <typename T>
+// or float for bf16), gemm operands in M (T, or float for bf16 on the fp32 path). With bf16 operands
+// the scores and the state are rounded to bf16 as gemm operands; on the fp32 path a block's features
+// and a chunk's values are widened in cache and only the outputs are rounded. With a training
+// forward (saves != nullptr) it also keeps what the backward needs (Saves).
+template <typename T, typename M>
 void chunked_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& o, at::Tensor& kv,
                   at::Tensor& z_all, int64_t phi, bool normalize, double eps, int64_t chunk, int64_t block,
                   const Saves<linattn_acc<T>>* saves) {
   using Acc = linattn_acc<T>;
-  constexpr bool low = !std::is_same<T, Acc>::value;
+  constexpr bool low_out = !std::is_same<T, Acc>::value, low_op = !std::is_same<M, Acc>::value;
+  constexpr bool widen = !std::is_same<T, M>::value;
   const int64_t N = q.size(2), F = q.size(3), E = v.size(3), rows = q.size(0) * q.size(1);
   const T* pq = q.data_ptr<T>();
   const T* pk = k.data_ptr<T>();
@@ -57,54 +60,41 @@ void chunked_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   const Acc eps_t = static_cast<Acc>(eps);
   at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
     const SequentialBlas one_thread;
-    Aligned<Acc> A(chunk * chunk), den(chunk), U(low ? chunk * E : 0), wide(low ? 2 * block * F : 0);
-    Aligned<T> A_low(low ? chunk * chunk : 0), S_low(low ? F * E : 0), feat(phi == 1 ? 2 * block * F : 0);
+    Aligned<Acc> A(chunk * chunk), den(chunk), U(low_out ? chunk * E : 0);
+    Aligned<M> A_low(low_op ? chunk * chunk : 0), S_low(low_op ? F * E : 0), Vw(widen ? chunk * E : 0);
+    BlockFeatures<T, M> fb(phi, block, F);
     for (int64_t r = r0; r < r1; ++r) {
       Acc* S = pS + r * F * E;
       Acc* z = pz + r * F;
       for (int64_t s = 0; s < N; s += block) {
         const int64_t m = std::min(N, s + block) - s;
-        const T* Q = pq + (r * N + s) * F;
-        const T* K = pk + (r * N + s) * F;
         if (saves != nullptr) {
           const int64_t b = r * saves->blocks + s / block;
           std::copy(S, S + F * E, saves->S_blocks + b * F * E);
           std::copy(z, z + F, saves->z_blocks + b * F);
         }
-        if (phi == 1) block_features(Q, K, m * F, wide, feat, &Q, &K);
-        // the features as Acc for the denominators and z (bf16: the rounded gemm operands, widened)
-        const Acc* Qa;
-        const Acc* Ka;
-        if constexpr (low) {
-          widen_bf16(Q, wide.data(), m * F);
-          widen_bf16(K, wide.data() + m * F, m * F);
-          Qa = wide.data();
-          Ka = wide.data() + m * F;
-        } else {
-          Qa = Q;
-          Ka = K;
-        }
+        fb.compute(pq + (r * N + s) * F, pk + (r * N + s) * F, m * F, phi);
         for (int64_t c0 = 0; c0 < m; c0 += chunk) {
           const int c = static_cast<int>(std::min(chunk, m - c0)), f = static_cast<int>(F), e = static_cast<int>(E);
-          const T* Qc = Q + c0 * F;
-          const T* Kc = K + c0 * F;
-          const T* Vc = pv + (r * N + s + c0) * E;
+          const M* Qc = fb.Q + c0 * F;
+          const M* Kc = fb.K + c0 * F;
+          const M* Vc = input_as<M>(pv + (r * N + s + c0) * E, Vw, int64_t(c) * E);
           T* Oc = po + (r * N + s + c0) * E;
-          gemm_rm<T>(false, true, c, c, f, Qc, f, Kc, f, Acc(0), A.data(), c);  // A = Q̃K̃ᵀ
+          gemm_rm<M>(false, true, c, c, f, Qc, f, Kc, f, Acc(0), A.data(), c);  // A = Q̃K̃ᵀ
           if (normalize) {
-            mask_and_denominators(A.data(), c, Qa + c0 * F, z, F, eps_t, den.data());
+            mask_and_denominators(A.data(), c, fb.Qa + c0 * F, z, F, eps_t, den.data());
             if (saves != nullptr) std::copy(den.begin(), den.begin() + c, saves->den + r * N + s + c0);
           } else {
             mask_upper(A.data(), c);
           }
-          Acc* U_out = low ? U.data() : reinterpret_cast<Acc*>(Oc);
-          gemm_rm<T>(false, false, c, e, c, as_operand<T>(A.data(), A_low, int64_t(c) * c), c, Vc, e, Acc(0), U_out,
+          Acc* U_out = low_out ? U.data() : reinterpret_cast<Acc*>(Oc);
+          gemm_rm<M>(false, false, c, e, c, as_operand<M>(A.data(), A_low, int64_t(c) * c), c, Vc, e, Acc(0), U_out,
                      e);                                                                              // A V
-          gemm_rm<T>(false, false, c, e, f, Qc, f, as_operand<T>(S, S_low, F * E), e, Acc(1), U_out, e);  // + Q̃ S
+          gemm_rm<M>(false, false, c, e, f, Qc, f, as_operand<M>(S, S_low, F * E), e, Acc(1), U_out, e);  // + Q̃ S
           if (normalize) divide_rows(U_out, den.data(), c, E);
-          if constexpr (low) narrow_bf16(U_out, Oc, int64_t(c) * E);
-          gemm_rm<T>(true, false, f, e, c, Kc, f, Vc, e, Acc(1), S, e);  // S += K̃ᵀV
-          add_column_sums(z, Ka + c0 * F, c, F);
+          if constexpr (low_out) narrow_bf16(U_out, Oc, int64_t(c) * E);
+          gemm_rm<M>(true, false, f, e, c, Kc, f, Vc, e, Acc(1), S, e);  // S += K̃ᵀV
+          add_column_sums(z, fb.Ka + c0 * F, c, F);
         }
       }
     }
@@ -114,8 +104,8 @@ void chunked_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
 // Returns (o, kv, z, den, S_blocks, z_blocks); the last three are empty unless save (training).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> chunked(
     const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in, const at::Tensor& kv0_in,
-    const at::Tensor& z0_in, int64_t phi, bool normalize, double eps, int64_t chunk, bool save) {
-  chunk = check_inputs("linattn_cpu::chunked", q_in, k_in, v_in, kv0_in, z0_in, phi, chunk);
+    const at::Tensor& z0_in, int64_t phi, bool normalize, double eps, int64_t chunk, bool save, bool wide) {
+  chunk = check_inputs("linattn_cpu::chunked", q_in, k_in, v_in, kv0_in, z0_in, phi, chunk, wide);
   const at::Tensor q = q_in.contiguous(), k = k_in.contiguous(), v = v_in.contiguous();
   const int64_t N = q.size(2), F = q.size(3), E = v.size(3), rows = q.size(0) * q.size(1);
   TORCH_CHECK(kv0_in.numel() == rows * F * E && z0_in.numel() == rows * F,
@@ -130,7 +120,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
     using Acc = linattn_acc<scalar_t>;
     const Saves<Acc> saves{normalize ? den.data_ptr<Acc>() : nullptr, S_blocks.data_ptr<Acc>(), z_blocks.data_ptr<Acc>(),
                            blocks};
-    chunked_rows<scalar_t>(q, k, v, o, kv, z, phi, normalize, eps, chunk, block, save ? &saves : nullptr);
+    with_operands<scalar_t>(wide, [&](auto op) {
+      chunked_rows<scalar_t, decltype(op)>(q, k, v, o, kv, z, phi, normalize, eps, chunk, block, save ? &saves : nullptr);
+    });
   });
   return {o, kv, z, den, S_blocks, z_blocks};
 }
@@ -143,13 +135,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
 //   dV = Aᵀ G + K̃ R,  dQ̃ = P K̃ + G Sᵀ + g zᵀ,  dK̃ = Pᵀ Q̃ + V Rᵀ + 1 rᵀ,  R += Q̃ᵀ G, r += Q̃ᵀ g,
 // then dq = dQ̃ ⊙ φ'(q), dk likewise; the final R, r are the gradients of the initial state.
 // Without normalization G = dO and the g terms vanish.
-template <typename T>
+template <typename T, typename M>
 void chunked_backward_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& o,
                            const at::Tensor& dout, const at::Tensor& den_all, const at::Tensor& S_blocks,
                            const at::Tensor& z_blocks, at::Tensor& dq, at::Tensor& dk, at::Tensor& dv, at::Tensor& R_all,
                            at::Tensor& r_all, int64_t phi, bool normalize, int64_t chunk, int64_t block) {
   using Acc = linattn_acc<T>;
-  constexpr bool low = !std::is_same<T, Acc>::value;
+  constexpr bool low_out = !std::is_same<T, Acc>::value, low_op = !std::is_same<M, Acc>::value;
+  constexpr bool widen = !std::is_same<T, M>::value;
   const int64_t N = q.size(2), F = q.size(3), E = v.size(3), rows = q.size(0) * q.size(1);
   const int64_t blocks = (N + block - 1) / block, per_block = block / chunk;
   const T *pq = q.data_ptr<T>(), *pk = k.data_ptr<T>(), *pv = v.data_ptr<T>(), *po = o.data_ptr<T>();
@@ -163,72 +156,63 @@ void chunked_backward_rows(const at::Tensor& q, const at::Tensor& k, const at::T
     const SequentialBlas one_thread;
     const int64_t cc = chunk * chunk;
     Aligned<Acc> A(cc), P(cc), G(chunk * E), g(chunk), dQ(chunk * F), dK(chunk * F), dV(chunk * E);
-    Aligned<Acc> Sc(per_block * F * E), zc(per_block * F), wide(phi == 1 ? 2 * block * F : 0);
-    Aligned<T> feat(phi == 1 && low ? 2 * block * F : 0), A_low(low ? cc : 0), P_low(low ? cc : 0),
-        G_low(low ? chunk * E : 0), S_low(low ? F * E : 0), R_low(low ? F * E : 0);
+    Aligned<Acc> Sc(per_block * F * E), zc(per_block * F);
+    Aligned<M> A_low(low_op ? cc : 0), P_low(low_op ? cc : 0), G_low(low_op ? chunk * E : 0), S_low(low_op ? F * E : 0),
+        R_low(low_op ? F * E : 0), Vw(widen ? chunk * E : 0);
+    BlockFeatures<T, M> fb(phi, block, F);
     for (int64_t r = r0; r < r1; ++r) {
       Acc* R = pR + r * F * E;
       Acc* rr = pr + r * F;
       for (int64_t b = blocks - 1; b >= 0; --b) {
         const int64_t s = b * block, m = std::min(N, s + block) - s, nch = (m + chunk - 1) / chunk;
-        const T* Q = pq + (r * N + s) * F;
-        const T* K = pk + (r * N + s) * F;
-        const Acc *fQ = nullptr, *fK = nullptr;  // the features as Acc, for φ'
-        if (phi == 1) {
-          if constexpr (low) {
-            block_features(Q, K, m * F, wide, feat, &Q, &K);
-          } else {
-            block_features(Q, K, m * F, wide, wide, &Q, &K);
-          }
-          fQ = wide.data();
-          fK = wide.data() + m * F;
-        }
+        fb.compute(pq + (r * N + s) * F, pk + (r * N + s) * F, m * F, phi);
+        const M *Q = fb.Q, *K = fb.K;
         std::copy(pSb + (r * blocks + b) * F * E, pSb + (r * blocks + b + 1) * F * E, Sc.begin());
         std::copy(pzb + (r * blocks + b) * F, pzb + (r * blocks + b + 1) * F, zc.begin());
         for (int64_t j = 0; j + 1 < nch; ++j) {  // the states entering the block's later chunks
           const int c = static_cast<int>(std::min(chunk, m - j * chunk));
           std::copy(Sc.begin() + j * F * E, Sc.begin() + (j + 1) * F * E, Sc.begin() + (j + 1) * F * E);
           std::copy(zc.begin() + j * F, zc.begin() + (j + 1) * F, zc.begin() + (j + 1) * F);
-          gemm_rm<T>(true, false, f, e, c, K + j * chunk * F, f, pv + (r * N + s + j * chunk) * E, e, Acc(1),
-                     Sc.data() + (j + 1) * F * E, e);
-          add_column_sums(zc.data() + (j + 1) * F, K + j * chunk * F, c, F);
+          const M* Vj = input_as<M>(pv + (r * N + s + j * chunk) * E, Vw, int64_t(c) * E);
+          gemm_rm<M>(true, false, f, e, c, K + j * chunk * F, f, Vj, e, Acc(1), Sc.data() + (j + 1) * F * E, e);
+          add_column_sums(zc.data() + (j + 1) * F, fb.Ka + j * chunk * F, c, F);
         }
         for (int64_t j = nch - 1; j >= 0; --j) {
           const int64_t c0 = j * chunk, t0 = r * N + s + c0;
           const int c = static_cast<int>(std::min(chunk, m - c0));
-          const T *Qc = Q + c0 * F, *Kc = K + c0 * F, *Vc = pv + t0 * E;
+          const M *Qc = Q + c0 * F, *Kc = K + c0 * F, *Vc = input_as<M>(pv + t0 * E, Vw, int64_t(c) * E);
           const Acc *S = Sc.data() + j * F * E, *z = zc.data() + j * F;
-          gemm_rm<T>(false, true, c, c, f, Qc, f, Kc, f, Acc(0), A.data(), c);  // A = Q̃K̃ᵀ
+          gemm_rm<M>(false, true, c, c, f, Qc, f, Kc, f, Acc(0), A.data(), c);  // A = Q̃K̃ᵀ
           mask_upper(A.data(), c);
           output_grads(pdo + t0 * E, po + t0 * E, normalize ? pden + t0 : nullptr, normalize, G.data(), g.data(), c, E);
-          const T* G_op = as_operand<T>(G.data(), G_low, int64_t(c) * E);
-          const T* R_op = as_operand<T>(R, R_low, F * E);
+          const M* G_op = as_operand<M>(G.data(), G_low, int64_t(c) * E);
+          const M* R_op = as_operand<M>(R, R_low, F * E);
           // dV = Aᵀ G + K̃ R
-          Acc* dV_out = low ? dV.data() : reinterpret_cast<Acc*>(pdv + t0 * E);
-          gemm_rm<T>(true, false, c, e, c, as_operand<T>(A.data(), A_low, int64_t(c) * c), c, G_op, e, Acc(0), dV_out, e);
-          gemm_rm<T>(false, false, c, e, f, Kc, f, R_op, e, Acc(1), dV_out, e);
-          if constexpr (low) chain_features<T, Acc>(dV.data(), nullptr, pdv + t0 * E, int64_t(c) * E);
+          Acc* dV_out = low_out ? dV.data() : reinterpret_cast<Acc*>(pdv + t0 * E);
+          gemm_rm<M>(true, false, c, e, c, as_operand<M>(A.data(), A_low, int64_t(c) * c), c, G_op, e, Acc(0), dV_out, e);
+          gemm_rm<M>(false, false, c, e, f, Kc, f, R_op, e, Acc(1), dV_out, e);
+          if constexpr (low_out) chain_features<T, Acc>(dV.data(), nullptr, pdv + t0 * E, int64_t(c) * E);
           // P = M ⊙ (G Vᵀ + g 1ᵀ)
-          gemm_rm<T>(false, true, c, c, e, G_op, e, Vc, e, Acc(0), P.data(), c);
+          gemm_rm<M>(false, true, c, c, e, G_op, e, Vc, e, Acc(0), P.data(), c);
           if (normalize) {
             add_rows_and_mask(P.data(), g.data(), c);
           } else {
             mask_upper(P.data(), c);
           }
-          const T* P_op = as_operand<T>(P.data(), P_low, int64_t(c) * c);
+          const M* P_op = as_operand<M>(P.data(), P_low, int64_t(c) * c);
           // dQ̃ = P K̃ + G Sᵀ + g zᵀ
-          gemm_rm<T>(false, false, c, f, c, P_op, c, Kc, f, Acc(0), dQ.data(), f);
-          gemm_rm<T>(false, true, c, f, e, G_op, e, as_operand<T>(S, S_low, F * E), e, Acc(1), dQ.data(), f);
+          gemm_rm<M>(false, false, c, f, c, P_op, c, Kc, f, Acc(0), dQ.data(), f);
+          gemm_rm<M>(false, true, c, f, e, G_op, e, as_operand<M>(S, S_low, F * E), e, Acc(1), dQ.data(), f);
           if (normalize) add_outer(dQ.data(), g.data(), z, c, F);
           // dK̃ = Pᵀ Q̃ + V Rᵀ + 1 rᵀ
-          gemm_rm<T>(true, false, c, f, c, P_op, c, Qc, f, Acc(0), dK.data(), f);
-          gemm_rm<T>(false, true, c, f, e, Vc, e, R_op, e, Acc(1), dK.data(), f);
+          gemm_rm<M>(true, false, c, f, c, P_op, c, Qc, f, Acc(0), dK.data(), f);
+          gemm_rm<M>(false, true, c, f, e, Vc, e, R_op, e, Acc(1), dK.data(), f);
           add_outer<Acc>(dK.data(), nullptr, rr, c, F);
           // R += Q̃ᵀ G, r += Q̃ᵀ g
-          gemm_rm<T>(true, false, f, e, c, Qc, f, G_op, e, Acc(1), R, e);
-          if (normalize) add_weighted_rows(rr, g.data(), Qc, c, F);
-          chain_features(dQ.data(), fQ == nullptr ? nullptr : fQ + c0 * F, pdq + t0 * F, int64_t(c) * F);
-          chain_features(dK.data(), fK == nullptr ? nullptr : fK + c0 * F, pdk + t0 * F, int64_t(c) * F);
+          gemm_rm<M>(true, false, f, e, c, Qc, f, G_op, e, Acc(1), R, e);
+          if (normalize) add_weighted_rows(rr, g.data(), fb.Qa + c0 * F, c, F);
+          chain_features(dQ.data(), fb.fQ == nullptr ? nullptr : fb.fQ + c0 * F, pdq + t0 * F, int64_t(c) * F);
+          chain_features(dK.data(), fb.fK == nullptr ? nullptr : fb.fK + c0 * F, pdk + t0 * F, int64_t(c) * F);
         }
       }
     }
@@ -240,8 +224,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> chunked_b
     const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in, const at::Tensor& o_in,
     const at::Tensor& do_in, const at::Tensor& den, const at::Tensor& S_blocks, const at::Tensor& z_blocks,
     const c10::optional<at::Tensor>& dkv, const c10::optional<at::Tensor>& dz, int64_t phi, bool normalize,
-    int64_t chunk) {
-  chunk = check_inputs("linattn_cpu::chunked_backward", q_in, k_in, v_in, S_blocks, z_blocks, phi, chunk);
+    int64_t chunk, bool wide) {
+  chunk = check_inputs("linattn_cpu::chunked_backward", q_in, k_in, v_in, S_blocks, z_blocks, phi, chunk, wide);
   const at::Tensor q = q_in.contiguous(), k = k_in.contiguous(), v = v_in.contiguous(), o = o_in.contiguous(),
                    dout = do_in.to(v.scalar_type()).contiguous();
   TORCH_CHECK(o.sizes() == v.sizes() && dout.sizes() == v.sizes(), "linattn_cpu::chunked_backward: o and do must be shaped like v");
@@ -258,7 +242,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> chunked_b
              dv = empty_result(v.sizes(), v.options());
   const at::Tensor den_c = den.contiguous(), Sb = S_blocks.contiguous(), zb = z_blocks.contiguous();
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "linattn_cpu_chunked_backward", [&] {
-    chunked_backward_rows<scalar_t>(q, k, v, o, dout, den_c, Sb, zb, dq, dk, dv, R, r, phi, normalize, chunk, block);
+    with_operands<scalar_t>(wide, [&](auto op) {
+      chunked_backward_rows<scalar_t, decltype(op)>(q, k, v, o, dout, den_c, Sb, zb, dq, dk, dv, R, r, phi, normalize,
+                                                    chunk, block);
+    });
   });
   return {dq, dk, dv, R.view({q.size(0), q.size(1), F, E}), r.view({q.size(0), q.size(1), F})};
 }
@@ -271,10 +258,10 @@ TORCH_LIBRARY(linattn_cpu, m) {
   m.def("release_pool() -> int", release_pool);
   m.def(
       "chunked(Tensor q, Tensor k, Tensor v, Tensor kv0, Tensor z0, int phi, bool normalize, float eps, int chunk, "
-      "bool save) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+      "bool save, bool wide=False) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def(
       "chunked_backward(Tensor q, Tensor k, Tensor v, Tensor o, Tensor do, Tensor den, Tensor S_blocks, "
-      "Tensor z_blocks, Tensor? dkv, Tensor? dz, int phi, bool normalize, int chunk) "
+      "Tensor z_blocks, Tensor? dkv, Tensor? dz, int phi, bool normalize, int chunk, bool wide=False) "
       "-> (Tensor, Tensor, Tensor, Tensor, Tensor)");
 }
 

@@ -2,7 +2,8 @@
 // gated.cpp and gated_backward.cpp: its gated form): the elementwise pieces of both chunk loops,
 // compiled for AVX-512 / AVX2 where the CPU has them (the rest of each file is built for the baseline
 // ISA), bf16 gemm operands, φ of a block, what a training forward saves, the block size and the input
-// checks. T is the dtype of q, k, v, o; Acc that of the scores and the state (float for bf16).
+// checks. T is the dtype of q, k, v, o; Acc that of the scores and the state (float for bf16); M that
+// of the gemm operands: T, or float for bf16 inputs on the fp32 path (`with_operands`).
 // Everything here has internal linkage (one copy per file).
 #pragma once
 
@@ -108,6 +109,18 @@ inline const T* as_operand(const Acc* src, Aligned<T>& buf, int64_t n) {
   }
 }
 
+// n values of an input of type T as gemm operands of type M: the input itself (M = T), or bf16
+// widened into buf (M = float, the fp32 path for bf16 inputs)
+template <typename M, typename T>
+inline const M* input_as(const T* src, Aligned<M>& buf, int64_t n) {
+  if constexpr (std::is_same<T, M>::value) {
+    return src;
+  } else {
+    widen_bf16(src, buf.data(), n);
+    return buf.data();
+  }
+}
+
 // The features φ = elu + 1 of one block of n values of q and of k, as T (bf16: rounded once, as
 // they are gemm operands, and z sums the rounded values); *Q, *K point into feat.
 template <typename T, typename Acc>
@@ -125,6 +138,71 @@ void block_features(const T* q, const T* k, int64_t n, Aligned<Acc>& wide, Align
   }
   *Q = feat.data();
   *K = feat.data() + n;
+}
+
+// The features of one block of a row, for inputs of type T and gemm operands of type M (T, or float
+// for bf16 inputs on the fp32 path): M operands for the gemms (Q, K) and the same values as Acc (Qa,
+// Ka; bf16 operands: the rounded operands widened) for the elementwise work; fQ, fK: φ(x) unrounded
+// for φ' (nullptr with the identity). On the fp32 path the block is widened here, in cache, and
+// nothing is rounded: Q = Qa = fQ.
+template <typename T, typename M = T>
+struct BlockFeatures {
+  using Acc = linattn_acc<T>;
+  static constexpr bool low = !std::is_same<M, Acc>::value;  // bf16 gemm operands
+  static constexpr bool widen = !std::is_same<T, M>::value;  // bf16 inputs, fp32 gemm operands
+  Aligned<Acc> wide, acc;
+  Aligned<M> feat;
+  const M *Q = nullptr, *K = nullptr;
+  const Acc *Qa = nullptr, *Ka = nullptr, *fQ = nullptr, *fK = nullptr;
+
+  BlockFeatures(int64_t phi, int64_t block, int64_t F)
+      : wide(phi == 1 || widen ? 2 * block * F : 0), acc(low ? 2 * block * F : 0), feat(phi == 1 && low ? 2 * block * F : 0) {}
+
+  void compute(const T* q, const T* k, int64_t n, int64_t phi) {
+    if constexpr (widen) {
+      widen_bf16(q, wide.data(), n);
+      widen_bf16(k, wide.data() + n, n);
+      if (phi == 1) elu_plus_one(wide.data(), wide.data(), 2 * n);
+      Q = Qa = wide.data();
+      K = Ka = wide.data() + n;
+      fQ = phi == 1 ? Q : nullptr;
+      fK = phi == 1 ? K : nullptr;
+    } else {
+      Q = q;
+      K = k;
+      if (phi == 1) {
+        if constexpr (low) {
+          block_features(q, k, n, wide, feat, &Q, &K);
+        } else {
+          block_features(q, k, n, wide, wide, &Q, &K);
+        }
+        fQ = wide.data();
+        fK = wide.data() + n;
+      }
+      if constexpr (low) {
+        widen_bf16(Q, acc.data(), n);
+        widen_bf16(K, acc.data() + n, n);
+        Qa = acc.data();
+        Ka = acc.data() + n;
+      } else {
+        Qa = Q;
+        Ka = K;
+      }
+    }
+  }
+};
+
+// Calls f(M{}) with M the gemm operand type for inputs of type T: float for bf16 inputs when `wide`
+// (the fp32 path: blocks widened in cache, fp32 gemms, outputs rounded once), else T itself.
+template <typename T, typename Fn>
+void with_operands(bool wide, Fn&& f) {
+  if constexpr (std::is_same<T, at::BFloat16>::value) {
+    if (wide) {
+      f(float{});
+      return;
+    }
+  }
+  f(T{});
 }
 
 // What a training forward keeps for its backward: the denominators d + ε of every token and the
@@ -149,11 +227,11 @@ int64_t checked_mul(int64_t a, int64_t b) {
 }
 
 // q, k (B, H, N, F), v (B, H, N, E) of one dtype, states (kv-like, z-like) in the state dtype (float32
-// for bf16 inputs, else q's), a BLAS gemm for the dtype: the checks shared by both passes. Returns the
-// chunk clamped to N (a larger one is the same single chunk), after checking that every work-buffer
-// size fits int64 and every gemm dimension an int.
+// for bf16 inputs, else q's), a BLAS gemm for the operands (bf16 ones, or fp32 ones when wide): the
+// checks shared by both passes. Returns the chunk clamped to N (a larger one is the same single
+// chunk), after checking that every work-buffer size fits int64 and every gemm dimension an int.
 int64_t check_inputs(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& kv,
-                     const at::Tensor& z, int64_t phi, int64_t chunk) {
+                     const at::Tensor& z, int64_t phi, int64_t chunk, bool wide) {
   TORCH_CHECK(q.dim() == 4 && k.sizes() == q.sizes() && v.dim() == 4 && v.sizes().slice(0, 3) == q.sizes().slice(0, 3),
               op, " expects q, k (B, H, N, F) and v (B, H, N, E)");
   TORCH_CHECK(phi == 0 || phi == 1, op, ": phi must be 0 (identity) or 1 (elu + 1)");
@@ -174,7 +252,7 @@ int64_t check_inputs(const char* op, const at::Tensor& q, const at::Tensor& k, c
     TORCH_CHECK(t->scalar_type() == (bf16 ? at::kFloat : q.scalar_type()), op,
                 ": the state must be float32 for bf16 inputs, else of q's dtype");
   }
-  TORCH_CHECK(bf16 ? has_blas_bf16() : has_blas(), op, ": no BLAS gemm found in torch");
+  TORCH_CHECK(bf16 && !wide ? has_blas_bf16() : has_blas(), op, ": no BLAS gemm found in torch");
   return chunk;
 }
 

@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <initializer_list>
 #include <type_traits>
 
 namespace {
@@ -75,6 +76,16 @@ LINATTN_CLONES void narrow_bf16(const float* __restrict__ src, at::BFloat16* __r
     const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
     out[i] = src[i] != src[i] ? uint16_t(0x7FC0) : static_cast<uint16_t>(rounded);
   }
+}
+
+// The dtype of a step's inputs (q, k, v): the state's (kv's), or bf16 on a float32 state (the
+// step widens them); checked to be one of these and shared by all
+inline at::ScalarType input_dtype(const char* op, const at::Tensor& kv, std::initializer_list<const at::Tensor*> xs) {
+  const at::ScalarType io = (*xs.begin())->scalar_type();
+  TORCH_CHECK(io == kv.scalar_type() || (io == at::kBFloat16 && kv.scalar_type() == at::kFloat), op,
+              ": q, k, v must have the state's dtype, or be bf16 on a float32 state");
+  for (const at::Tensor* t : xs) TORCH_CHECK(t->scalar_type() == io, op, ": q, k, v must share a dtype");
+  return io;
 }
 
 // A per-thread work buffer of n elements on a 64-byte boundary (a cache line, as torch aligns tensors:

@@ -8,8 +8,8 @@
 //   kv' = kv + k̃ vᵀ,  z' = z + k̃_d,  o = q̃ᵀ kv' / (q̃_d · z' + ε)   (o = q̃ᵀ kv' without normalize)
 //
 // kv (B, H, F, E), z (B, H, F), q, k (B, H, 1, F), v (B, H, 1, E) (any leading dims: rows = B·H),
-// all one floating dtype; c, s (c_rows, …, F) with row r using angles (r / heads) mod c_rows.
-// Returns (o shaped like v, kv', z').
+// all one floating dtype, or bf16 q, k, v on a float32 state; c, s (c_rows, …, F) with row r using
+// angles (r / heads) mod c_rows. Returns (o shaped like v, in q's dtype, kv', z').
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -51,11 +51,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> step(const at::Tensor& kv_in, con
   TORCH_CHECK(z_in.numel() == rows * F && q_in.numel() == rows * F && k_in.numel() == rows * F &&
                   v_in.numel() == rows * E && q_in.size(-1) == F && v_in.size(-1) == E,
               "linattn_cpu::step: shapes of kv, z, q, k, v do not agree");
-  for (const at::Tensor* t : {&z_in, &q_in, &k_in, &v_in}) {
-    TORCH_CHECK(t->scalar_type() == kv_in.scalar_type(), "linattn_cpu::step: all tensors must share kv's dtype");
-  }
-  const at::Tensor kv = kv_in.contiguous(), z = z_in.contiguous(), v = v_in.contiguous();
-  const at::Tensor q = q_in.contiguous(), k = k_in.contiguous();  // row r at r·F (one token per row)
+  TORCH_CHECK(z_in.scalar_type() == kv_in.scalar_type(), "linattn_cpu::step: z must have kv's dtype");
+  const at::ScalarType io = input_dtype("linattn_cpu::step", kv_in, {&q_in, &k_in, &v_in});
+  // bf16 q, k, v on a float32 state are widened (one token: F + F + E values a row); the step is a
+  // rank-1 update and a matrix-vector product on the float32 state, with no gemm to run in bf16
+  const at::Tensor kv = kv_in.contiguous(), z = z_in.contiguous(), v = v_in.contiguous().to(kv.scalar_type());
+  const at::Tensor q = q_in.contiguous().to(kv.scalar_type()), k = k_in.contiguous().to(kv.scalar_type());
   // φ = elu + 1 of q and k, with the exp of the fused forward (so prefill and decoding agree)
   at::Tensor feats;
   if (phi == 1) {
@@ -127,7 +128,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> step(const at::Tensor& kv_in, con
       }
     });
   });
-  return {o, kv_new, z_new};
+  return {io == kv.scalar_type() ? o : o.to(io), kv_new, z_new};
 }
 
 // RMSNorm over the last dim: y = x / √(mean(x²) + eps) · w, x (…, d), w (d); sums in double.

@@ -15,11 +15,15 @@ namespace {
 
 using linattn_pool::empty_result;
 
-template <typename T>
+// The forward of the rows for inputs of type T and gemm operands of type M (T, or float for bf16 on
+// the fp32 path: then a block's features and a chunk's values are widened in cache, the chunk runs
+// the fp32 code, and its outputs are rounded to bf16 once)
+template <typename T, typename M>
 void gated_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g, at::Tensor& o,
                 at::Tensor& kv, at::Tensor& z_all, int64_t phi, bool normalize, double eps, int64_t chunk, int64_t block,
                 const Saves<linattn_acc<T>>* saves) {
   using Acc = linattn_acc<T>;
+  constexpr bool widen = !std::is_same<T, M>::value;
   const int64_t N = q.size(2), F = q.size(3), E = v.size(3), rows = q.size(0) * q.size(1);
   const bool vector = g.dim() == 4;
   const int64_t G = vector ? F : 1;
@@ -31,8 +35,9 @@ void gated_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, c
   const Acc eps_t = static_cast<Acc>(eps);
   at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
     const SequentialBlas one_thread;
-    Work<T> wk(chunk, F, E, vector);
-    BlockFeatures<T> fb(phi, block, F);
+    Work<M> wk(chunk, F, E, vector);
+    BlockFeatures<T, M> fb(phi, block, F);
+    Aligned<M> Vw(widen ? chunk * E : 0), Ow(widen ? chunk * E : 0);
     for (int64_t r = r0; r < r1; ++r) {
       Acc* S = pS + r * F * E;
       Acc* z = normalize ? pz + r * F : nullptr;
@@ -48,14 +53,22 @@ void gated_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, c
           const int c = static_cast<int>(std::min(chunk, m - c0));
           const int64_t t0 = r * N + s + c0;
           Acc* den_out = saves != nullptr && normalize ? saves->den + t0 : nullptr;
-          if (vector) {
-            vector_chunk_forward<T>(wk, c, F, E, fb.Qa + c0 * F, fb.Ka + c0 * F, pv + t0 * E, pg + t0 * G, S, z,
-                                    po + t0 * E, normalize, eps_t, den_out);
+          const M* V = input_as<M>(pv + t0 * E, Vw, int64_t(c) * E);
+          M* O;
+          if constexpr (widen) {
+            O = Ow.data();
           } else {
-            scalar_chunk_forward<T>(wk, c, F, E, fb.Q + c0 * F, fb.K + c0 * F, fb.Qa + c0 * F, fb.Ka + c0 * F,
-                                    pv + t0 * E, pg + t0, S, z, po + t0 * E, normalize, eps_t);
+            O = po + t0 * E;
+          }
+          if (vector) {
+            vector_chunk_forward<M>(wk, c, F, E, fb.Qa + c0 * F, fb.Ka + c0 * F, V, pg + t0 * G, S, z, O, normalize,
+                                    eps_t, den_out);
+          } else {
+            scalar_chunk_forward<M>(wk, c, F, E, fb.Q + c0 * F, fb.K + c0 * F, fb.Qa + c0 * F, fb.Ka + c0 * F, V,
+                                    pg + t0, S, z, O, normalize, eps_t);
             if (den_out != nullptr) std::copy(wk.den.begin(), wk.den.begin() + c, den_out);
           }
+          if constexpr (widen) narrow_bf16(O, po + t0 * E, int64_t(c) * E);
         }
       }
     }
@@ -66,9 +79,11 @@ void gated_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, c
 // den, S_blocks, z_blocks empty unless save (training).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> gated_chunked(
     const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in, const at::Tensor& g_in,
-    const at::Tensor& kv0_in, const c10::optional<at::Tensor>& z0_in, int64_t phi, double eps, int64_t chunk, bool save) {
+    const at::Tensor& kv0_in, const c10::optional<at::Tensor>& z0_in, int64_t phi, double eps, int64_t chunk, bool save,
+    bool wide) {
   const bool normalize = z0_in.has_value();
-  chunk = check_inputs("linattn_cpu::gated_chunked", q_in, k_in, v_in, kv0_in, normalize ? *z0_in : kv0_in, phi, chunk);
+  chunk = check_inputs("linattn_cpu::gated_chunked", q_in, k_in, v_in, kv0_in, normalize ? *z0_in : kv0_in, phi, chunk,
+                       wide);
   check_gates("linattn_cpu::gated_chunked", q_in, g_in, kv0_in);
   const at::Tensor q = q_in.contiguous(), k = k_in.contiguous(), v = v_in.contiguous(), g = g_in.contiguous();
   const int64_t N = q.size(2), F = q.size(3), E = v.size(3), rows = q.size(0) * q.size(1);
@@ -86,7 +101,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
     using Acc = linattn_acc<scalar_t>;
     const Saves<Acc> saves{normalize ? den.data_ptr<Acc>() : nullptr, S_blocks.data_ptr<Acc>(),
                            normalize ? z_blocks.data_ptr<Acc>() : nullptr, blocks};
-    gated_rows<scalar_t>(q, k, v, g, o, kv, z, phi, normalize, eps, chunk, block, save ? &saves : nullptr);
+    with_operands<scalar_t>(wide, [&](auto op) {
+      gated_rows<scalar_t, decltype(op)>(q, k, v, g, o, kv, z, phi, normalize, eps, chunk, block, save ? &saves : nullptr);
+    });
   });
   return {o, kv, z, den, S_blocks, z_blocks};
 }
@@ -110,7 +127,8 @@ LINATTN_CLONES void gated_update_row(const T* __restrict__ src, T* __restrict__ 
 }
 
 // kv (…, F, E), z (…, F) or none (normalize = z given), q, k (…, 1, F), v (…, 1, E), g (…, 1) or
-// (…, 1, F) of one dtype (float32/float64). Returns (o shaped like v, kv', z' or an empty tensor).
+// (…, 1, F) of one dtype (float32/float64), or bf16 q, k, v on a float32 state. Returns (o shaped like
+// v, in q's dtype, kv', z' or an empty tensor).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> gated_step(const at::Tensor& kv_in, const c10::optional<at::Tensor>& z_in,
                                                           const at::Tensor& q_in, const at::Tensor& k_in,
                                                           const at::Tensor& v_in, const at::Tensor& g_in, int64_t phi,
@@ -125,12 +143,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gated_step(const at::Tensor& kv_i
                   v_in.numel() == rows * E && q_in.size(-1) == F && v_in.size(-1) == E &&
                   (g_in.numel() == rows || g_in.numel() == rows * F),
               op, ": shapes of kv, z, q, k, v, g do not agree");
-  for (const at::Tensor* t : {&q_in, &k_in, &v_in, &g_in}) {
-    TORCH_CHECK(t->scalar_type() == kv_in.scalar_type(), op, ": all tensors must share kv's dtype");
-  }
-  if (normalize) TORCH_CHECK(z_in->scalar_type() == kv_in.scalar_type(), op, ": all tensors must share kv's dtype");
-  const at::Tensor kv = kv_in.contiguous(), q = q_in.contiguous(), k = k_in.contiguous(), v = v_in.contiguous(),
-                   g = g_in.contiguous();
+  TORCH_CHECK(g_in.scalar_type() == kv_in.scalar_type(), op, ": g must have kv's dtype");
+  if (normalize) TORCH_CHECK(z_in->scalar_type() == kv_in.scalar_type(), op, ": z must have kv's dtype");
+  const at::ScalarType io = input_dtype(op, kv_in, {&q_in, &k_in, &v_in});
+  // bf16 q, k, v on a float32 state are widened, as in linattn_cpu::step
+  const auto sdt = kv_in.scalar_type();
+  const at::Tensor kv = kv_in.contiguous(), q = q_in.contiguous().to(sdt), k = k_in.contiguous().to(sdt),
+                   v = v_in.contiguous().to(sdt), g = g_in.contiguous();
   const at::Tensor z = normalize ? z_in->contiguous() : at::empty({0}, kv.options());
   at::Tensor kv_new = at::empty_like(kv), z_new = at::empty_like(z), o = at::empty(v_in.sizes(), kv.options());
   AT_DISPATCH_FLOATING_TYPES(kv.scalar_type(), "linattn_cpu_gated_step", [&] {
@@ -175,7 +194,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gated_step(const at::Tensor& kv_i
       }
     });
   });
-  return {o, kv_new, z_new};
+  return {io == sdt ? o : o.to(io), kv_new, z_new};
 }
 
 }  // namespace
@@ -183,7 +202,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gated_step(const at::Tensor& kv_i
 TORCH_LIBRARY_FRAGMENT(linattn_cpu, m) {
   m.def(
       "gated_chunked(Tensor q, Tensor k, Tensor v, Tensor g, Tensor kv0, Tensor? z0, int phi, float eps, int chunk, "
-      "bool save) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+      "bool save, bool wide=False) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def(
       "gated_step(Tensor kv, Tensor? z, Tensor q, Tensor k, Tensor v, Tensor g, int phi, float eps) "
       "-> (Tensor, Tensor, Tensor)");

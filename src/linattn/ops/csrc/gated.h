@@ -216,45 +216,6 @@ LINATTN_CLONES void unscale_grads(Acc* __restrict__ dQ, Acc* __restrict__ dK, co
   }
 }
 
-// The features of one block of a row: T operands for the gemms (Q, K) and the same values as Acc
-// (Qa, Ka; bf16: the rounded operands widened) for the elementwise work; fQ, fK: φ(x) unrounded for
-// φ' (nullptr with the identity).
-template <typename T>
-struct BlockFeatures {
-  using Acc = linattn_acc<T>;
-  static constexpr bool low = !std::is_same<T, Acc>::value;
-  Aligned<Acc> wide, acc;
-  Aligned<T> feat;
-  const T *Q = nullptr, *K = nullptr;
-  const Acc *Qa = nullptr, *Ka = nullptr, *fQ = nullptr, *fK = nullptr;
-
-  BlockFeatures(int64_t phi, int64_t block, int64_t F)
-      : wide(phi == 1 ? 2 * block * F : 0), acc(low ? 2 * block * F : 0), feat(phi == 1 && low ? 2 * block * F : 0) {}
-
-  void compute(const T* q, const T* k, int64_t n, int64_t phi) {
-    Q = q;
-    K = k;
-    if (phi == 1) {
-      if constexpr (low) {
-        block_features(q, k, n, wide, feat, &Q, &K);
-      } else {
-        block_features(q, k, n, wide, wide, &Q, &K);
-      }
-      fQ = wide.data();
-      fK = wide.data() + n;
-    }
-    if constexpr (low) {
-      widen_bf16(Q, acc.data(), n);
-      widen_bf16(K, acc.data() + n, n);
-      Qa = acc.data();
-      Ka = acc.data() + n;
-    } else {
-      Qa = Q;
-      Ka = K;
-    }
-  }
-};
-
 // Per-thread work buffers of both passes (sizes for chunks of at most `chunk` rows)
 template <typename T>
 struct Work {

@@ -220,7 +220,23 @@ void vector_chunk_backward(Work<T>& wk, Grads<T>& gr, const Span<T>& ch, int64_t
   }
 }
 
-template <typename T>
+// Per-thread chunk buffers of the fp32 path for bf16 inputs (M = float): the chunk's v, dO and o
+// widened, and its dq, dk, dv before they are rounded to bf16; empty when M = T.
+template <typename T, typename M>
+struct WideChunk {
+  static constexpr bool widen = !std::is_same<T, M>::value;
+  Aligned<M> V, dO, O, dq, dk, dv;
+
+  WideChunk(int64_t chunk, int64_t F, int64_t E)
+      : V(widen ? chunk * E : 0),
+        dO(widen ? chunk * E : 0),
+        O(widen ? chunk * E : 0),
+        dq(widen ? chunk * F : 0),
+        dk(widen ? chunk * F : 0),
+        dv(widen ? chunk * E : 0) {}
+};
+
+template <typename T, typename M>
 void gated_backward_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
                          const at::Tensor& o, const at::Tensor& dout, const at::Tensor& den_all,
                          const at::Tensor& S_blocks, const at::Tensor& z_blocks, const at::Tensor& kvN,
@@ -228,6 +244,7 @@ void gated_backward_rows(const at::Tensor& q, const at::Tensor& k, const at::Ten
                          at::Tensor& dk, at::Tensor& dv, at::Tensor& dg, int64_t phi, bool normalize, int64_t chunk,
                          int64_t block) {
   using Acc = linattn_acc<T>;
+  constexpr bool widen = WideChunk<T, M>::widen;
   const int64_t N = q.size(2), F = q.size(3), E = v.size(3), rows = q.size(0) * q.size(1);
   const int64_t blocks = (N + block - 1) / block, per_block = block / chunk;
   const bool vector = g.dim() == 4;
@@ -246,9 +263,10 @@ void gated_backward_rows(const at::Tensor& q, const at::Tensor& k, const at::Ten
   Acc* pr = normalize ? r_all.data_ptr<Acc>() : nullptr;
   at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
     const SequentialBlas one_thread;
-    Work<T> wk(chunk, F, E, vector);
-    Grads<T> gr(chunk, F, E);
-    BlockFeatures<T> fb(phi, block, F);
+    Work<M> wk(chunk, F, E, vector);
+    Grads<M> gr(chunk, F, E);
+    BlockFeatures<T, M> fb(phi, block, F);
+    WideChunk<T, M> wc(chunk, F, E);
     Aligned<Acc> Sc(per_block * F * E), zc(normalize ? per_block * F : 0);
     std::vector<double> carry(Gw);
     std::vector<int> starts;
@@ -268,32 +286,43 @@ void gated_backward_rows(const at::Tensor& q, const at::Tensor& k, const at::Ten
           Acc* znext = normalize ? zc.data() + (j + 1) * F : nullptr;
           std::copy(Sc.begin() + j * F * E, Sc.begin() + (j + 1) * F * E, Snext);
           if (normalize) std::copy(zc.begin() + j * F, zc.begin() + (j + 1) * F, znext);
+          const M* V = input_as<M>(pv + t0 * E, wc.V, int64_t(c) * E);
           if (vector) {
-            vector_chunk_forward<T>(wk, c, F, E, fb.Qa + c0 * F, fb.Ka + c0 * F, pv + t0 * E, pg + t0 * F, Snext, znext,
-                                    nullptr, normalize, Acc(0), nullptr);
+            vector_chunk_forward<M>(wk, c, F, E, fb.Qa + c0 * F, fb.Ka + c0 * F, V, pg + t0 * F, Snext, znext, nullptr,
+                                    normalize, Acc(0), nullptr);
           } else {
-            scalar_chunk_forward<T>(wk, c, F, E, fb.Q + c0 * F, fb.K + c0 * F, fb.Qa + c0 * F, fb.Ka + c0 * F,
-                                    pv + t0 * E, pg + t0, Snext, znext, nullptr, normalize, Acc(0));
+            scalar_chunk_forward<M>(wk, c, F, E, fb.Q + c0 * F, fb.K + c0 * F, fb.Qa + c0 * F, fb.Ka + c0 * F, V,
+                                    pg + t0, Snext, znext, nullptr, normalize, Acc(0));
           }
         }
         for (int64_t j = nch - 1; j >= 0; --j) {
           const int64_t c0 = j * chunk, t0 = r * N + s + c0;
-          Span<T> sp{static_cast<int>(std::min(chunk, m - c0)),
+          const int c = static_cast<int>(std::min(chunk, m - c0));
+          Span<M> sp{c,
                      fb.Q + c0 * F,
                      fb.K + c0 * F,
-                     pv + t0 * E,
-                     pdo + t0 * E,
-                     po + t0 * E,
+                     input_as<M>(pv + t0 * E, wc.V, int64_t(c) * E),
+                     input_as<M>(pdo + t0 * E, wc.dO, int64_t(c) * E),
+                     input_as<M>(po + t0 * E, wc.O, int64_t(c) * E),
                      fb.Qa + c0 * F,
                      fb.Ka + c0 * F,
                      fb.fQ == nullptr ? nullptr : fb.fQ + c0 * F,
                      fb.fK == nullptr ? nullptr : fb.fK + c0 * F,
                      normalize ? pden + t0 : nullptr,
                      pg + t0 * Gw,
-                     pdq + t0 * F,
-                     pdk + t0 * F,
-                     pdv + t0 * E,
+                     nullptr,
+                     nullptr,
+                     nullptr,
                      pdg + t0 * Gw};
+          if constexpr (widen) {
+            sp.dq = wc.dq.data();
+            sp.dk = wc.dk.data();
+            sp.dv = wc.dv.data();
+          } else {
+            sp.dq = pdq + t0 * F;
+            sp.dk = pdk + t0 * F;
+            sp.dv = pdv + t0 * E;
+          }
           const Acc* S = Sc.data() + j * F * E;
           const Acc* z = normalize ? zc.data() + j * F : nullptr;
           // the state after the chunk: the next chunk's, the next block's, or the final state
@@ -306,10 +335,15 @@ void gated_backward_rows(const at::Tensor& q, const at::Tensor& k, const at::Ten
                              : last_block   ? pzN + r * F
                                             : pzb + (r * blocks + b + 1) * F;
           if (vector) {
-            vector_chunk_backward<T>(wk, gr, sp, F, E, S, z, S_out, z_out, R, rr, normalize, carry.data(), starts, Sp,
+            vector_chunk_backward<M>(wk, gr, sp, F, E, S, z, S_out, z_out, R, rr, normalize, carry.data(), starts, Sp,
                                      zp);
           } else {
-            scalar_chunk_backward<T>(wk, gr, sp, F, E, S, z, S_out, z_out, R, rr, normalize, carry.data());
+            scalar_chunk_backward<M>(wk, gr, sp, F, E, S, z, S_out, z_out, R, rr, normalize, carry.data());
+          }
+          if constexpr (widen) {
+            narrow_bf16(sp.dq, pdq + t0 * F, int64_t(c) * F);
+            narrow_bf16(sp.dk, pdk + t0 * F, int64_t(c) * F);
+            narrow_bf16(sp.dv, pdv + t0 * E, int64_t(c) * E);
           }
         }
       }
@@ -323,10 +357,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
     const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in, const at::Tensor& g_in,
     const at::Tensor& o_in, const at::Tensor& do_in, const at::Tensor& den, const at::Tensor& S_blocks,
     const at::Tensor& z_blocks, const at::Tensor& kv_in, const c10::optional<at::Tensor>& z_in,
-    const c10::optional<at::Tensor>& dkv, const c10::optional<at::Tensor>& dz, int64_t phi, int64_t chunk) {
+    const c10::optional<at::Tensor>& dkv, const c10::optional<at::Tensor>& dz, int64_t phi, int64_t chunk, bool wide) {
   const char* op = "linattn_cpu::gated_chunked_backward";
   const bool normalize = z_in.has_value();
-  chunk = check_inputs(op, q_in, k_in, v_in, kv_in, normalize ? *z_in : kv_in, phi, chunk);
+  chunk = check_inputs(op, q_in, k_in, v_in, kv_in, normalize ? *z_in : kv_in, phi, chunk, wide);
   check_gates(op, q_in, g_in, kv_in);
   const at::Tensor q = q_in.contiguous(), k = k_in.contiguous(), v = v_in.contiguous(), g = g_in.contiguous(),
                    o = o_in.contiguous(), dout = do_in.to(v.scalar_type()).contiguous();
@@ -348,8 +382,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   const at::Tensor den_c = den.contiguous(), Sb = S_blocks.contiguous(), zb = z_blocks.contiguous(),
                    kvN = kv_in.contiguous(), zN = normalize ? z_in->contiguous() : at::empty({0}, acc);
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "linattn_cpu_gated_chunked_backward", [&] {
-    gated_backward_rows<scalar_t>(q, k, v, g, o, dout, den_c, Sb, zb, kvN, zN, R, r, dq, dk, dv, dg, phi, normalize,
-                                  chunk, block);
+    with_operands<scalar_t>(wide, [&](auto op_type) {
+      gated_backward_rows<scalar_t, decltype(op_type)>(q, k, v, g, o, dout, den_c, Sb, zb, kvN, zN, R, r, dq, dk, dv, dg,
+                                                       phi, normalize, chunk, block);
+    });
   });
   const auto b = q.size(0), h = q.size(1);
   return {dq, dk, dv, dg, R.view({b, h, F, E}), normalize ? r.view({b, h, F}) : r};
@@ -360,7 +396,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
 TORCH_LIBRARY_FRAGMENT(linattn_cpu, m) {
   m.def(
       "gated_chunked_backward(Tensor q, Tensor k, Tensor v, Tensor g, Tensor o, Tensor do, Tensor den, "
-      "Tensor S_blocks, Tensor z_blocks, Tensor kv, Tensor? z, Tensor? dkv, Tensor? dz, int phi, int chunk) "
+      "Tensor S_blocks, Tensor z_blocks, Tensor kv, Tensor? z, Tensor? dkv, Tensor? dz, int phi, int chunk, "
+      "bool wide=False) "
       "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
 }
 

@@ -112,6 +112,8 @@ def gated_linear_attention_step(
     fz, kv, z = _prepare(q, k, v, g, feature_map=feature_map, scale=scale, key_padding_mask=None, state=state,
                          normalize=normalize, name="state")
     phi = native.fused_phi(feature_map, scale, None, (kv, kv if z is None else z), q, k, v)
+    if g.dtype in (torch.bfloat16, torch.float16) and kv.dtype is torch.float32:
+        g = g.to(kv.dtype)  # exact: a bf16 model's gates reach the fused step too
     if phi is not None and g.dtype is kv.dtype and not (g.requires_grad and torch.is_grad_enabled()):
         o, kv, z = fused.step(kv, z, q, k, v, g, phi=phi, eps=float(eps))  # checks g's values itself
     else:

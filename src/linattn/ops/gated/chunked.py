@@ -196,7 +196,7 @@ class ChunkedGatedLinearAttention(torch.autograd.Function):
         e = v.shape[-1]
         bh, feat = b * h, kv0.shape[2]
         vector = g.dim() == 4
-        cdt, sdt = compute_dtype(q.dtype), state_dtype(q.dtype)
+        cdt, sdt = compute_dtype(q.dtype, q.device), state_dtype(q.dtype)
         S = kv0.to(sdt).reshape(bh, feat, e)
         z = z0.to(sdt).reshape(bh, feat) if normalize else None
         o = torch.empty(b, h, n, e, dtype=q.dtype, device=q.device)
@@ -248,7 +248,7 @@ class ChunkedGatedLinearAttention(torch.autograd.Function):
         b, h, n, _ = q.shape
         e, feat = v.shape[-1], S_in[0].shape[-2]
         bh, vector = b * h, g.dim() == 4
-        cdt, sdt = compute_dtype(q.dtype), state_dtype(q.dtype)
+        cdt, sdt = compute_dtype(q.dtype, q.device), state_dtype(q.dtype)
         R = torch.zeros(bh, feat, e, dtype=sdt, device=q.device) if dkv is None else dkv.to(sdt).reshape(bh, feat, e)
         r = None
         if normalize:

@@ -9,7 +9,9 @@ linattn_cpu extension that `linattn.ops.native` builds), wired into Python and a
     linattn_cpu::gated_step              one recurrent step (checks g ≤ 0 and finite itself)
 
 The state is kv, or (kv, z) when a z is given (normalize=True); g (B, H, N) or (B, H, N, F) in the
-state's dtype (converted here). φ is elu+1 (phi=1) or the identity (phi=0).
+state's dtype (converted here). φ is elu+1 (phi=1) or the identity (phi=0). bf16 q, k, v take the
+path `native.bf16_choice()` chose for this machine (bf16 gemms, or blocks widened to fp32 in cache);
+the step widens them.
 """
 
 from __future__ import annotations
@@ -27,28 +29,31 @@ def ready(dtype: torch.dtype) -> bool:
 def chunked(q, k, v, g, kv0, z0, *, phi: int, eps: float, chunk: int):
     """The gated chunked forward, through `FusedGatedChunked` when a gradient is wanted.
     Returns (o, kv, z) with z None when z0 is None."""
+    wide = native.wide(q)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, g, kv0, z0)):
-        out = FusedGatedChunked.apply(q, k, v, g, kv0, z0, phi, eps, chunk)
+        out = FusedGatedChunked.apply(q, k, v, g, kv0, z0, phi, eps, chunk, wide)
         return out if z0 is not None else (*out, None)
     o, kv, z, *_ = torch.ops.linattn_cpu.gated_chunked.default(q, k, v, g.to(kv0.dtype), kv0, z0, phi, eps, chunk,
-                                                              False)
+                                                              False, wide)
     return o, kv, (z if z0 is not None else None)
 
 
 class FusedGatedChunked(torch.autograd.Function):
-    """apply(q, k, v, g, kv0, z0, phi, eps, chunk) -> (o, kv[, z]), fused forward and backward.
+    """apply(q, k, v, g, kv0, z0, phi, eps, chunk, wide) -> (o, kv[, z]), fused forward and backward
+    (wide: bf16 inputs on the fp32 path; the backward takes the forward's).
 
     Saved: q, k, v, g (in the state dtype), o, the final state, the denominators (B·H·N floats, with
     normalize) and the state entering every block of 512 tokens. Not twice differentiable."""
 
     @staticmethod
-    def forward(ctx, q, k, v, g, kv0, z0, phi, eps, chunk):
+    def forward(ctx, q, k, v, g, kv0, z0, phi, eps, chunk, wide):
         gk = g.to(kv0.dtype)
         o, kv, z, den, S_blocks, z_blocks = torch.ops.linattn_cpu.gated_chunked.default(q, k, v, gk, kv0, z0, phi, eps,
-                                                                                       chunk, True)
+                                                                                       chunk, True, wide)
         normalize = z0 is not None
         ctx.save_for_backward(q, k, v, gk, o, den, S_blocks, z_blocks, kv, z if normalize else None)
-        ctx.phi, ctx.chunk, ctx.dtypes = phi, chunk, (g.dtype, kv0.dtype, None if z0 is None else z0.dtype)
+        ctx.phi, ctx.chunk, ctx.wide = phi, chunk, wide
+        ctx.dtypes = (g.dtype, kv0.dtype, None if z0 is None else z0.dtype)
         ctx.set_materialize_grads(False)
         return (o, kv, z) if normalize else (o, kv)
 
@@ -59,10 +64,10 @@ class FusedGatedChunked(torch.autograd.Function):
         if do is None:
             do = torch.zeros_like(o)
         dq, dk, dv, dg, dkv0, dz0 = torch.ops.linattn_cpu.gated_chunked_backward.default(
-            q, k, v, gk, o, do, den, S_blocks, z_blocks, kv, z, dkv, dz, ctx.phi, ctx.chunk)
+            q, k, v, gk, o, do, den, S_blocks, z_blocks, kv, z, dkv, dz, ctx.phi, ctx.chunk, ctx.wide)
         g_dtype, kv_dtype, z_dtype = ctx.dtypes
         return (dq, dk, dv, dg.to(g_dtype), dkv0.to(kv_dtype), None if z is None else dz0.to(z_dtype), None, None,
-                None)
+                None, None)
 
 
 def step(kv, z, q, k, v, g, *, phi: int, eps: float):
