@@ -80,6 +80,7 @@ void chunked_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
           const M* Kc = fb.K + c0 * F;
           const M* Vc = input_as<M>(pv + (r * N + s + c0) * E, Vw, int64_t(c) * E);
           T* Oc = po + (r * N + s + c0) * E;
+          prefetch_ahead(pq, pk, pv, po, r * N, s + c0, std::min(N, s + c0 + chunk), block, N, F, E);
           gemm_rm<M>(false, true, c, c, f, Qc, f, Kc, f, Acc(0), A.data(), c);  // A = Q̃K̃ᵀ
           if (normalize) {
             mask_and_denominators(A.data(), c, fb.Qa + c0 * F, z, F, eps_t, den.data());

@@ -53,6 +53,7 @@ void gated_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, c
           const int c = static_cast<int>(std::min(chunk, m - c0));
           const int64_t t0 = r * N + s + c0;
           Acc* den_out = saves != nullptr && normalize ? saves->den + t0 : nullptr;
+          prefetch_ahead(pq, pk, pv, po, r * N, s + c0, std::min(N, s + c0 + chunk), block, N, F, E);
           const M* V = input_as<M>(pv + t0 * E, Vw, int64_t(c) * E);
           M* O;
           if constexpr (widen) {
