@@ -287,6 +287,9 @@ def _worker_4(rank, world, init, tmp, timeout_s):
     _check_gated(rank, world, "vector gate, normalize, initial state, one-token shards", bounds=odd, vector=True,
                  normalize=True, state=True)
     _check_gated(rank, world, "scalar gate, initial state, fp64", bounds=odd, state=True, dtype=torch.float64)
+    _check_gated(rank, world, "vector gate, elu, normalize, initial state, mask, fp64, chunks of 3", bounds=odd,
+                 vector=True, fmap=make_feature_map("elu", DH), normalize=True, state=True, mask=True,
+                 dtype=torch.float64, chunk=3)
     _check_delta(rank, world, "DeltaNet, initial state", bounds=even, state=True)
     _check_delta(rank, world, "Gated DeltaNet, one-token shards, fp64", bounds=odd, gated=True, state=True,
                  dtype=torch.float64)
