@@ -18,9 +18,11 @@ import torch
 from ..._checks import check_positive_int
 from ..affine import AffineForm
 from ..chunked import state_dtype
+from ..nonfinite import all_finite
 from . import fused
 from .checks import check_arguments, check_values
 from .chunked import ChunkedDeltaRule, normalize_rows
+from .exact import exact_delta_rule
 
 
 def delta_rule(
@@ -52,6 +54,9 @@ def delta_rule(
     Gradients reach q, k, v, beta, g and initial_state. On the CPU, fp32, fp64 and bf16 inputs run
     as fused operators forward and backward (csrc/delta.cpp); other devices and dtypes (and
     LINATTN_NATIVE=0) run the torch-op path of `linattn.ops.delta.chunked` (same numbers up to rounding).
+
+    NaN and Inf respect causality: one at token j changes no output before j and no gradient of a loss
+    over those outputs (such a call runs an exact, slower pass: `linattn.ops.delta.exact`).
     """
     check_positive_int("chunk_size", chunk_size)
     check_arguments(q, k, v, beta, g, scale, qk_l2norm, initial_state)
@@ -60,11 +65,17 @@ def delta_rule(
     b, h, _, d = q.shape
     S0 = torch.zeros(b, h, d, v.shape[-1], dtype=sdt, device=q.device) if initial_state is None else initial_state
     scale = None if scale is None else float(scale)
-    if fused.usable(q):
-        o, S = fused.chunked(q, k, v, beta.to(sdt), None if g is None else g.to(sdt), S0, scale=scale,
-                             l2norm=qk_l2norm, chunk=chunk_size)
-    else:
-        o, S = ChunkedDeltaRule.apply(chunk_size, scale, qk_l2norm, q, k, v, beta, g, S0)
+
+    def run(q, k, v, beta, g, S0):
+        if fused.usable(q):
+            return fused.chunked(q, k, v, beta.to(sdt), None if g is None else g.to(sdt), S0, scale=scale,
+                                 l2norm=qk_l2norm, chunk=chunk_size)
+        return ChunkedDeltaRule.apply(chunk_size, scale, qk_l2norm, q, k, v, beta, g, S0)
+
+    o, S = run(q, k, v, beta, g, S0)
+    grads = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, beta, g, S0))
+    if not all_finite(S) or (grads and not all_finite(q)):  # a NaN or Inf: the exact pass (ops.delta.exact)
+        o, S = exact_delta_rule(run, q, k, v, beta, g, S0)
     return (o, S) if return_state else o
 
 

@@ -15,6 +15,7 @@ from .. import native
 from ..affine import AffineForm
 from ..chunked import DEFAULT_CHUNK_SIZE, state_dtype
 from ..linear import advance_schedule, check_arguments, make_featurizer
+from ..nonfinite import all_finite
 from . import fused
 from .checks import check_gate, check_gate_values, check_gated_state
 from .chunked import ChunkedGatedLinearAttention
@@ -55,6 +56,10 @@ def gated_linear_attention(
     without scale or mask and fp32/fp64/bf16 inputs run as fused operators, forward and backward
     (`linattn.ops.gated.fused`); elsewhere torch ops (`ChunkedGatedLinearAttention`), same numbers
     up to rounding.
+
+    NaN and Inf respect causality: one at token j changes no output before j and no gradient of a loss
+    over those outputs (such a call runs an exact, slower pass: linattn.ops.gated.chunked), and a
+    masked key slot changes nothing whatever it holds.
     """
     advance_schedule(feature_map)
     check_positive_int("chunk_size", chunk_size)
@@ -75,8 +80,12 @@ def gated_linear_attention(
     if phi is not None and fused.ready(q.dtype):
         o, kv, z = fused.chunked(q, k, v, g, kv0, z0, phi=phi, eps=float(eps), chunk=chunk_size)
     else:
-        o, kv, *rest = ChunkedGatedLinearAttention.apply(fz, chunk_size, normalize, float(eps), q, k, v, g, kv0, z0,
-                                                         *fz.parameters)
+        o, kv, *rest = ChunkedGatedLinearAttention.apply(fz, chunk_size, normalize, float(eps), False, q, k, v, g, kv0,
+                                                         z0, *fz.parameters)
+        z = rest[0] if normalize else None
+    if not all_finite(kv, *(() if z is None else (z,))):  # a NaN or Inf reached the state: the exact pass
+        o, kv, *rest = ChunkedGatedLinearAttention.apply(fz, chunk_size, normalize, float(eps), True, q, k, v, g, kv0,
+                                                         z0, *fz.parameters)
         z = rest[0] if normalize else None
     if not return_state:
         return o
