@@ -9,11 +9,13 @@ from linattn.ops import linear_attention, linear_attention_step
 from .conftest import oracle
 
 
-@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 3e-2), (torch.float16, 4e-3), (torch.float32, 1e-5)])
+@pytest.mark.parametrize("dtype,tol,path", [(torch.bfloat16, 3e-2, "bf16"), (torch.bfloat16, 3e-2, "fp32"),
+                                            (torch.float16, 4e-3, None), (torch.float32, 1e-5, None)])
 @pytest.mark.parametrize("causal", [True, False])
-def test_low_precision_error_is_bounded(bf16_path, dtype, tol, causal):
-    if dtype != torch.bfloat16 and bf16_path == "fp32":
-        pytest.skip("LINATTN_BF16_PATH concerns bf16 inputs only")
+def test_low_precision_error_is_bounded(monkeypatch, dtype, tol, path, causal):
+    """bf16 on both paths (LINATTN_BF16_PATH: bf16 gemms, fp32 gemms on widened blocks)."""
+    if path is not None:
+        monkeypatch.setenv("LINATTN_BF16_PATH", path)
     g = torch.Generator().manual_seed(0)
     q, k, v = [torch.randn(2, 4, 300, 32, generator=g, dtype=torch.float64) for _ in range(3)]
     fm = make_feature_map("elu", 32)
