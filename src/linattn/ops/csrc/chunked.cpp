@@ -92,8 +92,15 @@ void chunked_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
           gemm_rm<M>(false, false, c, e, c, as_operand<M>(A.data(), A_low, int64_t(c) * c), c, Vc, e, Acc(0), U_out,
                      e);                                                                              // A V
           gemm_rm<M>(false, false, c, e, f, Qc, f, as_operand<M>(S, S_low, F * E), e, Acc(1), U_out, e);  // + Q̃ S
-          if (normalize) divide_rows(U_out, den.data(), c, E);
-          if constexpr (low_out) narrow_bf16(U_out, Oc, int64_t(c) * E);
+          if constexpr (low_out) {
+            if (normalize) {
+              divide_rows_to_bf16(U_out, den.data(), Oc, c, E);
+            } else {
+              narrow_bf16(U_out, Oc, int64_t(c) * E);
+            }
+          } else if (normalize) {
+            divide_rows(U_out, den.data(), c, E);
+          }
           gemm_rm<M>(true, false, f, e, c, Kc, f, Vc, e, Acc(1), S, e);  // S += K̃ᵀV
           add_column_sums(z, fb.Ka + c0 * F, c, F);
         }

@@ -34,6 +34,16 @@ LINATTN_CLONES void divide_rows(Acc* __restrict__ U, const Acc* __restrict__ den
   }
 }
 
+// out = U / den row by row, rounded to bf16 (c rows of E): divide_rows and narrow_bf16 in one pass
+LINATTN_CLONES void divide_rows_to_bf16(const float* __restrict__ U, const float* __restrict__ den, at::BFloat16* out,
+                                        int c, int64_t E) {
+  uint16_t* __restrict__ o = reinterpret_cast<uint16_t*>(out);
+  for (int i = 0; i < c; ++i) {
+    const float inv = 1.0f / den[i];
+    for (int64_t x = 0; x < E; ++x) o[i * E + x] = bf16_bits(U[i * E + x] * inv);
+  }
+}
+
 // z += K̃ᵀ 1 over the c rows of a chunk
 template <typename T, typename Acc>
 LINATTN_CLONES void add_column_sums(Acc* __restrict__ z, const T* __restrict__ K, int c, int64_t F) {

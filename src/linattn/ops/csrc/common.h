@@ -67,15 +67,19 @@ LINATTN_CLONES void widen_bf16(const at::BFloat16* __restrict__ src, float* __re
   }
 }
 
-// float -> bf16, round to nearest even (NaN stays NaN), written so that it vectorizes
+// The bits of x rounded to bf16, to nearest even (NaN stays NaN), written so that loops calling it
+// vectorize
+inline uint16_t bf16_bits(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof(u));
+  const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  return x != x ? uint16_t(0x7FC0) : static_cast<uint16_t>(rounded);
+}
+
+// float -> bf16 of n values
 LINATTN_CLONES void narrow_bf16(const float* __restrict__ src, at::BFloat16* __restrict__ dst, int64_t n) {
   uint16_t* __restrict__ out = reinterpret_cast<uint16_t*>(dst);
-  for (int64_t i = 0; i < n; ++i) {
-    uint32_t u;
-    std::memcpy(&u, src + i, sizeof(u));
-    const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-    out[i] = src[i] != src[i] ? uint16_t(0x7FC0) : static_cast<uint16_t>(rounded);
-  }
+  for (int64_t i = 0; i < n; ++i) out[i] = bf16_bits(src[i]);
 }
 
 // Hints the cache lines of [p, p + bytes) into cache ahead of their use (for a store when write):
