@@ -93,12 +93,13 @@ class AttentionMixOp : public Op {
     const int64_t starts[3] = {h * dq_, heads_ * dq_ + h * dq_, 2 * heads_ * dq_ + h * dv_};
     const int64_t sizes[3] = {dq_, dq_, dv_};
     float* dst[3] = {q, k, v};
+    const float* conv_w = taps_ == 0 ? nullptr : conv_w_.data_ptr<float>();
     for (int part = 0; part < 3; ++part) {
       for (int64_t i = 0; i < sizes[part]; ++i) {
         const int64_t c = starts[part] + i;
         dst[part][i] = taps_ == 0 ? row[c]
                                   : MatvecGroupOp::short_conv(tail_, b, c, qkv_.ld, taps_, row[c],
-                                                              conv_w_.data_ptr<float>() + c * taps_, 0.0f, R_, false);
+                                                              conv_w + c * taps_, 0.0f, R_, false);
       }
     }
   }
@@ -504,15 +505,17 @@ class SoftmaxMixOp : public AttentionMixOp {
     }
     for (int64_t e = 0; e < dv_; ++e) acc[e] = 0;
     float sum = 0;
+    const at::BFloat16* vh = static_cast<const at::BFloat16*>(v_.p) + base_v;
+    const float* vf = static_cast<const float*>(v_.p) + base_v;
     for (int64_t j = 0; j < T; ++j) {
       if (keep != nullptr && j < info.length && !keep[j]) continue;
       const float p = exp_nonpositive(s[j] - top);
       sum += p;
       if (v_.bf16) {
-        const at::BFloat16* vj = v_.t.data_ptr<at::BFloat16>() + base_v + j * dv_;
+        const at::BFloat16* vj = vh + j * dv_;
         for (int64_t e = 0; e < dv_; ++e) acc[e] += p * static_cast<float>(vj[e]);
       } else {
-        const float* vj = v_.t.data_ptr<float>() + base_v + j * dv_;
+        const float* vj = vf + j * dv_;
 #pragma omp simd
         for (int64_t e = 0; e < dv_; ++e) acc[e] += p * vj[e];
       }

@@ -105,25 +105,29 @@ inline Buffer buffer(const Args& a, const std::string& name) { return Buffer(a.t
 inline Buffer maybe_buffer(const Args& a, const std::string& name) { return a.has(name) ? Buffer(a.tensor(name)) : Buffer(); }
 
 // A model tensor read in place (weights, caches): CPU, contiguous, fp32 or bf16
+// (its data pointer taken once: at::Tensor::data_ptr checks the dtype and storage on every call, which
+// cost more than the arithmetic in the per-channel loops of the short convolution)
 struct Held {
   at::Tensor t;
   bool bf16 = false;
+  void* p = nullptr;
   Held() = default;
   explicit Held(const at::Tensor& x) : t(x) {
     TORCH_CHECK(x.device().is_cpu() && x.is_contiguous() &&
                     (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
                 "linattn_cpu::DecodePlan: model tensors must be contiguous float32 or bfloat16 CPU tensors");
     bf16 = x.scalar_type() == at::kBFloat16;
+    p = x.data_ptr();
   }
   bool defined() const { return t.defined(); }
   float get(int64_t i) const {
-    return bf16 ? static_cast<float>(t.data_ptr<at::BFloat16>()[i]) : t.data_ptr<float>()[i];
+    return bf16 ? static_cast<float>(static_cast<const at::BFloat16*>(p)[i]) : static_cast<const float*>(p)[i];
   }
   void set(int64_t i, float v) const {  // v already holds a value of the tensor's dtype
     if (bf16) {
-      t.data_ptr<at::BFloat16>()[i] = static_cast<at::BFloat16>(v);
+      static_cast<at::BFloat16*>(p)[i] = static_cast<at::BFloat16>(v);
     } else {
-      t.data_ptr<float>()[i] = v;
+      static_cast<float*>(p)[i] = v;
     }
   }
 };
@@ -299,6 +303,7 @@ struct Product {
   bool kn = true;       // w is Wt (K × N); else W (N × K)
   int64_t K = 0, N = 0;  // N: the product's columns (both halves for SwiGLU)
   at::Tensor bias;      // float (N) or undefined
+  const float* bias_p = nullptr;
   int epilogue = kStore;
   at::Tensor out;       // (B, width) float32, or the model dtype for the logits
   int64_t width = 0;    // columns written: N, or N / 2 for SwiGLU
@@ -326,7 +331,10 @@ class MatvecGroupOp : public Op {
     p.K = p.kn ? p.w.t.size(0) : p.w.t.size(1);
     p.N = p.kn ? p.w.t.size(1) : p.w.t.size(0);
     TORCH_CHECK(p.K == in_.ld, "linattn_cpu::DecodePlan: a weight takes ", p.K, " inputs, the buffer has ", in_.ld);
-    if (a.has("bias")) p.bias = a.tensor("bias").to(at::kFloat).contiguous();
+    if (a.has("bias")) {
+      p.bias = a.tensor("bias").to(at::kFloat).contiguous();
+      p.bias_p = p.bias.data_ptr<float>();
+    }
     p.epilogue = static_cast<int>(a.integer("epilogue"));
     p.out = a.tensor("out");
     TORCH_CHECK(p.out.is_contiguous() && (p.out.scalar_type() == at::kFloat ||
@@ -403,9 +411,7 @@ class MatvecGroupOp : public Op {
     }
   }
 
-  float biased(const Product& p, float y, int64_t j) const {
-    return R_(p.bias.defined() ? y + p.bias.data_ptr<float>()[j] : y);
-  }
+  float biased(const Product& p, float y, int64_t j) const { return R_(p.bias_p != nullptr ? y + p.bias_p[j] : y); }
 
   void swiglu(const Product& p, const float* y, int64_t B, int64_t j0, int64_t n) const {
     float* out = p.out.data_ptr<float>();
