@@ -95,6 +95,31 @@ def test_fused_step_equals_eager_step_every_kind(kind, positions):
     assert fused.length == eager.length and fused.layers[0].length == eager.layers[0].length
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("kind", ["linear", "gated_deltanet", "softmax"])
+def test_conv_mixer_blocks(kind, threads):
+    """The gated convolution writes the residual its own group normalizes: every thread must have
+    read it first (a barrier in that group)."""
+    model = make_model(attention=[kind], block="conv_mixer", n_layers=3, conv_mixer_kernel=3)
+    with torch.no_grad():  # nonzero convolution biases
+        for block in model.blocks:
+            block.conv.conv.bias.add_(0.1)
+            block.conv.proj.bias.add_(0.05)
+    ids, mask = prompts(4, 6, padded=True)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out, eager, fused = run_both(model, ids, mask, 6)
+    finally:
+        torch.set_num_threads(before)
+    assert_close_steps(out)
+    for a, b in zip(states(eager), states(fused)):
+        torch.testing.assert_close(b, a, atol=2e-6, rtol=1e-5)
+    tails = [(e.conv, f.conv) for e, f in zip(eager.layers, fused.layers)]
+    for a, b in tails:
+        torch.testing.assert_close(b, a, atol=2e-6, rtol=1e-5)
+
+
 @pytest.mark.parametrize("kind", ["linear", "gated_deltanet", "softmax"])
 def test_fused_float32_equals_float64_eager_reference(kind):
     model = make_model(attention=[kind, "linear"], positions="rope")
@@ -111,12 +136,12 @@ def test_fused_float32_equals_float64_eager_reference(kind):
        activation=st.sampled_from(["swiglu", "gelu"]), bias=st.booleans(), tie=st.booleans(),
        short_conv=st.sampled_from([None, 0, 3]), gate=st.sampled_from([None, True, False]),
        feature_map=st.sampled_from(["elu", "relu"]), qk_dim=st.sampled_from([None, 8]),
-       threads=st.sampled_from([1, 2]))
+       threads=st.sampled_from([1, 2]), block=st.sampled_from(["transformer", "conv_mixer"]))
 def test_fused_step_equals_eager_step_over_configs(kinds, positions, batch, prompt, norm, activation, bias, tie,
-                                                   short_conv, gate, feature_map, qk_dim, threads):
+                                                   short_conv, gate, feature_map, qk_dim, threads, block):
     model = make_model(attention=kinds, positions=positions, n_layers=2 * len(kinds), norm=norm,
                        activation=activation, bias=bias, tie_embeddings=tie, short_conv=short_conv, output_gate=gate,
-                       feature_map=feature_map, qk_dim=qk_dim)
+                       feature_map=feature_map, qk_dim=qk_dim, block=block)
     if bias:  # nonzero biases (the model starts them at zero)
         with torch.no_grad():
             g = torch.Generator().manual_seed(5)
@@ -192,15 +217,14 @@ def test_weight_streaming_reads_every_weight():
 
 def test_refusals_and_bad_input():
     assert "float32 or bfloat16" in fused_decoding_obstacle(make_model(torch.float64))
-    assert "ConvMixerBlock" in fused_decoding_obstacle(make_model(block="conv_mixer"))
     assert "Favor" in fused_decoding_obstacle(make_model(feature_map="favor"))
-    conv_mixer = make_model(block="conv_mixer")
-    with pytest.raises(ValueError, match="fused=True: block 0"):
-        conv_mixer.generate([1, 2], 3, fused=True)
+    favor = make_model(feature_map="favor")
+    with pytest.raises(ValueError, match="fused=True: block 0: feature map FavorPlus"):
+        favor.generate([1, 2], 3, fused=True)
     # the default falls back to the eager step
-    assert conv_mixer.generate([1, 2], 3, temperature=0) == conv_mixer.generate([1, 2], 3, temperature=0, fused=False)
+    assert favor.generate([1, 2], 3, temperature=0) == favor.generate([1, 2], 3, temperature=0, fused=False)
     with pytest.raises(ValueError, match="fused .None, True or False. must be a bool"):
-        conv_mixer.generate([1, 2], 3, fused="yes")
+        favor.generate([1, 2], 3, fused="yes")
     model = make_model()
     with pytest.raises(ValueError, match="cache is empty"):
         FusedDecoder(model, model.new_cache())

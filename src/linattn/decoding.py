@@ -6,16 +6,18 @@ builds, once per decoding run, a plan of the model's step from its modules and i
 
     ids (B,) ─ embedding (+ positions) ─ per block: [norm₁ → q|k|v (+ gate, β, decay) products] →
     attention per (row, head) on the cached state → [W_o + residual] → [norm₂ → FFN up, SwiGLU / GELU]
-    → [FFN down + residual] ─ final norm ─ LM head ─ logits (B, V)
+    → [FFN down + residual] (conv_mixer blocks: [norm₁ → gated convolution + residual], then the
+    attention after norm₂) ─ final norm ─ LM head ─ logits (B, V)
 
 and `step(ids)` runs it: no tensor is allocated per token, the caches (linear (kv, z), gated and
-delta-rule S, short-convolution tails, KV caches) are updated in place, so the model's ModelCache
+delta-rule S, short-convolution and gated-convolution tails, KV caches) are updated in place, so the model's ModelCache
 stays the one the eager path would hold and either path can continue it. The eager path is the
 reference: the fused step computes the same values, in float32 (the state dtype), and differs only by
 the order of the float sums (tests/test_decoding.py).
 
 What the fused step takes (`fused_decoding_obstacle` says why a model is refused; generation then
-runs the eager step): CPU LinearTransformerLM models in float32 or bfloat16 with transformer blocks;
+runs the eager step): CPU LinearTransformerLM models in float32 or bfloat16 with transformer or
+conv_mixer blocks;
 attention kinds linear (φ elu+1 or relu), retnet, simple_gla, gla, deltanet, gated_deltanet and
 softmax (KV cache); RoPE, learned or no positions; short convolutions on q, k, v; the output gate;
 RMSNorm or LayerNorm; SwiGLU or GELU; biases; left-padded batches.
@@ -33,12 +35,12 @@ from torch import nn
 from .feature_maps import EluPlusOne, ReLUFeatureMap
 from .gated_layers import DeltaNetAttention, GatedDeltaNetAttention, _GatedAttention
 from .decay import FeatureDecay, FixedDecay, ScalarDecay
-from .layers import Block, KVCache, LinearAttention, RMSNorm, SoftmaxAttention
+from .layers import Block, ConvMixerBlock, KVCache, LinearAttention, RMSNorm, SoftmaxAttention
 from .ops import native
 
 #: C++ codes (csrc/model_ops.h, model_mixers.h)
 _NORMS = {RMSNorm: 1, nn.LayerNorm: 2}
-_STORE, _RESIDUAL, _SWIGLU, _GELU = 0, 1, 2, 3
+_STORE, _RESIDUAL, _SWIGLU, _GELU, _GATED_CONV = 0, 1, 2, 3, 4
 _FEATURE_MAPS = {EluPlusOne: 1, ReLUFeatureMap: 2}
 _FIXED_DECAY, _SCALAR_DECAY, _FEATURE_DECAY = 1, 2, 3
 _DTYPES = (torch.float32, torch.bfloat16)
@@ -46,9 +48,7 @@ _DTYPES = (torch.float32, torch.bfloat16)
 
 def fused_decoding_obstacle(model) -> str | None:
     """Why `model` cannot decode through FusedDecoder (None: it can)."""
-    from .models import LinearTransformerLM
-
-    if not isinstance(model, LinearTransformerLM):
+    if not all(hasattr(model, name) for name in ("tok_emb", "pos_emb", "blocks", "norm", "lm_head", "new_cache")):
         return f"fused decoding takes a LinearTransformerLM, got {type(model).__name__}"
     params = list(model.parameters())
     if any(p.device.type != "cpu" for p in params):
@@ -59,7 +59,7 @@ def fused_decoding_obstacle(model) -> str | None:
     if not (native.enabled() and native.load() and hasattr(torch.classes.linattn_cpu, "DecodePlan")):
         return "the fused CPU kernels are not available (linattn.ops.native)"
     for i, block in enumerate(model.blocks):
-        if not isinstance(block, Block):
+        if not isinstance(block, (Block, ConvMixerBlock)):
             return f"block {i}: {type(block).__name__} blocks take the eager path"
         if type(block.norm1) not in _NORMS or type(block.norm2) not in _NORMS:
             return f"block {i}: norm {type(block.norm1).__name__} takes the eager path"
@@ -139,6 +139,7 @@ class FusedDecoder:
     @staticmethod
     def _batch(cache) -> int:
         for lc in cache.layers:
+            lc = getattr(lc, "attn", lc)  # a conv_mixer block's attention cache
             state = getattr(lc, "state", None) if not isinstance(lc, KVCache) else lc.k
             if state is not None:
                 return (state[0] if isinstance(state, tuple) else state).shape[0]
@@ -176,14 +177,34 @@ class FusedDecoder:
         t, kn = _weight(linear)
         self._add("product", {**t, "out": out}, {"kn": kn, "epilogue": epilogue})
 
-    def _add_block(self, block: Block, lc, reserve: int):
-        attn = block.attn
+    def _add_block(self, block, lc, reserve: int):
+        if isinstance(block, ConvMixerBlock):  # x += GatedConv(norm₁(x)); x += Attn(norm₂(x))
+            if lc.conv is None:
+                raise ValueError("fused decoding: a gated convolution's cache is missing; run the prefill first")
+            self._group(self.x, block.norm1)
+            t, kn = _weight(block.conv.proj)
+            conv = block.conv.conv
+            self._add("product", {**t, "out": self.x, "conv_weight": conv.weight.detach(),
+                                  "conv_bias": conv.bias.detach(), "tail": lc.conv},
+                      {"kn": kn, "epilogue": _GATED_CONV})
+            self._add_attention(block.attn, block.norm2, lc.attn, reserve)
+            return
+        self._add_attention(block.attn, block.norm1, lc, reserve)
+        ffn = block.ffn
+        h = self._buffer(ffn.down.in_features)
+        self._group(self.x, block.norm2)
+        self._product(ffn.up, h, _SWIGLU if ffn.activation == "swiglu" else _GELU)
+        self._group(h, None)
+        self._product(ffn.down, self.x, _RESIDUAL)
+
+    def _add_attention(self, attn, norm: nn.Module, lc, reserve: int):
+        """x += Attn(norm(x)): the input group, the attention op, the output product."""
         qkv = self._buffer(attn.qkv.out_features)
         o = self._buffer(attn.n_heads * attn.head_dim)
         t = {"qkv": qkv, "out": o}
         i = {"heads": attn.n_heads, "qk_dim": attn.qk_dim, "v_dim": attn.head_dim}
         f: dict = {}
-        self._group(self.x, block.norm1)
+        self._group(self.x, norm)
         self._product(attn.qkv, qkv)
         if attn.output_gate is not None:
             gate = self._buffer(attn.n_heads * attn.head_dim)
@@ -200,12 +221,6 @@ class FusedDecoder:
         self._add(kind, t, i, f)
         self._group(o, None)
         self._product(attn.out, self.x, _RESIDUAL)
-        ffn = block.ffn
-        h = self._buffer(ffn.down.in_features)
-        self._group(self.x, block.norm2)
-        self._product(ffn.up, h, _SWIGLU if ffn.activation == "swiglu" else _GELU)
-        self._group(h, None)
-        self._product(ffn.down, self.x, _RESIDUAL)
 
     def _mixer(self, attn, lc, t: dict, i: dict, f: dict, reserve: int) -> str:
         """The attention op's own arguments (into t, i, f); returns its kind."""

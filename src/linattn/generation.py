@@ -24,6 +24,7 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from ._checks import check_bool, check_int, check_number, check_positive_int
+from .decoding import FusedDecoder, fused_decoding_obstacle
 
 
 def prepare_prompts(prompt_ids, mask: torch.Tensor | None = None, pad_id: int = 0, device=None):
@@ -128,8 +129,8 @@ def stream(model, prompt_ids, max_new_tokens: int, *, temperature: float = 1.0, 
 
 
 def _use_fused(model, fused: bool | None) -> bool:
-    from .decoding import fused_decoding_obstacle
-
+    """Whether the steps run through FusedDecoder: fused=None where the model allows it, True
+    requires it, False never."""
     if fused is not None:
         check_bool("fused (None, True or False)", fused)
     if fused is False:
@@ -152,8 +153,6 @@ def _steps(model, ids, mask, max_new_tokens, temperature, top_k, top_p, seed, st
         logits = logits[:, -1]
         decoder = None
         if fused and max_new_tokens > 1:
-            from .decoding import FusedDecoder
-
             decoder = FusedDecoder(model, cache, reserve=max_new_tokens)
         done = [False] * ids.shape[0]
         for step in range(max_new_tokens):

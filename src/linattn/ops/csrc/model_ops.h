@@ -349,6 +349,10 @@ class MatvecGroupOp : public Op {
       p.tail = Held(a.tensor("tail"));
       TORCH_CHECK(p.K == p.N && p.conv_w.size(0) == p.N, "linattn_cpu::DecodePlan: the gated convolution is square");
     }
+    if (p.out.data_ptr() == in_.t.data_ptr()) {  // a conv-mixer block's x += GatedConv(norm(x))
+      TORCH_CHECK(norm_.kind != kNoNorm, "linattn_cpu::DecodePlan: a product writing its own input needs a norm");
+      writes_input_ = true;
+    }
     products_.push_back(std::move(p));
   }
 
@@ -360,16 +364,31 @@ class MatvecGroupOp : public Op {
 
   void run(const StepInfo& info, int tid, int threads, float* scratch) override {
     const std::vector<Task>& tasks = plans_[threads][tid];
-    if (tasks.empty()) return;
+    // a group writing its own input waits until every thread has read it (threads share the plan's
+    // barriers: all of them meet this one, tasks or not)
+    const bool wait = writes_input_ && threads > 1;
+    if (tasks.empty()) {
+#ifdef _OPENMP
+      if (wait) {
+#pragma omp barrier
+      }
+#endif
+      return;
+    }
     const int64_t B = info.batch, K = in_.ld;
     const float* x = in_.p;
     float* y = scratch;
-    if (norm_.kind != kNoNorm) {  // each thread normalizes the whole input for itself: no barrier
+    if (norm_.kind != kNoNorm) {  // each thread normalizes the whole input for itself
       float* xn = scratch;
       for (int64_t b = 0; b < B; ++b) norm_.apply(in_.p + b * K, xn + b * K, K, R_);
       x = xn;
       y = scratch + B * K;
     }
+#ifdef _OPENMP
+    if (wait) {
+#pragma omp barrier
+    }
+#endif
     for (const Task& task : tasks) {
       const Product& p = products_[task.product];
       const int64_t n = task.j1 - task.j0;
@@ -515,6 +534,7 @@ class MatvecGroupOp : public Op {
   NormSpec norm_;
   Rounder R_;
   std::vector<Product> products_;
+  bool writes_input_ = false;
   std::vector<std::vector<std::vector<Task>>> plans_;  // [team size][thread] -> tasks
 };
 
