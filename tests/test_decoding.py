@@ -135,7 +135,8 @@ def test_fused_float32_equals_float64_eager_reference(kind):
        batch=st.integers(1, 4), prompt=st.integers(1, 9), norm=st.sampled_from(["rmsnorm", "layernorm"]),
        activation=st.sampled_from(["swiglu", "gelu"]), bias=st.booleans(), tie=st.booleans(),
        short_conv=st.sampled_from([None, 0, 3]), gate=st.sampled_from([None, True, False]),
-       feature_map=st.sampled_from(["elu", "relu"]), qk_dim=st.sampled_from([None, 8]),
+       feature_map=st.sampled_from(["elu", "relu", "favor", "trig", "cosformer", "taylor", "hedgehog"]),
+       qk_dim=st.sampled_from([None, 8]),
        threads=st.sampled_from([1, 2]), block=st.sampled_from(["transformer", "conv_mixer"]))
 def test_fused_step_equals_eager_step_over_configs(kinds, positions, batch, prompt, norm, activation, bias, tie,
                                                    short_conv, gate, feature_map, qk_dim, threads, block):
@@ -160,9 +161,31 @@ def test_fused_step_equals_eager_step_over_configs(kinds, positions, batch, prom
         torch.testing.assert_close(b, a, atol=2e-6, rtol=1e-5)
 
 
-@pytest.mark.parametrize("kind", ["linear", "simple_gla", "gla", "gated_deltanet", "softmax"])
+MAPS = [("elu", {}), ("relu", {}), ("favor", {"num_features": 12}), ("favor", {"stabilize": False}),
+        ("trig", {"num_features": 6}), ("trig", {"stabilize": False}), ("cosformer", {}), ("taylor", {}),
+        ("hedgehog", {}), ("hedgehog", {"num_features": 5})]
+
+
+@pytest.mark.parametrize("positions", ["rope", "none"])
+@pytest.mark.parametrize("feature_map, options", MAPS)
+def test_fused_step_equals_eager_step_every_feature_map(feature_map, options, positions):
+    qk_dim = 4 if feature_map == "taylor" else None  # F = 1 + D + D²
+    model = make_model(attention=["linear"], positions=positions, feature_map=feature_map,
+                       feature_map_options=options, qk_dim=qk_dim)
+    assert fused_decoding_obstacle(model) is None
+    ids, mask = prompts(3, 7, padded=True)
+    out, eager, fused = run_both(model, ids, mask, 6)
+    assert_close_steps(out)
+    for a, b in zip(states(eager), states(fused)):
+        torch.testing.assert_close(b, a, atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["linear", "simple_gla", "gla", "gated_deltanet", "softmax",
+                                  "linear-favor", "linear-taylor", "linear-cosformer"])
 def test_bfloat16_fused_step_within_one_rounding_of_eager(kind):
-    model = make_model(torch.bfloat16, attention=[kind], positions="rope")
+    kind, _, fm = kind.partition("-")
+    model = make_model(torch.bfloat16, attention=[kind], positions="rope", feature_map=fm or "elu",
+                       qk_dim=4 if fm == "taylor" else None)
     ids, mask = prompts(2, 6, padded=True)
     out, _, _ = run_both(model, ids, mask, 5)
     for le, lf, _ in out:
@@ -217,14 +240,13 @@ def test_weight_streaming_reads_every_weight():
 
 def test_refusals_and_bad_input():
     assert "float32 or bfloat16" in fused_decoding_obstacle(make_model(torch.float64))
-    assert "Favor" in fused_decoding_obstacle(make_model(feature_map="favor"))
-    favor = make_model(feature_map="favor")
-    with pytest.raises(ValueError, match="fused=True: block 0: feature map FavorPlus"):
-        favor.generate([1, 2], 3, fused=True)
+    wide = make_model(torch.float64)
+    with pytest.raises(ValueError, match="fused=True: fused decoding takes float32 or bfloat16"):
+        wide.generate([1, 2], 3, fused=True)
     # the default falls back to the eager step
-    assert favor.generate([1, 2], 3, temperature=0) == favor.generate([1, 2], 3, temperature=0, fused=False)
+    assert wide.generate([1, 2], 3, temperature=0) == wide.generate([1, 2], 3, temperature=0, fused=False)
     with pytest.raises(ValueError, match="fused .None, True or False. must be a bool"):
-        favor.generate([1, 2], 3, fused="yes")
+        wide.generate([1, 2], 3, fused="yes")
     model = make_model()
     with pytest.raises(ValueError, match="cache is empty"):
         FusedDecoder(model, model.new_cache())

@@ -18,7 +18,7 @@ the order of the float sums (tests/test_decoding.py).
 What the fused step takes (`fused_decoding_obstacle` says why a model is refused; generation then
 runs the eager step): CPU LinearTransformerLM models in float32 or bfloat16 with transformer or
 conv_mixer blocks;
-attention kinds linear (φ elu+1 or relu), retnet, simple_gla, gla, deltanet, gated_deltanet and
+attention kinds linear (every φ of linattn.feature_maps), retnet, simple_gla, gla, deltanet, gated_deltanet and
 softmax (KV cache); RoPE, learned or no positions; short convolutions on q, k, v; the output gate;
 RMSNorm or LayerNorm; SwiGLU or GELU; biases; left-padded batches.
 
@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .feature_maps import EluPlusOne, ReLUFeatureMap
+from .feature_maps import CosFormer, EluPlusOne, FavorPlus, Hedgehog, ReLUFeatureMap, Taylor, TrigRandomFeatures
 from .gated_layers import DeltaNetAttention, GatedDeltaNetAttention, _GatedAttention
 from .decay import FeatureDecay, FixedDecay, ScalarDecay
 from .layers import Block, ConvMixerBlock, KVCache, LinearAttention, RMSNorm, SoftmaxAttention
@@ -41,7 +41,10 @@ from .ops import native
 #: C++ codes (csrc/model_ops.h, model_mixers.h)
 _NORMS = {RMSNorm: 1, nn.LayerNorm: 2}
 _STORE, _RESIDUAL, _SWIGLU, _GELU, _GATED_CONV = 0, 1, 2, 3, 4
-_FEATURE_MAPS = {EluPlusOne: 1, ReLUFeatureMap: 2}
+_FEATURE_MAPS = {EluPlusOne: 1, ReLUFeatureMap: 2, FavorPlus: 3, TrigRandomFeatures: 4, CosFormer: 5, Taylor: 6,
+                 Hedgehog: 7}
+#: maps that compute their features in float32 whatever the model's dtype (the others in the model's)
+_FLOAT32_FEATURES = (FavorPlus, TrigRandomFeatures)
 _FIXED_DECAY, _SCALAR_DECAY, _FEATURE_DECAY = 1, 2, 3
 _DTYPES = (torch.float32, torch.bfloat16)
 
@@ -163,11 +166,16 @@ class FusedDecoder:
         for block in self.model.blocks:
             attn = block.attn
             if getattr(attn, "rope", None) is not None:
-                # linear layers rotate float32 features (the state dtype); the others q, k in the model dtype
-                bf16 = self.bf16 and not isinstance(attn, LinearAttention)
-                self._rope(attn.rope.dim, attn.rope.base, bf16)
+                # linear layers rotate φ's features in their dtype; the others q, k in the model dtype
+                self._rope(attn.rope.dim, attn.rope.base, self._rotated_bf16(attn))
         for (dim, base, bf16), (cos, sin) in self._ropes.items():
             self._add("rope", {"cos": cos, "sin": sin}, {"dim": dim, "bf16": int(bf16)}, {"base": base})
+
+    def _rotated_bf16(self, attn) -> bool:
+        """Whether the eager path holds what RoPE rotates in this layer (q, k or φ's features) in bf16."""
+        if isinstance(attn, LinearAttention):
+            return self.bf16 and not isinstance(attn.feature_map, _FLOAT32_FEATURES)
+        return self.bf16
 
     def _group(self, inp: torch.Tensor, norm: nn.Module | None):
         t, i, f = _norm("norm", norm)
@@ -228,11 +236,18 @@ class FusedDecoder:
             fm = attn.feature_map
             kv, z = self._state(lc, "state", tuple)
             t.update(kv=kv, z=z)
+            features_bf16 = self._rotated_bf16(attn)
             i.update(feature_map=_FEATURE_MAPS[type(fm)], feature_dim=fm.feature_dim,
-                     normalize=int(attn.normalize), features_bf16=0)
+                     normalize=int(attn.normalize), features_bf16=int(features_bf16),
+                     stabilize=int(getattr(fm, "stabilize", False)), max_len=int(getattr(fm, "max_len", 0)))
             f.update(eps=attn.eps, map_eps=float(getattr(fm, "eps", 0.0)))
+            if isinstance(fm, (FavorPlus, TrigRandomFeatures)):
+                t["projection"] = fm.omega.detach()
+            elif isinstance(fm, Hedgehog):
+                t["projection"] = fm.weight.detach()
             if attn.rope is not None:
-                t["feature_rope_cos"], t["feature_rope_sin"] = self._rope(attn.rope.dim, attn.rope.base, False)
+                t["feature_rope_cos"], t["feature_rope_sin"] = self._rope(attn.rope.dim, attn.rope.base,
+                                                                          features_bf16)
             return "linear"
         if isinstance(attn, SoftmaxAttention):
             self._reserve_kv(lc, reserve)
