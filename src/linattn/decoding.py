@@ -150,6 +150,7 @@ class FusedDecoder:
 
     def _add(self, kind: str, tensors: dict, ints: dict | None = None, floats: dict | None = None):
         self._keep.append(tensors)
+        # "_": TorchScript cannot type an empty dict, and the plan ignores names it does not read
         self.plan.add(kind, tensors, {"_": 0, **(ints or {})}, {"_": 0.0, **(floats or {})})
 
     def _buffer(self, width: int) -> torch.Tensor:
