@@ -205,6 +205,20 @@ def test_greedy_generation_same_tokens_fused_and_eager(kind):
     assert model.generate(ps, 12, temperature=0.9, top_k=10, seed=4, fused=True) == sampled
 
 
+def test_generation_takes_the_fused_step_by_default(monkeypatch):
+    from linattn import decoding
+
+    calls = []
+    step = decoding.FusedDecoder.step
+    monkeypatch.setattr(decoding.FusedDecoder, "step", lambda self, ids: calls.append(1) or step(self, ids))
+    model = make_model(attention=["gated_deltanet", "softmax"])
+    model.generate([[1, 2, 3], [4]], 5, temperature=0)
+    assert len(calls) == 4  # every token after the prefill's
+    model.generate([[1, 2, 3], [4]], 5, temperature=0, fused=False)
+    assert len(calls) == 4
+    assert len(list(model.stream([1, 2], 3, temperature=0))) == 3 and len(calls) == 6
+
+
 def test_eager_continues_a_cache_the_fused_step_advanced():
     model = make_model(attention=["linear", "softmax", "gated_deltanet"], n_layers=3, positions="rope")
     ids, mask = prompts(2, 5, padded=True)
