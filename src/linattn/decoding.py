@@ -108,7 +108,13 @@ class FusedDecoder:
     step(ids (B,) long) -> logits (B, V) in the model's dtype: a buffer the next step overwrites (clone
     it to keep it). Advances `cache` (states, tails, KV caches, position counters) by one token, as
     model(ids[:, None], cache=cache) would. `reserve`: tokens to make room for in the KV caches of
-    softmax layers (they do not grow during fused steps; a step past it raises)."""
+    softmax layers (they do not grow during fused steps; a step past it raises). Build one per
+    decoding run: the plan reads the weight matrices in place but keeps float copies of the small
+    parameters of bf16 models (norms, biases, convolution kernels, decays).
+
+    Threads: every op of a step ends at a barrier of torch's intra-op threads (about five per
+    layer). With more threads than idle cores a descheduled thread holds the others at each
+    barrier: on a loaded machine run decoding with fewer threads (torch.set_num_threads)."""
 
     def __init__(self, model, cache, *, reserve: int = 0):
         obstacle = fused_decoding_obstacle(model)
