@@ -211,9 +211,9 @@ def test_generation_takes_the_fused_step_by_default(monkeypatch):
     calls = []
     step = decoding.FusedDecoder.step
     monkeypatch.setattr(decoding.FusedDecoder, "step", lambda self, ids: calls.append(1) or step(self, ids))
-    model = make_model(attention=["gated_deltanet", "softmax"])
+    model = make_model(attention=["gated_deltanet", "softmax"], dropout=0.1).train()  # generation sets eval mode
     model.generate([[1, 2, 3], [4]], 5, temperature=0)
-    assert len(calls) == 4  # every token after the prefill's
+    assert len(calls) == 4 and model.training  # every token after the prefill's; the mode restored
     model.generate([[1, 2, 3], [4]], 5, temperature=0, fused=False)
     assert len(calls) == 4
     assert len(list(model.stream([1, 2], 3, temperature=0))) == 3 and len(calls) == 6
@@ -267,6 +267,9 @@ def test_refusals_and_bad_input():
     with torch.no_grad():
         _, cache = model(torch.tensor([[1, 2], [3, 4]]), cache=model.new_cache())
     decoder = FusedDecoder(model, cache)
+    with pytest.raises(ValueError, match="training mode"):
+        FusedDecoder(model.train(), cache)
+    model.eval()
     with pytest.raises(ValueError, match="one token per row"):
         decoder.step(torch.tensor([1, 2, 3]))
     with pytest.raises(ValueError, match="vocab_size"):

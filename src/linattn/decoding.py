@@ -120,6 +120,8 @@ class FusedDecoder:
         obstacle = fused_decoding_obstacle(model)
         if obstacle is not None:
             raise ValueError(f"fused decoding: {obstacle}")
+        if model.training:  # dropout and feature redraws would make the eager step differ
+            raise ValueError("fused decoding: the model is in training mode; call model.eval() first")
         self.model, self.cache = model, cache
         c = model.config
         self.dtype = next(model.parameters()).dtype
