@@ -170,7 +170,7 @@ def render_model_decode(res: dict, console: Console) -> None:
     for r in res["results"]:
         rows.append([r["model"], r["kind"], str(r["ctx"]), str(r["batch"]),
                      *(fmt_time(r[k]["median_s"], r[k]["iqr_s"]) for k in ("eager", "fused", "stream")),
-                     f"{r['fused_over_stream']:.2f}×", f"{r['eager_over_stream']:.2f}×", f"{r['eager_over_fused']:.2f}×",
+                     *(f"{r[k]:.2f}×" for k in ("fused_over_stream", "eager_over_stream", "eager_over_fused")),
                      f"{r['weight_bytes'] / 1e6:.1f}", f"{r['stream_gb_s']:.1f}", f"{r['fused_tokens_s']:.0f}"])
     console.print(make_table(f"per-token decode step of whole LMs, {res['config']['dtype']} (ms, median ±IQR; ratios: "
                              "median over alternating rounds); weights = every matrix-vector product of the step once, "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import io
 
 import torch
@@ -88,8 +89,7 @@ def _model_options(p) -> None:
 
 
 def _model_list(value: str) -> list[str]:
-    import argparse
-
+    """argparse type: 'd256x4,d512x8' (d_model x layers), or 'none'."""
     from ..bench.decode_model import parse_model
 
     if value.strip() == "none":
@@ -104,8 +104,7 @@ def _model_list(value: str) -> list[str]:
 
 
 def _kind_list(value: str) -> list[str]:
-    import argparse
-
+    """argparse type: attention kinds of the decode bench's LMs, comma-separated."""
     from ..bench.decode_model import MODEL_KINDS
 
     kinds = [v.strip() for v in value.split(",") if v.strip()]
@@ -192,7 +191,6 @@ def run_ops_command(args) -> int:
 
 def run_decode_command(args) -> int:
     from ..bench.decode import DecodeConfig, check_decode, plot_decode, render_decode, run_decode
-
     from ..bench.decode_model import ModelDecodeConfig, run_model_decode
 
     device, out, console = _setup(args, "bench-decode")
