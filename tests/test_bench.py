@@ -129,7 +129,8 @@ def test_bench_ops_tiny_run(tmp_path, capsys):
 def test_bench_decode_tiny_run(tmp_path, capsys):
     out = tmp_path / "decode"
     argv = ["bench", "decode", "--contexts", "32,64", "--min-run-time", "0.01", "--threads", "1",
-            "--heads", "2", "--out", str(out)]
+            "--heads", "2", "--models", "d16x1,d24x2", "--model-kinds", "linear,gated_deltanet",
+            "--model-contexts", "8,70000", "--model-batches", "1,3", "--out", str(out)]
     assert main(argv) == 0
     printed = capsys.readouterr().out
     assert "per-token decode latency" in printed and str(out.resolve()) in printed
@@ -140,6 +141,26 @@ def test_bench_decode_tiny_run(tmp_path, capsys):
                     "kv_cache", "no_cache"):
             assert r[key]["median_s"] > 0
         assert r["kv_cache_over_step"] > 0 and r["kv_cache_bytes"] == 4 * 2 * r["ctx"] * 128
+    assert "per-token decode step of whole LMs" in printed
+    rows = data["models"]["results"]
+    assert [(r["model"], r["kind"], r["ctx"], r["batch"]) for r in rows] == [
+        (m, k, c, b) for m in ("d16x1", "d24x2") for k in ("linear", "gated_deltanet") for c in (8, 70000)
+        for b in (1, 3)]
+    for r in rows:
+        for key in ("eager", "fused", "stream"):
+            assert r[key]["median_s"] > 0
+        assert r["fused_over_stream"] > 0 and r["eager_over_fused"] > 0 and r["fused_tokens_s"] > 0
+    d16 = [r for r in rows if r["model"] == "d16x1" and r["kind"] == "linear"]
+    # d16x1 linear: qkv 16x48, out 16x16, SwiGLU up 16x(2·64), down 64x16, head 256x16 (tied), float32
+    assert {r["weight_bytes"] for r in d16} == {4 * (16 * 48 + 16 * 16 + 16 * 128 + 64 * 16 + 256 * 16)}
+
+
+def test_bench_decode_model_options_are_checked(capsys):
+    for argv, what in ((["--models", "d250x4"], "dWIDTHxLAYERS"), (["--model-kinds", "softmax"], "kinds must be"),
+                       (["--model-batches", "0"], "positive")):
+        with pytest.raises(SystemExit):
+            main(["bench", "decode", *argv])
+        assert what in capsys.readouterr().err
 
 
 def test_ops_core_script_smoke(capsys, tmp_path):

@@ -120,7 +120,7 @@ def test_bench_decode_reports_its_threads_and_warnings(tmp_path, capsys, monkeyp
     monkeypatch.setattr(consistency, "stable_threads", lambda: (1, "test: one idle core"))
     monkeypatch.setattr(decode, "measure", lambda fn, **kw: Timing(median=7.99e-3, iqr=1e-5, blocks=5))
     out = tmp_path / "decode"
-    assert main(["bench", "decode", "--contexts", "32,512", "--heads", "1", "--out", str(out)]) == 0
+    assert main(["bench", "decode", "--contexts", "32,512", "--heads", "1", "--models", "none", "--out", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "threads: 1 (test: one idle core)" in printed
     assert "warning: softmax + KV cache: flat from context=32 to 512" in printed

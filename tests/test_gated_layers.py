@@ -1,6 +1,7 @@
 """linattn.gated_layers: every gated and delta-rule kind against its definition (float64, token by
 token, forward and gradients), parallel == recurrent, padding, the output gate, argument checks."""
 
+import copy
 import math
 
 import pytest
@@ -238,8 +239,13 @@ def test_retnet_decays_are_the_papers():
 def test_gla_decay_is_low_rank_with_temperature_16():
     decay = FeatureDecay(8, 2, 3)
     assert decay.down.weight.shape == (16, 8) and decay.up.weight.shape == (6, 16) and decay.temperature == 16
-    g = decay(torch.randn(2, 5, 8) * 100)
-    assert g.shape == (2, 2, 5, 3) and (g <= 0).all() and (g >= -100 / 16 - 1).all()
+    x = torch.randn(2, 5, 8, generator=torch.Generator().manual_seed(0), dtype=torch.float64) * 100
+    g = copy.deepcopy(decay).double()(x)
+    assert g.shape == (2, 2, 5, 3) and (g <= 0).all()
+    # log σ(W_up W_down x + b) / 16 per (head, feature), head h owning features h·3 … h·3 + 2
+    a = x @ decay.down.weight.T.double() @ decay.up.weight.T.double() + decay.up.bias.double()
+    want = -torch.logaddexp(torch.zeros_like(a), -a) / 16  # log σ(a) = −log(1 + e^{−a})
+    torch.testing.assert_close(g, want.view(2, 5, 2, 3).transpose(1, 2), rtol=1e-12, atol=1e-12)
     with torch.no_grad():
         decay.up.weight.zero_()
         decay.up.bias.zero_()

@@ -143,6 +143,15 @@ def test_bench_generate_tiny_writes_json_png_and_table(tmp_path, capsys):
         for m in r["methods"].values():
             assert m["images_per_s"] > 0 and m["seconds"] > 0 and m["latency_ms"]
         assert r["speedup"]["no_cache"] > 0 and r["speedup"]["kv_cache"] > 0
+        # the weight-streaming time beside the cached methods (fused decoding: CPU float32 models)
+        assert r["weights_ms"]["linear"] > 0 and r["weights_ms"]["softmax"] > 0
+        for k in ("linear", "kv_cache"):
+            m = r["methods"][k]
+            assert m["over_weights"] == pytest.approx(m["ms_per_token"] / r["weights_ms"]["linear" if k == "linear"
+                                                                                     else "softmax"])
+        assert r["methods"]["no_cache"]["over_weights"] is None
+    assert res["config"]["decoding"] == {"linear": "fused", "softmax": "fused"}
+    assert "weights once (ms)" in stdout
     assert res["results"][0]["paper_speedup"]["no_cache"] == pytest.approx(317, rel=0.01)
     assert res["results"][2]["paper_speedup"]["no_cache"] == pytest.approx(4462, rel=0.01)
     assert res["results"][2]["paper_speedup"]["kv_cache"] == pytest.approx(56, rel=0.01)

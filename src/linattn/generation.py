@@ -6,6 +6,11 @@
     step t:   logits, cache = model(token_t (B, 1), cache=cache, last_only=True)
               O(1) per linear layer, O(context) per softmax layer.
 
+The steps run fused by default (linattn.decoding.FusedDecoder: the whole model's step in one C++
+call, reading each weight once) where the model allows it (fused_decoding_obstacle), the eager
+step otherwise; `fused=False` forces the eager step, the reference the fused one equals up to the
+order of float sums, `fused=True` requires the fused one.
+
 Prompts of different lengths are left-padded; the key-padding mask removes the pads from every
 numerator and denominator and positions count from each prompt's first real token, so each row
 produces the tokens it would produce alone. Sampling uses one torch.Generator per row, all seeded
@@ -18,7 +23,8 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from ._checks import check_int, check_number, check_positive_int
+from ._checks import check_bool, check_int, check_number, check_positive_int
+from .decoding import FusedDecoder, fused_decoding_obstacle
 
 
 def prepare_prompts(prompt_ids, mask: torch.Tensor | None = None, pad_id: int = 0, device=None):
@@ -100,12 +106,15 @@ def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int | Non
 
 def stream(model, prompt_ids, max_new_tokens: int, *, temperature: float = 1.0, top_k: int | None = None,
            top_p: float | None = None, seed: int | None = None, stop_tokens=None,
-           mask: torch.Tensor | None = None) -> Iterator[list[int | None]]:
+           mask: torch.Tensor | None = None, fused: bool | None = None) -> Iterator[list[int | None]]:
     """Yields one list per step with, for each prompt, the new token id, or None once that prompt
     has produced a stop token (the stop token itself is yielded). Ends after max_new_tokens steps
     or when every prompt has stopped. The model runs in eval mode, without gradients, and is put
-    back in its previous mode when the iterator ends or is closed."""
+    back in its previous mode when the iterator ends or is closed. fused: None (default) runs the
+    steps through linattn.decoding.FusedDecoder where the model allows it, True requires it (a
+    ValueError says why not), False runs the eager step."""
     _check_sampling(max_new_tokens, temperature, top_k, top_p)
+    use_fused = _use_fused(model, fused)
     device = next(model.parameters()).device
     ids, mask = prepare_prompts(prompt_ids, mask, device=device)
     stops = set() if stop_tokens is None else ({stop_tokens} if isinstance(stop_tokens, int) else set(stop_tokens))
@@ -116,10 +125,23 @@ def stream(model, prompt_ids, max_new_tokens: int, *, temperature: float = 1.0, 
                          f"{longest + max_new_tokens - 1} positions; this model takes {limit}")
     if seed is None:
         seed = int(torch.randint(0, 2**62, (1,)))
-    return _steps(model, ids, mask, max_new_tokens, temperature, top_k, top_p, seed, stops)
+    return _steps(model, ids, mask, max_new_tokens, temperature, top_k, top_p, seed, stops, use_fused)
 
 
-def _steps(model, ids, mask, max_new_tokens, temperature, top_k, top_p, seed, stops):
+def _use_fused(model, fused: bool | None) -> bool:
+    """Whether the steps run through FusedDecoder: fused=None where the model allows it, True
+    requires it, False never."""
+    if fused is not None:
+        check_bool("fused (None, True or False)", fused)
+    if fused is False:
+        return False
+    obstacle = fused_decoding_obstacle(model)
+    if fused and obstacle is not None:
+        raise ValueError(f"fused=True: {obstacle}")
+    return obstacle is None
+
+
+def _steps(model, ids, mask, max_new_tokens, temperature, top_k, top_p, seed, stops, fused):
     if max_new_tokens == 0:
         return
     gens = [torch.Generator(device=ids.device).manual_seed(seed) for _ in range(ids.shape[0])]
@@ -128,10 +150,14 @@ def _steps(model, ids, mask, max_new_tokens, temperature, top_k, top_p, seed, st
     try:
         with torch.no_grad():
             logits, cache = model(ids, mask, cache=model.new_cache(), last_only=True)
+        logits = logits[:, -1]
+        decoder = None
+        if fused and max_new_tokens > 1:
+            decoder = FusedDecoder(model, cache, reserve=max_new_tokens)
         done = [False] * ids.shape[0]
         for step in range(max_new_tokens):
             with torch.no_grad():
-                tok = sample_next(logits[:, -1], temperature, top_k, top_p, gens)
+                tok = sample_next(logits, temperature, top_k, top_p, gens)
             out = []
             for i, t in enumerate(tok.tolist()):
                 out.append(None if done[i] else t)
@@ -139,24 +165,29 @@ def _steps(model, ids, mask, max_new_tokens, temperature, top_k, top_p, seed, st
             yield out
             if all(done) or step == max_new_tokens - 1:
                 break
-            with torch.no_grad():
-                logits, cache = model(tok[:, None], cache=cache, last_only=True)
+            if decoder is not None:
+                logits = decoder.step(tok)
+            else:
+                with torch.no_grad():
+                    logits, cache = model(tok[:, None], cache=cache, last_only=True)
+                logits = logits[:, -1]
     finally:
         model.train(was_training)
 
 
 def generate(model, prompt_ids, max_new_tokens: int, *, temperature: float = 1.0, top_k: int | None = None,
              top_p: float | None = None, seed: int | None = None, stop_tokens=None,
-             mask: torch.Tensor | None = None) -> list[list[int]]:
+             mask: torch.Tensor | None = None, fused: bool | None = None) -> list[list[int]]:
     """The new tokens of every prompt (list of lists, stop token included when one is hit).
 
     prompt_ids: one prompt (list of ints / 1-D tensor), a list of prompts of any lengths, or a
     (B, N) tensor with an optional left-padding mask. temperature 0 is greedy; top_k / top_p
-    filter before sampling; seed makes sampling reproducible (per prompt, see module doc).
+    filter before sampling; seed makes sampling reproducible (per prompt, see module doc). fused:
+    see `stream`.
     """
     outs: list[list[int]] | None = None
     for step in stream(model, prompt_ids, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                       seed=seed, stop_tokens=stop_tokens, mask=mask):
+                       seed=seed, stop_tokens=stop_tokens, mask=mask, fused=fused):
         if outs is None:
             outs = [[] for _ in step]
         for row, t in zip(outs, step):

@@ -464,21 +464,24 @@ class LinearTransformerLM(_Transformer):
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1), ignore_index=-100)
 
     def generate(self, prompt_ids, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
-                 top_p: float | None = None, seed: int | None = None, stop_tokens=None, *, mask=None):
-        """Generated token ids per prompt (list of lists); see linattn.generation.generate."""
+                 top_p: float | None = None, seed: int | None = None, stop_tokens=None, *, mask=None,
+                 fused: bool | None = None):
+        """Generated token ids per prompt (list of lists); see linattn.generation.generate (fused: the
+        fused decoding step, linattn.decoding)."""
         from .generation import generate
 
         return generate(self, prompt_ids, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                        seed=seed, stop_tokens=stop_tokens, mask=mask)
+                        seed=seed, stop_tokens=stop_tokens, mask=mask, fused=fused)
 
     def stream(self, prompt_ids, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
-               top_p: float | None = None, seed: int | None = None, stop_tokens=None, *, mask=None):
+               top_p: float | None = None, seed: int | None = None, stop_tokens=None, *, mask=None,
+               fused: bool | None = None):
         """Iterator over steps, each a list (one entry per prompt) of the new token id or None once
         that prompt has stopped; see linattn.generation.stream."""
         from .generation import stream
 
         return stream(self, prompt_ids, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                      seed=seed, stop_tokens=stop_tokens, mask=mask)
+                      seed=seed, stop_tokens=stop_tokens, mask=mask, fused=fused)
 
 
 def _check_logits_at(index, ids: torch.Tensor) -> torch.Tensor:

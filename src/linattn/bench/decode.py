@@ -188,6 +188,10 @@ def check_decode(res: dict) -> list[str]:
             out += unstable(label, f"context {ctx}", median, iqr)
         if key in GROWS_WITH_CONTEXT:
             out += growing_series(label, "context", pts)
+    if res.get("models"):
+        from .decode_model import check_model_decode
+
+        out += check_model_decode(res["models"])
     return out
 
 
@@ -205,6 +209,10 @@ def render_decode(res: dict, console: Console) -> None:
         row += [fmt_bytes(r["state_bytes"]), fmt_bytes(r["kv_cache_bytes"])]
         rows.append(row)
     console.print(make_table("per-token decode latency, one layer (ms, median ±IQR)", cols, rows))
+    if res.get("models"):
+        from .decode_model import render_model_decode
+
+        render_model_decode(res["models"], console)
 
 
 def plot_decode(res: dict, path) -> None:

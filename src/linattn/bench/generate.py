@@ -16,6 +16,9 @@ Three ways to generate, timed on the same shapes:
     softmax, no cache   the paper's softmax baseline: every new token recomputes the forward pass
                         over the whole prefix — O(t²) per token
 
+Linear and KV-cache generation run model.stream, whose steps are fused (linattn.decoding: the whole
+model's step in one C++ call) for these CPU models; beside them, the time to read every weight once
+(each matrix-vector product of a step alone, measured in the same run) bounds a step at small batch.
 Linear and KV-cache generation always run end to end (a full image, wall clock). Softmax without a
 cache runs end to end up to `full_no_cache_max` tokens; above, its per-token cost is measured at a
 few evenly spaced prefix lengths and summed over every prefix length of the image with linear
@@ -35,6 +38,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from rich.console import Console
 
+from ..decoding import FusedDecoder, fused_decoding_obstacle
 from ..generation import sample_next
 from ..models import LinearTransformerLM, ModelConfig
 from ..report import fmt_bytes, make_table, progress
@@ -222,6 +226,18 @@ def cache_bytes(kind: str, batch: int, tokens: int, layers: int, cfg: GenerateCo
     return el * layers * batch * cfg.heads * tokens * 2 * head
 
 
+def weight_streaming_ms(model, prompt: torch.Tensor, cfg: GenerateConfig) -> float | None:
+    """Milliseconds to read every weight of `model` once at this batch (linattn.decoding: each
+    matrix-vector product of a decoding step, alone), the bound a token's step at small batch cannot
+    beat; None where the model takes the eager step (fused_decoding_obstacle)."""
+    if fused_decoding_obstacle(model) is not None:
+        return None
+    with torch.inference_mode():
+        _, cache = model(prompt, cache=model.new_cache(), last_only=True)
+    decoder = FusedDecoder(model, cache)
+    return measure(decoder.weight_streaming, min_run_time=cfg.min_run_time, warmup=3).median * 1e3
+
+
 def run_generate(cfg: GenerateConfig, console: Console | None = None) -> dict:
     """Runs the experiment; returns {"config", "methods", "paper", "results", "notes"} (see module doc)."""
     console = console or Console()
@@ -245,6 +261,7 @@ def run_generate(cfg: GenerateConfig, console: Console | None = None) -> dict:
                 row = {"dataset": dataset, "label": DATASETS[dataset]["label"], "image": DATASETS[dataset]["image"],
                        "batch": batch, "tokens": n_tok, "layers": n_layers,
                        "params": {k: sum(p.numel() for p in m.parameters()) for k, m in models.items()},
+                       "weights_ms": {k: weight_streaming_ms(m, prompt, cfg) for k, m in models.items()},
                        "methods": {}}
                 tag = f"{DATASETS[dataset]['label']} B={batch}"
                 for key, label in METHODS.items():
@@ -279,6 +296,9 @@ def run_generate(cfg: GenerateConfig, console: Console | None = None) -> dict:
                                                    n_layers, cfg) if key != "no_cache" else 0,
                         "latency_ms": latency,
                     }
+                    weights = row["weights_ms"]["linear" if key == "linear" else "softmax"]
+                    row["methods"][key]["over_weights"] = (1e3 * total / n_new / weights
+                                                           if key != "no_cache" and weights else None)
                     bar.advance(overall)
                 lin = row["methods"]["linear"]["images_per_s"]
                 row["speedup"] = {k: (lin / row["methods"][k]["images_per_s"]
@@ -295,8 +315,14 @@ def run_generate(cfg: GenerateConfig, console: Console | None = None) -> dict:
     config.update(feature_map="elu+1", positions="learned", norm="layernorm", activation="gelu", vocab=VOCAB,
                   weights="untrained (random init; speed does not depend on the weights)",
                   sampling="temperature 1, one torch.Generator per image")
+    config["decoding"] = {k: fused_decoding_obstacle(
+        LinearTransformerLM(model_config(k, 2, 1, cfg)).to(dtype=cfg.dtype, device=device)) or "fused"
+        for k in ("linear", "softmax")}
     notes = [
         "Models are untrained: generation speed does not depend on the weights.",
+        "Cached generation (linear, softmax + KV cache) runs model.stream's default step: fused "
+        "(linattn.decoding, one C++ call per token) where the model allows it, eager otherwise; "
+        f"here: {config['decoding']}.",
         "Linear (RNN) and softmax + KV cache always generate whole images end to end; softmax without a cache "
         f"does so up to {cfg.full_no_cache_max} tokens, above which its per-token cost is timed at "
         f"{cfg.probes + 1} prefix lengths and summed over every prefix length (linear interpolation).",
@@ -367,15 +393,22 @@ def render_generate(res: dict, console: Console) -> None:
                "et al. 2020 (MNIST 8 layers × 784 tokens, CIFAR-10 16 layers × 3,072, the authors' GPU runs).")
     console.print(make_table("autoregressive image generation: images per second, speedup of linear attention",
                              cols, rows, caption=caption))
-    cols = ["images", "B", "method", "s per batch", "ms per token", "cache at end (MiB)", "measured"]
+    cols = ["images", "B", "method", "s per batch", "ms per token", "weights once (ms)", "÷ weights",
+            "cache at end (MiB)", "measured"]
     rows = []
     for r in res["results"]:
         for k, m in r["methods"].items():
             how = (f"full image ({r['tokens'] - 1} steps)" if m["measured"] == "full"
                    else f"{len(m['latency_ms'])} prefix lengths, summed")
+            weights = r.get("weights_ms", {}).get("linear" if k == "linear" else "softmax")
+            ratio = m.get("over_weights")
             rows.append([r["label"], str(r["batch"]), m["label"], f"{m['seconds']:.3g}", f"{m['ms_per_token']:.3g}",
+                         "—" if weights is None else f"{weights:.3g}", "—" if ratio is None else f"{ratio:.2f}×",
                          fmt_bytes(m["cache_bytes"]) if k != "no_cache" else "none", how])
-    console.print(make_table("time to generate one batch of images", cols, rows))
+    console.print(make_table("time to generate one batch of images", cols, rows,
+                             caption="weights once: every matrix-vector product of a decoding step alone (the "
+                                     "time to read the weights, linattn.decoding), measured in the same run; "
+                                     "÷ weights: ms per token (sampling included) over it"))
 
 
 def plot_generate(res: dict, path) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import io
 
 import torch
@@ -55,17 +56,62 @@ def add_parser(subparsers) -> None:
         description="Per-token latency against context length: a linear-attention RNN step and the gated "
                     "(scalar, vector g), DeltaNet and Gated DeltaNet steps (constant), "
                     "softmax attention of one query against a KV cache, and softmax recomputed over the whole "
-                    "context without a cache. One layer of H heads.")
+                    "context without a cache. One layer of H heads. Then whole LMs (--models): the eager and the "
+                    "fused decoding step (linattn.decoding) beside the weight-streaming time measured in the same run "
+                    "(every matrix-vector product of the step once), at each --model-contexts and --model-batches.")
     dec.add_argument("--contexts", type=int_list, default=DEFAULT_CONTEXTS, metavar="N[,N...]",
                      help=f"context lengths to sweep, comma-separated (default: {','.join(map(str, DEFAULT_CONTEXTS))})")
     _shape_options(dec, chunk=False)
     dec.add_argument("--no-cache-max", type=positive_int, default=None, metavar="N",
                      help="skip softmax without cache above this context (default: never)")
+    _model_options(dec)
     _run_options(dec)
     add_common_options(dec)
     dec.set_defaults(func=run_decode_command)
 
     _add_generate_parser(sub)
+
+
+def _model_options(p) -> None:
+    from ..bench.decode_model import DEFAULT_MODEL_CONTEXTS, DEFAULT_MODEL_KINDS, DEFAULT_MODELS, MODEL_KINDS
+
+    p.add_argument("--models", type=_model_list, default=DEFAULT_MODELS, metavar="dWxL[,...]|none",
+                   help="LMs whose whole decoding step to time, d_model x layers, 8 heads, comma-separated; 'none' "
+                        f"skips them (default: {','.join(DEFAULT_MODELS)})")
+    p.add_argument("--model-kinds", type=_kind_list, default=DEFAULT_MODEL_KINDS, metavar="KIND[,...]",
+                   help=f"attention kinds of those LMs, from {','.join(MODEL_KINDS)} (default: "
+                        f"{','.join(DEFAULT_MODEL_KINDS)})")
+    p.add_argument("--model-contexts", type=int_list, default=DEFAULT_MODEL_CONTEXTS, metavar="N[,N...]",
+                   help="positions of the decoded token (default: "
+                        f"{','.join(map(str, DEFAULT_MODEL_CONTEXTS))})")
+    p.add_argument("--model-batches", type=int_list, default=[1, 8], metavar="B[,B...]",
+                   help="batch sizes of the LM steps (default: 1,8)")
+
+
+def _model_list(value: str) -> list[str]:
+    """argparse type: 'd256x4,d512x8' (d_model x layers), or 'none'."""
+    from ..bench.decode_model import parse_model
+
+    if value.strip() == "none":
+        return []
+    specs = [v.strip() for v in value.split(",") if v.strip()]
+    try:
+        for spec in specs:
+            parse_model(spec)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return specs
+
+
+def _kind_list(value: str) -> list[str]:
+    """argparse type: attention kinds of the decode bench's LMs, comma-separated."""
+    from ..bench.decode_model import MODEL_KINDS
+
+    kinds = [v.strip() for v in value.split(",") if v.strip()]
+    bad = [k for k in kinds if k not in MODEL_KINDS]
+    if bad or not kinds:
+        raise argparse.ArgumentTypeError(f"kinds must be among {','.join(MODEL_KINDS)}, got {value!r}")
+    return kinds
 
 
 def _shape_options(p, chunk: bool = True) -> None:
@@ -145,12 +191,20 @@ def run_ops_command(args) -> int:
 
 def run_decode_command(args) -> int:
     from ..bench.decode import DecodeConfig, check_decode, plot_decode, render_decode, run_decode
+    from ..bench.decode_model import ModelDecodeConfig, run_model_decode
 
     device, out, console = _setup(args, "bench-decode")
     cfg = DecodeConfig(contexts=args.contexts, shape=_shape(args), dtype=torch_dtype(args.dtype), device=str(device),
                        seed=args.seed, min_run_time=args.min_run_time, no_cache_max=args.no_cache_max)
-    return _finish("bench-decode", run_decode(cfg, console), args, device, out, console, render_decode, plot_decode,
-                   check_decode)
+    res = run_decode(cfg, console)
+    if args.models:
+        if device.type != "cpu":
+            raise ValueError("--models: the fused decoding step runs on the CPU only; pass --models none")
+        models = ModelDecodeConfig(models=args.models, kinds=args.model_kinds, contexts=args.model_contexts,
+                                   batches=args.model_batches, dtype=torch_dtype(args.dtype), seed=args.seed,
+                                   min_run_time=args.min_run_time)
+        res["models"] = run_model_decode(models, console)
+    return _finish("bench-decode", res, args, device, out, console, render_decode, plot_decode, check_decode)
 
 
 def _add_generate_parser(sub) -> None:

@@ -46,7 +46,7 @@ from .nonfinite import all_finite
 
 _CSRC = Path(__file__).with_name("csrc")
 _SOURCES = [str(_CSRC / name)
-            for name in ("decode.cpp", "chunked.cpp", "gated.cpp", "gated_backward.cpp", "delta.cpp")]
+            for name in ("decode.cpp", "chunked.cpp", "gated.cpp", "gated_backward.cpp", "delta.cpp", "model_step.cpp")]
 _CFLAGS = ["-O3", "-fopenmp", "-fno-trapping-math"]
 _lock = threading.Lock()
 _state: dict = {"loaded": None, "error": None}

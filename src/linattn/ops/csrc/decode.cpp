@@ -18,26 +18,9 @@
 #include <vector>
 
 #include "common.h"
+#include "step_rows.h"
 
 namespace {
-
-// kv' = kv + k̃ vᵀ (F×E), out = q̃ᵀ kv', for one row; the inner loops vectorize over E.
-template <typename T>
-LINATTN_CLONES void update_row(const T* __restrict__ src, T* __restrict__ dst, const T* __restrict__ qr,
-                               const T* __restrict__ kr, const T* __restrict__ vr, T* __restrict__ out,
-                               int64_t F, int64_t E) {
-  for (int64_t e = 0; e < E; ++e) out[e] = T(0);
-  for (int64_t f = 0; f < F; ++f) {
-    const T kf = kr[f], qf = qr[f];
-    const T* __restrict__ s = src + f * E;
-    T* __restrict__ d = dst + f * E;
-    for (int64_t e = 0; e < E; ++e) {
-      const T x = s[e] + kf * vr[e];
-      d[e] = x;
-      out[e] += qf * x;
-    }
-  }
-}
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> step(const at::Tensor& kv_in, const at::Tensor& z_in,
                                                     const at::Tensor& q_in, const at::Tensor& k_in,
@@ -114,7 +97,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> step(const at::Tensor& kv_in, con
           kr = krot;
         }
         scalar_t* out = po + r * E;
-        update_row<scalar_t>(pkv + r * F * E, pkv2 + r * F * E, qr, kr, pv + r * E, out, F, E);
+        decay_update_row<scalar_t>(pkv + r * F * E, pkv2 + r * F * E, qr, kr, pv + r * E, nullptr, false, out, F, E);
         scalar_t den = scalar_t(0);
         for (int64_t f = 0; f < F; ++f) {
           const scalar_t zf = pz[r * F + f] + kd[f];

@@ -24,19 +24,15 @@
 
 #include <tuple>
 
-#if defined(__SSE2__)
-#include <xmmintrin.h>
-#endif
-
 #include "blas.h"
 #include "common.h"
 #include "pool.h"
+#include "step_rows.h"
 
 namespace {
 
 using linattn_pool::empty_result;
 
-constexpr double kL2Eps = 1e-6;  // linattn.ops.delta.reference.L2_EPS
 constexpr int64_t kBlock = 256;  // tokens per saved state (rounded to whole chunks)
 
 int64_t block_tokens(int64_t chunk) { return std::max<int64_t>(chunk, (kBlock / chunk) * chunk); }
@@ -44,23 +40,6 @@ int64_t block_tokens(int64_t chunk) { return std::max<int64_t>(chunk, (kBlock / 
 bool delta_has_blas() {
   return has_blas() && blas_trsm<float>() != nullptr && blas_trsm<double>() != nullptr;
 }
-
-// Flushes denormal results and operands to zero on the calling thread while alive (x86 MXCSR FTZ and
-// DAZ; restored after). With strong decay, products of two small gate factors (e^{b_i − b_j} of far
-// apart tokens) fall below the smallest normal float, and arithmetic on denormals costs ~100 cycles
-// an operation: a Gated DeltaNet backward with g = logsigmoid(N(0, 1)) took 422 ms against 292 ms
-// with g = −0.01 (B·H = 8, N = 16384, 2 threads). Their values are below 1e-38 of the O(1) terms
-// they add to.
-class FlushDenormals {
- public:
-#if defined(__SSE2__)
-  FlushDenormals() : saved_(_mm_getcsr()) { _mm_setcsr(saved_ | 0x8040u); }
-  ~FlushDenormals() { _mm_setcsr(saved_); }
-
- private:
-  unsigned saved_;
-#endif
-};
 
 // B ← L⁻¹ B, or L⁻ᵀ B with trans, in place on the row-major c×E matrix B; L is unit lower triangular
 // with its strictly lower part in the row-major c×c matrix A (diagonal and upper part not read). By
@@ -674,35 +653,6 @@ void check_gate_values(const at::Tensor& beta, const at::Tensor& g) {
   }
 }
 
-// One token of one row: u = Sᵀk̂, w = β (v − α u), S' = α S + k̂ wᵀ, o = scale · S'ᵀ q̂ (q̂, k̂ in qk: 2D)
-template <typename T, typename Acc>
-LINATTN_CLONES void step_row(const Acc* __restrict__ S, Acc* __restrict__ S2, const Acc* __restrict__ qk,
-                             const T* __restrict__ v, Acc beta, Acc alpha, Acc scale, T* __restrict__ o,
-                             Acc* __restrict__ u, int64_t D, int64_t E) {
-  const Acc* __restrict__ q = qk;
-  const Acc* __restrict__ k = qk + D;
-  for (int64_t e = 0; e < E; ++e) u[e] = Acc(0);
-  for (int64_t d = 0; d < D; ++d) {
-    const Acc kd = k[d];
-#pragma omp simd
-    for (int64_t e = 0; e < E; ++e) u[e] += kd * S[d * E + e];
-  }
-#pragma omp simd
-  for (int64_t e = 0; e < E; ++e) u[e] = beta * (static_cast<Acc>(v[e]) - alpha * u[e]);  // w
-  Acc* __restrict__ out = u + E;
-  for (int64_t e = 0; e < E; ++e) out[e] = Acc(0);
-  for (int64_t d = 0; d < D; ++d) {
-    const Acc kd = k[d], qd = q[d];
-#pragma omp simd
-    for (int64_t e = 0; e < E; ++e) {
-      const Acc x = alpha * S[d * E + e] + kd * u[e];
-      S2[d * E + e] = x;
-      out[e] += qd * x;
-    }
-  }
-  for (int64_t e = 0; e < E; ++e) o[e] = static_cast<T>(scale * out[e]);
-}
-
 // S (B, H, D, E) in Acc, q, k (B, H, 1, D), v (B, H, 1, E), β and g (B, H, 1) in Acc (g optional).
 // Returns (o shaped like v, S').
 std::tuple<at::Tensor, at::Tensor> delta_step(const at::Tensor& S_in, const at::Tensor& q_in, const at::Tensor& k_in,
@@ -738,7 +688,7 @@ std::tuple<at::Tensor, at::Tensor> delta_step(const at::Tensor& S_in, const at::
         load_rows(pq + r * D, qk.data(), rn.data(), 1, D, l2norm);
         load_rows(pk + r * D, qk.data() + D, rn.data() + 1, 1, D, l2norm);
         const Acc alpha = pg != nullptr ? std::exp(pg[r]) : Acc(1);
-        step_row<scalar_t, Acc>(pS + r * D * E, pS2 + r * D * E, qk.data(), pv + r * E, pb[r], alpha,
+        delta_update_row<scalar_t, Acc>(pS + r * D * E, pS2 + r * D * E, qk.data(), pv + r * E, pb[r], alpha,
                                 static_cast<Acc>(scale), po + r * E, u.data(), D, E);
       }
     });

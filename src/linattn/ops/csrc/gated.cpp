@@ -10,6 +10,7 @@
 
 #include "gated.h"
 #include "pool.h"
+#include "step_rows.h"
 
 namespace {
 
@@ -109,24 +110,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   return {o, kv, z, den, S_blocks, z_blocks};
 }
 
-// One step of one row: kv' = diag(a) kv + k̃ vᵀ (a_f = e^{g_f}, or e^{g} for all f), out = q̃ᵀ kv'
-template <typename T>
-LINATTN_CLONES void gated_update_row(const T* __restrict__ src, T* __restrict__ dst, const T* __restrict__ qr,
-                                     const T* __restrict__ kr, const T* __restrict__ vr, const T* __restrict__ a,
-                                     bool vector, T* __restrict__ out, int64_t F, int64_t E) {
-  for (int64_t e = 0; e < E; ++e) out[e] = T(0);
-  for (int64_t f = 0; f < F; ++f) {
-    const T kf = kr[f], qf = qr[f], af = a[vector ? f : 0];
-    const T* __restrict__ s = src + f * E;
-    T* __restrict__ d = dst + f * E;
-    for (int64_t e = 0; e < E; ++e) {
-      const T x = af * s[e] + kf * vr[e];
-      d[e] = x;
-      out[e] += qf * x;
-    }
-  }
-}
-
 // kv (…, F, E), z (…, F) or none (normalize = z given), q, k (…, 1, F), v (…, 1, E), g (…, 1) or
 // (…, 1, F) of one dtype (float32/float64), or bf16 q, k, v on a float32 state. Returns (o shaped like
 // v, in q's dtype, kv', z' or an empty tensor).
@@ -181,7 +164,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gated_step(const at::Tensor& kv_i
       for (int64_t r = r0; r < r1; ++r) {
         const scalar_t *qr = pq + r * F, *kr = pk + r * F, *a = pa + r * (vector ? F : 1);
         scalar_t* out = po + r * E;
-        gated_update_row<scalar_t>(pkv + r * F * E, pkv2 + r * F * E, qr, kr, pv + r * E, a, vector, out, F, E);
+        decay_update_row<scalar_t>(pkv + r * F * E, pkv2 + r * F * E, qr, kr, pv + r * E, a, vector, out, F, E);
         if (normalize) {
           scalar_t den = 0;
           for (int64_t f = 0; f < F; ++f) {

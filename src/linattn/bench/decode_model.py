@@ -1,0 +1,177 @@
+"""`linattn bench decode`, whole models: the time of one decoding step of an LM beside the time to
+read its weights once, the bound a step at small batch cannot beat.
+
+For each model size (d_model × layers), attention kind, context and batch:
+
+    eager step        model(tok (B, 1), cache=cache): the layers' torch ops, one fused op per attention
+    fused step        linattn.decoding.FusedDecoder.step: the whole step in one C++ call
+    weight streaming  FusedDecoder.weight_streaming: every matrix-vector product of the step once (one
+                      per weight matrix, same kernels and threads), nothing else
+
+all timed in the same run with torch.utils.benchmark (bench.timing.measure), in `rounds` rounds that
+alternate the three (each round min_run_time / rounds per method; the median round is reported), and
+the ratios step ÷ weight streaming. The context is the position of the decoded token: a prefill of `prefill` tokens,
+then the caches' position counters moved on to the context. The state of these kinds has the same
+size and the step the same work at every context (only RoPE's angles change), so this measures what a
+real prefill of the whole context would, without its minutes of prefill on a small machine.
+"""
+
+from __future__ import annotations
+
+import re
+import statistics
+from dataclasses import asdict, dataclass, field
+
+import torch
+from rich.console import Console
+
+from ..decoding import FusedDecoder, fused_decoding_obstacle
+from ..models import LinearTransformerLM, ModelConfig
+from ..report import fmt_time, make_table, progress
+from .consistency import unstable
+from .methods import short_dtype
+from .timing import Timing, measure
+
+#: the kinds a model row can take: those with a constant-size state (softmax's KV cache grows)
+MODEL_KINDS = ("linear", "retnet", "simple_gla", "gla", "deltanet", "gated_deltanet")
+DEFAULT_MODELS = ["d256x4"]
+DEFAULT_MODEL_KINDS = ["linear", "gated_deltanet"]
+DEFAULT_MODEL_CONTEXTS = [256, 65536]
+
+
+def parse_model(spec: str) -> tuple[int, int]:
+    """'d256x4' -> (d_model 256, 4 layers)."""
+    m = re.fullmatch(r"d(\d+)x(\d+)", spec.strip())
+    if m is None or int(m[1]) % 8 or int(m[2]) < 1:
+        raise ValueError(f"a model is written dWIDTHxLAYERS with WIDTH a multiple of 8 (heads), e.g. d256x4, "
+                         f"got {spec!r}")
+    return int(m[1]), int(m[2])
+
+
+@dataclass
+class ModelDecodeConfig:
+    models: list[str] = field(default_factory=lambda: list(DEFAULT_MODELS))
+    kinds: list[str] = field(default_factory=lambda: list(DEFAULT_MODEL_KINDS))
+    contexts: list[int] = field(default_factory=lambda: list(DEFAULT_MODEL_CONTEXTS))
+    batches: list[int] = field(default_factory=lambda: [1])
+    dtype: torch.dtype = torch.float32
+    seed: int = 0
+    min_run_time: float = 0.5
+    prefill: int = 64
+    rounds: int = 5
+
+    def __post_init__(self):
+        for spec in self.models:
+            parse_model(spec)
+        bad = [k for k in self.kinds if k not in MODEL_KINDS]
+        if bad or not self.kinds:
+            raise ValueError(f"model kinds must be among {MODEL_KINDS}, got {self.kinds!r}")
+        if self.dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"model decoding runs float32 or bfloat16, got {self.dtype}")
+
+
+def build_model(spec: str, kind: str, cfg: ModelDecodeConfig) -> LinearTransformerLM:
+    """The LM of `spec` (8 heads, byte vocabulary, RoPE, SwiGLU, RMSNorm: ModelConfig's defaults) in every
+    layer `kind`, in cfg.dtype, untrained (the step's time does not depend on the weights)."""
+    d, layers = parse_model(spec)
+    config = ModelConfig(d_model=d, n_layers=layers, n_heads=8, attention=[kind], positions="rope", seed=cfg.seed)
+    return LinearTransformerLM(config).to(cfg.dtype).eval()
+
+
+def cache_at_context(model, batch: int, ctx: int, prefill: int, seed: int):
+    """A cache after a prefill of min(prefill, ctx) random tokens, its position counters moved to ctx."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, model.config.vocab_size, (batch, min(prefill, ctx)), generator=g)
+    with torch.inference_mode():
+        _, cache = model(ids, cache=model.new_cache(), last_only=True)
+    for counter in (cache, *cache.layers):
+        counter.length = ctx
+    return cache
+
+
+def _point(model, batch: int, ctx: int, cfg: ModelDecodeConfig) -> dict:
+    tok = torch.randint(0, model.config.vocab_size, (batch,), generator=torch.Generator().manual_seed(cfg.seed))
+    eager_cache = cache_at_context(model, batch, ctx, cfg.prefill, cfg.seed)
+    fused_cache = cache_at_context(model, batch, ctx, cfg.prefill, cfg.seed)
+    decoder = FusedDecoder(model, fused_cache)
+
+    def eager():
+        with torch.inference_mode():
+            return model(tok[:, None], cache=eager_cache, last_only=True)
+
+    fns = {"eager": eager, "fused": lambda: decoder.step(tok), "stream": decoder.weight_streaming}
+    for fn in fns.values():
+        fn()
+    # rounds that alternate the three (a loaded machine drifts between measurements); median of rounds
+    per_round = {key: [] for key in fns}
+    for _ in range(cfg.rounds):
+        for key, fn in fns.items():
+            per_round[key].append(measure(fn, min_run_time=cfg.min_run_time / cfg.rounds))
+    times = {key: _median_timing(ts) for key, ts in per_round.items()}
+    row = {key: t.as_dict() for key, t in times.items()}
+    stream = times["stream"].median
+    def ratio(a: str, b: str) -> float:  # median over the rounds of the ratio within a round
+        return statistics.median(x.median / y.median for x, y in zip(per_round[a], per_round[b]))
+
+    row.update(weight_bytes=decoder.weight_bytes, stream_gb_s=decoder.weight_bytes / stream / 1e9,
+               fused_over_stream=ratio("fused", "stream"), eager_over_stream=ratio("eager", "stream"),
+               eager_over_fused=ratio("eager", "fused"), fused_tokens_s=batch / times["fused"].median)
+    return row
+
+
+def _median_timing(ts: list[Timing]) -> Timing:
+    """The round whose median is the median of the rounds' (its IQR with it), blocks summed."""
+    mid = sorted(ts, key=lambda t: t.median)[len(ts) // 2]
+    return Timing(median=mid.median, iqr=mid.iqr, blocks=sum(t.blocks for t in ts))
+
+
+def run_model_decode(cfg: ModelDecodeConfig, console: Console | None = None) -> dict:
+    """Per-token step times of whole models (eager, fused) and their weight-streaming time."""
+    console = console or Console()
+    rows = []
+    points = [(m, k, c, b) for m in cfg.models for k in cfg.kinds for c in cfg.contexts for b in cfg.batches]
+    with progress(console) as bar:
+        task = bar.add_task("bench decode (models)", total=len(points))
+        built: dict = {}
+        for spec, kind, ctx, batch in points:
+            bar.update(task, description=f"{spec} {kind} ctx={ctx} B={batch}")
+            if (spec, kind) not in built:
+                built = {(spec, kind): build_model(spec, kind, cfg)}
+            model = built[(spec, kind)]
+            obstacle = fused_decoding_obstacle(model)
+            if obstacle is not None:
+                raise ValueError(f"bench decode --models: {obstacle}")
+            rows.append({"model": spec, "kind": kind, "ctx": ctx, "batch": batch,
+                         **_point(model, batch, ctx, cfg)})
+            bar.advance(task)
+    config = asdict(cfg)
+    config["dtype"] = short_dtype(cfg.dtype)
+    return {"config": config, "results": rows}
+
+
+def check_model_decode(res: dict) -> list[str]:
+    """Warnings about the sweep's own numbers: unstable points, and a fused step faster than reading
+    its weights (impossible unless the weights sit in cache, which a larger model avoids)."""
+    out = []
+    for r in res["results"]:
+        where = f"{r['model']} {r['kind']} ctx={r['ctx']} B={r['batch']}"
+        for key in ("eager", "fused", "stream"):
+            out += unstable(f"model {key}", where, r[key]["median_s"], r[key]["iqr_s"])
+        if r["fused_over_stream"] < 0.9:
+            out.append(f"{where}: the fused step took {r['fused_over_stream']:.2f}× the weight streaming time; the "
+                       "weights may sit in the CPU cache (a larger model streams them from memory)")
+    return out
+
+
+def render_model_decode(res: dict, console: Console) -> None:
+    cols = ["model", "kind", "ctx", "B", "eager", "fused", "weights", "fused÷w", "eager÷w", "eager÷fused", "MB",
+            "GB/s", "tokens/s"]
+    rows = []
+    for r in res["results"]:
+        rows.append([r["model"], r["kind"], str(r["ctx"]), str(r["batch"]),
+                     *(fmt_time(r[k]["median_s"], r[k]["iqr_s"]) for k in ("eager", "fused", "stream")),
+                     *(f"{r[k]:.2f}×" for k in ("fused_over_stream", "eager_over_stream", "eager_over_fused")),
+                     f"{r['weight_bytes'] / 1e6:.1f}", f"{r['stream_gb_s']:.1f}", f"{r['fused_tokens_s']:.0f}"])
+    console.print(make_table(f"per-token decode step of whole LMs, {res['config']['dtype']} (ms, median ±IQR; ratios: "
+                             "median over alternating rounds); weights = every matrix-vector product of the step once, "
+                             "alone; tokens/s of the fused step", cols, rows))

@@ -1,0 +1,174 @@
+// One decoding step of a whole model in one call (linattn.decoding): `linattn_cpu.DecodePlan`, a
+// TorchScript class built once per decoding run from the model's layers (the Python builder adds the
+// ops in order), then called once per token.
+//
+//   ids (B,) -> embedding (+ positions) -> per block: [norm → q|k|v (+ gate, β, decay) products] →
+//   attention per (row, head) on the cached state → [output product + residual] → [norm → FFN up,
+//   SwiGLU / GELU] → [FFN down + residual] (conv-mixer blocks: [norm → gated convolution + residual]
+//   before the attention) -> final norm -> LM head -> logits (B, V)
+//
+// No tensor is allocated per token: the activations live in buffers made once, the states, convolution
+// tails and KV caches of the model's cache are updated in place, and the products read the weights in
+// place (fp32 or bf16, widened in registers: model_ops.h, matvec.h). All ops run inside one parallel
+// region with a barrier after each (about five per layer), each thread taking its share of every op:
+// columns of the products, (batch row, head) pairs of the attention. The same ops run by
+// `stream()` without their norms, epilogues and attention give the time to read every weight once,
+// the bound a decoding step at small batch cannot beat.
+#include <ATen/Parallel.h>
+#include <torch/custom_class.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <memory>
+#include <string>
+#include <vector>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#include "model_mixers.h"
+#include "model_ops.h"
+
+namespace {
+
+class DecodePlan : public torch::CustomClassHolder {
+ public:
+  // positions: (B,) int64, the position of the token each row decodes next; counters: (1,) int64, the
+  // tokens fed so far (pads included). Both advance after every step.
+  DecodePlan(int64_t batch, bool bf16, at::Tensor positions, at::Tensor counters)
+      : batch_(batch), bf16_(bf16), positions_(std::move(positions)), counters_(std::move(counters)) {
+    TORCH_CHECK(batch > 0, "linattn_cpu::DecodePlan: batch must be positive");
+    TORCH_CHECK(positions_.scalar_type() == at::kLong && positions_.is_contiguous() && positions_.numel() == batch &&
+                    counters_.scalar_type() == at::kLong && counters_.numel() == 1,
+                "linattn_cpu::DecodePlan: positions must be (B,) and counters (1,) int64 tensors");
+  }
+
+  // Appends an op: kind "rope", "embed", "group" (a new group of products of one input), "product"
+  // (one more product of the last group), "linear", "gated", "delta" or "softmax" (attention), with
+  // its named tensors, ints and floats (see linattn.decoding).
+  void add(const std::string& kind, c10::Dict<std::string, at::Tensor> t, c10::Dict<std::string, int64_t> i,
+           c10::Dict<std::string, double> f) {
+    Args a{std::move(t), std::move(i), std::move(f)};
+    a.i.insert_or_assign("batch", batch_);
+    if (kind == "product") {
+      TORCH_CHECK(group_ != nullptr, "linattn_cpu::DecodePlan: a product needs a group first");
+      group_->add(a);
+      return;
+    }
+    std::unique_ptr<Op> op;
+    group_ = nullptr;
+    if (kind == "rope") {
+      op = std::make_unique<RopeTableOp>(a);
+    } else if (kind == "embed") {
+      op = std::make_unique<EmbedOp>(a);
+    } else if (kind == "group") {
+      auto g = std::make_unique<MatvecGroupOp>(a, bf16_);
+      group_ = g.get();
+      op = std::move(g);
+    } else if (kind == "linear") {
+      op = std::make_unique<LinearMixOp>(a, bf16_);
+    } else if (kind == "gated") {
+      op = std::make_unique<GatedMixOp>(a, bf16_);
+    } else if (kind == "delta") {
+      op = std::make_unique<DeltaMixOp>(a, bf16_);
+    } else if (kind == "softmax") {
+      op = std::make_unique<SoftmaxMixOp>(a, bf16_);
+    } else {
+      TORCH_CHECK(false, "linattn_cpu::DecodePlan: unknown op '", kind, "'");
+    }
+    ops_.push_back(std::move(op));
+  }
+
+  // One token per row: ids (B,) int64. Writes the logits buffer of the last group, advances the
+  // caches in place and the positions and counters by one.
+  void step(const at::Tensor& ids) {
+    TORCH_CHECK(ids.scalar_type() == at::kLong && ids.is_contiguous() && ids.numel() == batch_,
+                "linattn_cpu::DecodePlan: ids must be a contiguous (B,) int64 tensor");
+    execute(ids.data_ptr<int64_t>(), false);
+    int64_t* pos = positions_.data_ptr<int64_t>();
+    for (int64_t b = 0; b < batch_; ++b) ++pos[b];
+    ++counters_.data_ptr<int64_t>()[0];
+  }
+
+  // Every product of the plan once (same threads and column shares as a step), nothing else
+  void stream() { execute(nullptr, true); }
+
+  // Bytes of the weights the products read
+  int64_t weight_bytes() const {
+    int64_t total = 0;
+    for (const auto& op : ops_) {
+      if (const auto* g = dynamic_cast<const MatvecGroupOp*>(op.get())) {
+        for (const Product& p : g->products()) total += p.w.t.numel() * static_cast<int64_t>(p.w.t.element_size());
+      }
+    }
+    return total;
+  }
+
+ private:
+  void execute(const int64_t* ids, bool weights_only) {
+    const StepInfo info{batch_, ids, positions_.data_ptr<int64_t>(), counters_.data_ptr<int64_t>()[0]};
+    size_t need = 16;
+    for (const auto& op : ops_) {
+      if (!weights_only) op->check(info);
+      need = std::max(need, op->scratch(info));
+    }
+    int threads = 1;
+#ifdef _OPENMP
+    if (!at::in_parallel_region()) threads = std::max(1, at::get_num_threads());
+#endif
+    for (const auto& op : ops_) {
+      op->prepare(threads);
+      op->prepare(1);
+    }
+    if (static_cast<int>(scratch_.size()) < threads) scratch_.resize(threads);
+    for (int t = 0; t < threads; ++t) scratch_[t].get(need);
+#ifdef _OPENMP
+#pragma omp parallel num_threads(threads)
+    {
+      const int tid = omp_get_thread_num(), team = omp_get_num_threads();
+      if (team == threads) {
+        run_ops(info, tid, team, scratch_[tid].data.data(), weights_only);
+      } else if (tid == 0) {  // fewer threads than asked for: thread 0 alone
+        run_ops(info, 0, 1, scratch_[0].data.data(), weights_only);
+      }
+    }
+#else
+    run_ops(info, 0, 1, scratch_[0].data.data(), weights_only);
+#endif
+  }
+
+  // every op in order on thread `tid` of `team`; the barriers are met by all threads alike
+  void run_ops(const StepInfo& info, int tid, int team, float* scratch, bool weights_only) {
+    for (const auto& op : ops_) {
+      if (weights_only) {
+        op->stream(info, tid, team, scratch);
+        continue;
+      }
+      op->run(info, tid, team, scratch);
+#ifdef _OPENMP
+      if (op->barrier && team > 1) {
+#pragma omp barrier
+      }
+#endif
+    }
+  }
+
+  int64_t batch_;
+  bool bf16_;
+  at::Tensor positions_, counters_;
+  std::vector<std::unique_ptr<Op>> ops_;
+  MatvecGroupOp* group_ = nullptr;
+  std::vector<Scratch> scratch_;
+};
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(linattn_cpu, m) {
+  m.class_<DecodePlan>("DecodePlan")
+      .def(torch::init<int64_t, bool, at::Tensor, at::Tensor>())
+      .def("add", &DecodePlan::add)
+      .def("step", &DecodePlan::step)
+      .def("stream", &DecodePlan::stream)
+      .def("weight_bytes", &DecodePlan::weight_bytes);
+}
