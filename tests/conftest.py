@@ -25,6 +25,21 @@ def oracle(q, k, v, *, causal, feature_map=None, normalize=True, eps=1e-6, scale
                                       initial_state=initial_state, qf_den=qf, kf_den=kf)
 
 
+def explicit_rotation(x, positions, base=10_000.0):
+    """RoPE written pair by pair in float64: (x_m, x_{m+P}), P = ⌊F/2⌋, rotated by position·base^(−m/P)
+    (positions (N,)); an odd last feature kept. Independent of linattn.positional."""
+    f = x.shape[-1]
+    p = f // 2
+    out = x.clone()
+    for m in range(p):
+        theta = positions.double() * base ** (-m / p)
+        c, s = torch.cos(theta).to(x.dtype), torch.sin(theta).to(x.dtype)
+        a, b = x[..., :, m], x[..., :, m + p]
+        out[..., :, m] = a * c - b * s
+        out[..., :, m + p] = a * s + b * c
+    return out
+
+
 def numbers(obj):
     """Every int/float inside nested dicts and lists (for checking that reports hold finite numbers)."""
     if isinstance(obj, dict):

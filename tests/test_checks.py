@@ -34,7 +34,7 @@ from linattn._checks import (
     (lambda: check_number("dropout", 1, minimum=0, maximum=1, high_open=True), r"dropout must be a number in \[0, 1\)"),
     (lambda: check_number("wd", -0.1, minimum=0), "wd must be a number >= 0, got -0.1"),
     (lambda: check_number("x", True), "x must be a number, got True"),
-    (lambda: check_bool("bias", 1), "bias must be a bool, got 1"),
+    (lambda: check_bool("bias", 1), "bias must be a bool, got int 1"),
     (lambda: check_choice("norm", "batch", ("rmsnorm", "layernorm")), r"norm must be one of \('rmsnorm', 'layernorm'\)"),
     (lambda: check_device("device", "gpu0"), "device must be 'cpu', 'cuda', 'cuda:N' or 'auto', got 'gpu0'"),
     (lambda: check_device("device", ""), "device must be a string"),

@@ -6,9 +6,10 @@ import pytest
 import torch
 
 from linattn.feature_maps import FEATURE_MAPS, FavorPlus, make_feature_map
-from linattn.ops import linear_attention, reference
+from linattn.ops import linear_attention, linear_attention_step, reference
+from linattn.positional import RotaryEmbedding
 
-from .conftest import oracle
+from .conftest import explicit_rotation, oracle
 
 DT = torch.float64
 
@@ -75,6 +76,59 @@ def test_favor_stabilization_is_exact_in_normalized_attention():
     a = linear_attention(q, k, v, causal=True, eps=0.0, feature_map=FavorPlus(d, 32, seed=3, stabilize=True).double())
     b = linear_attention(q, k, v, causal=True, eps=0.0, feature_map=FavorPlus(d, 32, seed=3, stabilize=False).double())
     torch.testing.assert_close(a, b)
+
+
+def _favor_definition(fm, x):
+    """φ(x) = exp(ωx − ‖x‖²/2)/√m with x scaled by D^(−1/4), in float64, from the formula."""
+    xs = x.double() * fm.head_dim ** -0.25
+    return torch.exp(xs @ fm.omega.double().T - 0.5 * (xs * xs).sum(-1, keepdim=True)) / math.sqrt(fm.num_features)
+
+
+def _favor_rope_reference(fm, q, k, v, causal, pos):
+    """Normalized attention with RoPE on the numerator features, quadratic, with no ε (the op's ε sees
+    the stabilizer's constants, the definition's does not): Σ_j (R_i φ(q_i))ᵀ(R_j φ(k_j)) v_j / Σ_j φ(q_i)ᵀφ(k_j)."""
+    qf, kf = _favor_definition(fm, q), _favor_definition(fm, k)
+    num = explicit_rotation(qf, pos) @ explicit_rotation(kf, pos).mT
+    den = qf @ kf.mT
+    if causal:
+        keep = torch.ones(num.shape[-2:], dtype=torch.bool).tril()
+        num, den = num.masked_fill(~keep, 0), den.masked_fill(~keep, 0)
+    return (num @ v) / den.sum(-1, keepdim=True)
+
+
+@pytest.mark.parametrize("m", [16, 15, 40])  # odd m: RoPE leaves the last feature alone
+@pytest.mark.parametrize("causal", [True, False])
+def test_favor_with_rope_computes_the_favor_kernel(m, causal):
+    """The stabilizer scaled feature i of queries by e^{+‖ω_i‖²/2} and of keys by e^{−‖ω_i‖²/2}, which
+    RoPE (mixing feature i with i+⌊m/2⌋) did not cancel: max|o| ≈ 700 for |v| ≲ 1.5 (issue 13)."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 65, 16, dtype=DT, generator=g) * 0.5 for _ in range(3))
+    fm, rope, pos = make_feature_map("favor", 16, num_features=m), RotaryEmbedding(m), torch.arange(65)
+    want = _favor_rope_reference(fm, q, k, v, causal, pos)
+    got = linear_attention(q, k, v, causal=causal, feature_map=fm, rope=rope, eps=0.0, chunk_size=16)
+    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9)
+    assert got.abs().max() <= 2 * v.abs().max()
+    default_eps = linear_attention(q, k, v, causal=causal, feature_map=fm, rope=rope)
+    torch.testing.assert_close(default_eps, want, rtol=1e-4, atol=1e-4)
+    if causal:  # token by token from the recurrent step
+        state, outs = None, []
+        for t in range(65):
+            o, state = linear_attention_step(state, q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], feature_map=fm,
+                                             rope=rope, eps=0.0, positions=pos[t:t + 1])
+            outs.append(o)
+        torch.testing.assert_close(torch.cat(outs, 2), want, rtol=1e-9, atol=1e-9)
+
+
+def test_favor_with_rope_gradients_follow_the_definition():
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, 2, 23, 8, dtype=DT, generator=g).requires_grad_() for _ in range(3))
+    fm, rope, pos = make_feature_map("favor", 8, num_features=12), RotaryEmbedding(12), torch.arange(23)
+    w = torch.randn(1, 2, 23, 8, dtype=DT, generator=g)
+    got = torch.autograd.grad((linear_attention(q, k, v, causal=True, feature_map=fm, rope=rope, eps=0.0,
+                                                chunk_size=8) * w).sum(), (q, k, v))
+    want = torch.autograd.grad((_favor_rope_reference(fm, q, k, v, True, pos) * w).sum(), (q, k, v))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-9)
 
 
 def test_favor_stabilized_keys_cannot_overflow():

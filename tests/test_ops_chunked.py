@@ -16,13 +16,18 @@ MAP_OPTIONS = {"cosformer": {"max_len": 512}, "favor": {"num_features": 12}, "tr
                "hedgehog": {"num_features": 5}}
 
 
-@pytest.fixture(autouse=True, params=["fused", "torch ops"])
+@pytest.fixture(autouse=True, params=["fused", "torch ops", "exact pass"])
 def op_path(request, monkeypatch):
     """Every test here runs on both CPU paths of the causal op: the fused kernels (taken by φ elu+1 or
-    identity without RoPE, mask or scale) and the torch-op autograd Function (LINATTN_NATIVE=0)."""
+    identity without RoPE, mask or scale) and the torch-op autograd Function (LINATTN_NATIVE=0), and
+    on the torch ops' exact pass (the one for NaN / Inf in the state, ops.nonfinite), forced."""
     if request.param == "fused" and not native.available():
         pytest.skip("the fused CPU kernels could not be built here")
     monkeypatch.setenv("LINATTN_NATIVE", "1" if request.param == "fused" else "0")
+    if request.param == "exact pass":
+        import linattn.ops.linear as linear
+
+        monkeypatch.setattr(linear, "all_finite", lambda *tensors: False)
     return request.param
 
 

@@ -117,3 +117,97 @@ def test_empty_sequence():
     q, k, v = qkv(n=0)
     with pytest.raises(ValueError, match="at least one token"):
         linear_attention(q, k, v, causal=True)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("native_env", ["1", "0"])
+def test_zero_sized_dims_are_refused(monkeypatch, causal, native_env):
+    """D = 0 or E = 0 once gave uninitialized memory (fused path) or a bare reshape error (torch ops)."""
+    monkeypatch.setenv("LINATTN_NATIVE", native_env)
+    x = torch.rand(1, 2, 8, 4)
+    with pytest.raises(ValueError, match=r"q and k must have a head dim D >= 1, got shape \(1, 2, 8, 0\)"):
+        linear_attention(x[..., :0], x[..., :0], x, causal=causal)
+    with pytest.raises(ValueError, match=r"v must have a value dim E >= 1, got shape \(1, 2, 8, 0\)"):
+        linear_attention(x, x, x[..., :0], causal=causal)
+    with pytest.raises(ValueError, match=r"q, k, v must have batch B >= 1 and heads H >= 1, got shape \(0, 2, 8, 4\)"):
+        linear_attention(x[:0], x[:0], x[:0], causal=causal)
+    with pytest.raises(ValueError, match=r"v must have a value dim E >= 1"):
+        linear_attention_step(None, x[:, :, :1], x[:, :, :1], x[:, :, :1, :0])
+
+
+@pytest.mark.parametrize("bad", [-1e-6, float("nan"), float("inf"), "1e-6", None, True])
+def test_bad_eps_is_refused(bad):
+    q, k, v = qkv()
+    error = TypeError if isinstance(bad, (str, bool)) or bad is None else ValueError
+    with pytest.raises(error, match=f"eps must be a finite float >= 0, got {bad!r}"):
+        linear_attention(q, k, v, causal=True, eps=bad)
+    with pytest.raises(error, match="eps must be a finite float >= 0"):
+        linear_attention(q, k, v, causal=False, eps=bad)
+    with pytest.raises(error, match="eps must be a finite float >= 0"):
+        linear_attention_step(None, q[:, :, :1], k[:, :, :1], v[:, :, :1], eps=bad)
+    with pytest.raises(error, match="eps must be a finite float >= 0"):
+        make_feature_map("relu", 4, eps=bad)
+
+
+def test_flags_must_be_bools():
+    q, k, v = qkv()
+    with pytest.raises(TypeError, match="causal must be a bool, got str 'False'"):
+        linear_attention(q, k, v, causal="False")
+    with pytest.raises(TypeError, match="normalize must be a bool, got int 0"):
+        linear_attention(q, k, v, causal=True, normalize=0)
+    with pytest.raises(TypeError, match="return_state must be a bool, got NoneType None"):
+        linear_attention(q, k, v, causal=True, return_state=None)
+    with pytest.raises(TypeError, match="normalize must be a bool"):
+        linear_attention_step(None, q[:, :, :1], k[:, :, :1], v[:, :, :1], normalize="yes")
+    with pytest.raises(TypeError, match="causal must be a bool, got str 'False'"):
+        softmax_attention(q, k, v, causal="False")
+
+
+@pytest.mark.parametrize("dtype,state", [(torch.float32, torch.bfloat16), (torch.float32, torch.float64),
+                                         (torch.bfloat16, torch.bfloat16), (torch.float64, torch.float32)])
+def test_state_of_the_wrong_dtype_is_refused(dtype, state):
+    """The state is float32 (float64 for float64 inputs): a bf16 state would accumulate in bf16."""
+    q, k, v = qkv(dtype=dtype)
+    st = (torch.zeros(1, 2, 4, 4, dtype=state), torch.zeros(1, 2, 4, dtype=state))
+    want = torch.float64 if dtype == torch.float64 else torch.float32
+    msg = rf"initial_state must be \(kv, z\) in {want} for {dtype} inputs, got kv {state} and z {state}"
+    with pytest.raises(TypeError, match=msg):
+        linear_attention_step(st, q[:, :, :1], k[:, :, :1], v[:, :, :1])
+    with pytest.raises(TypeError, match=msg):
+        linear_attention(q, k, v, causal=True, initial_state=st)
+
+
+_HUGE_CHUNK = """
+import torch
+from linattn.feature_maps import make_feature_map
+from linattn.ops import linear_attention
+torch.manual_seed(0)
+q = torch.rand(1, 2, 70, 8)
+for fm in (None, make_feature_map("elu", 8)):
+    want = linear_attention(q, q, q, causal=True, feature_map=fm, chunk_size=70)
+    for chunk in (2**31, 2**62):
+        o = linear_attention(q, q, q, causal=True, feature_map=fm, chunk_size=chunk)
+        torch.testing.assert_close(o, want)
+        qg = q.clone().requires_grad_()
+        linear_attention(qg, qg, qg, causal=True, feature_map=fm, chunk_size=chunk).sum().backward()
+        assert torch.isfinite(qg.grad).all()
+from linattn.ops import native
+if native.available():  # the kernel itself clamps the chunk too
+    st = (torch.zeros(1, 2, 8, 8), torch.zeros(1, 2, 8))
+    o, *_ = torch.ops.linattn_cpu.chunked.default(q, q, q, *st, 1, True, 1e-6, 2**62, True)
+    torch.testing.assert_close(o, linear_attention(q, q, q, causal=True, feature_map=make_feature_map("elu", 8)))
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("native_env", ["1", "0"])
+def test_a_huge_chunk_size_is_one_chunk_not_a_crash(native_env):
+    """chunk_size=2**31 (2**62 with elu+1) overflowed chunk² in the fused kernel and killed the interpreter;
+    run in a subprocess so that a crash fails this test instead of ending pytest."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "LINATTN_NATIVE": native_env}
+    res = subprocess.run([sys.executable, "-c", _HUGE_CHUNK], env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), (res.returncode, res.stderr[-2000:])

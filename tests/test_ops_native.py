@@ -438,3 +438,31 @@ def test_large_results_reuse_pooled_buffers(monkeypatch):
     monkeypatch.setenv("LINATTN_POOL_MB", "0")
     forward()  # made and freed with the pool off: not kept
     assert native.release_pool() == 0 and torch.equal(forward(), want)
+
+
+_FAILED_BUILD = """
+import warnings
+warnings.simplefilter("always")
+from linattn.ops import native
+with warnings.catch_warnings(record=True) as caught:
+    assert native.load() is False
+print("\\n".join(str(w.message) for w in caught if issubclass(w.category, RuntimeWarning) and "linattn" in str(w.message)))
+"""
+
+
+def test_a_failed_build_warns_with_its_cause(tmp_path):
+    """The warning once stopped at 300 characters, inside the compiler's command line, so the cause never
+    showed. A compiler that does not exist, in a fresh extension folder, in a subprocess (the build is
+    process-wide state)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "CXX": str(tmp_path / "no-such-c++"), "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext"),
+           "LINATTN_NATIVE": "1"}
+    res = subprocess.run([sys.executable, "-c", _FAILED_BUILD], env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    message = res.stdout.strip()
+    assert message.count("could not be built") == 1, message
+    assert f"{tmp_path / 'no-such-c++'}: not found" in message, message  # the cause, from the shell
+    assert "-DTORCH_EXTENSION_NAME" not in message and len(message) < 1200, message  # no command lines

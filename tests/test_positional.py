@@ -7,19 +7,7 @@ import torch
 
 from linattn.positional import RotaryEmbedding
 
-
-def _explicit_rotation(x, positions, base=10_000.0):
-    """Pairs (x_m, x_{m+P}), P = ⌊F/2⌋, rotated by position·base^(−m/P); an odd last feature kept."""
-    f = x.shape[-1]
-    p = f // 2
-    out = x.clone()
-    for m in range(p):
-        theta = positions.double() * base ** (-m / p)
-        c, s = torch.cos(theta)[:, None], torch.sin(theta)[:, None]
-        a, b = x[..., :, m], x[..., :, m + p]
-        out[..., :, m] = a * c[:, 0] - b * s[:, 0]
-        out[..., :, m + p] = a * s[:, 0] + b * c[:, 0]
-    return out
+from .conftest import explicit_rotation
 
 
 @pytest.mark.parametrize("n", [1, 5])  # one token takes its own (roll) path for even F
@@ -29,7 +17,7 @@ def test_rotate_matches_pairwise_definition_and_gradients(f, n):
     rope = RotaryEmbedding(f).double()
     x = torch.randn(2, 3, n, f, dtype=torch.float64, requires_grad=True)
     pos = torch.arange(n) + 7
-    torch.testing.assert_close(rope.rotate(x, pos), _explicit_rotation(x.detach(), pos), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(rope.rotate(x, pos), explicit_rotation(x.detach(), pos), rtol=1e-6, atol=1e-6)
     assert torch.autograd.gradcheck(lambda t: rope.rotate(t, pos), (x,))
     assert torch.autograd.gradgradcheck(lambda t: rope.rotate(t, pos), (x,))
 
@@ -47,3 +35,53 @@ def test_cached_angles_of_few_positions_equal_computed_ones_and_work_with_autogr
     x = torch.randn(1, 1, 1, 8, requires_grad=True)
     rope.rotate(x, few).sum().backward()  # cached angles outside inference mode can be saved for backward
     assert x.grad is not None and torch.isfinite(x.grad).all()
+
+
+@pytest.mark.parametrize("n", [3, 40])  # a few positions take the cached path, many the computed one
+@pytest.mark.parametrize("start", [10**5, 10**6])
+def test_float64_rotation_is_float64_at_large_positions(n, start):
+    """The angles were float32 for float64 inputs: an error of 1e-4 at position 1e5."""
+    rope = RotaryEmbedding(8)
+    x = torch.randn(2, 3, n, 8, dtype=torch.float64)
+    pos = torch.arange(start, start + n)
+    torch.testing.assert_close(rope.rotate(x, pos), explicit_rotation(x, pos), rtol=1e-11, atol=1e-11)
+    torch.testing.assert_close(rope.rotate(x, pos[None].expand(2, n)), explicit_rotation(x, pos), rtol=1e-11,
+                               atol=1e-11)
+
+
+@pytest.mark.parametrize("n", [3, 40])
+def test_low_precision_modules_keep_float32_frequencies(n):
+    """A model cast to bf16 (or fp16) once cast RoPE's frequencies too: 3 significant digits, an angle
+    error of ~1 rad at position 2000. Angles are float32 for every dtype but float64."""
+    x = torch.randn(1, 2, n, 16)
+    pos = torch.arange(2000, 2000 + n)
+    want = explicit_rotation(x.double(), pos)
+    for module_dtype in (torch.bfloat16, torch.float16, torch.float32):
+        rope = RotaryEmbedding(16).to(module_dtype)
+        torch.testing.assert_close(rope.rotate(x, pos).double(), want, rtol=0, atol=2e-3)
+        low = rope.rotate(x.bfloat16(), pos).double()  # bf16 features: within bf16 rounding of the result
+        torch.testing.assert_close(low, want, rtol=0, atol=0.05)
+
+
+@pytest.mark.parametrize("native_env", ["1", "0"])
+def test_operators_with_rope_are_float64_at_large_positions(monkeypatch, native_env):
+    """The parallel op and the (fused, when built) recurrent step against a float64 reference rotated pair by pair."""
+    from linattn.feature_maps import make_feature_map
+    from linattn.ops import linear_attention, linear_attention_step, reference
+
+    monkeypatch.setenv("LINATTN_NATIVE", native_env)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 20, 6, dtype=torch.float64, generator=g) for _ in range(3))
+    fm, rope, pos = make_feature_map("elu", 6), RotaryEmbedding(6), torch.arange(10**5, 10**5 + 20)
+    qf, kf = fm(q), fm(k)
+    want, _ = reference.kernel_attention(explicit_rotation(qf, pos), explicit_rotation(kf, pos), v, causal=True,
+                                         qf_den=qf, kf_den=kf)
+    got = linear_attention(q, k, v, causal=True, feature_map=fm, rope=rope, positions=pos, chunk_size=8)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+    state, outs = None, []
+    with torch.inference_mode():
+        for t in range(20):
+            o, state = linear_attention_step(state, q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1],
+                                             feature_map=fm, rope=rope, positions=pos[t:t + 1])
+            outs.append(o)
+    torch.testing.assert_close(torch.cat(outs, 2), want, rtol=1e-10, atol=1e-10)

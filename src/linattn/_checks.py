@@ -120,8 +120,9 @@ def check_number(name: str, value, *, minimum: float | None = None, maximum: flo
 
 
 def check_bool(name: str, value, *, error: type[Exception] = ValueError) -> None:
-    if not isinstance(value, bool):
-        raise error(f"{name} must be a bool, got {value!r}")
+    """A real bool: a string such as "False" would otherwise count as true."""
+    if value is not True and value is not False:
+        raise error(f"{name} must be a bool, got {type(value).__name__} {value!r}")
 
 
 def check_choice(name: str, value, choices) -> None:
@@ -244,3 +245,33 @@ def check_output_folder(name: str, path) -> None:
                 prefix = f"{name} " if name else ""
                 raise ValueError(f"{prefix}{str(p)!r} {what}, not a folder: pass a folder (created if missing)")
             return
+
+
+def check_sizes(q: torch.Tensor, v: torch.Tensor) -> None:
+    """q (B, H, N, D), v (B, H, N, E) with B, H, D, E >= 1 (linear attention has no empty heads or features:
+    a zero dim once gave uninitialized memory or a bare reshape error). Call after `check_qkv`."""
+    if q.shape[0] < 1 or q.shape[1] < 1:
+        raise ValueError(f"q, k, v must have batch B >= 1 and heads H >= 1, got shape {tuple(q.shape)}")
+    if q.shape[3] < 1:
+        raise ValueError(f"q and k must have a head dim D >= 1, got shape {tuple(q.shape)}")
+    if v.shape[3] < 1:
+        raise ValueError(f"v must have a value dim E >= 1, got shape {tuple(v.shape)}")
+
+
+def check_eps(name: str, value) -> None:
+    """A finite real number >= 0 (an int or float, not a bool or a string)."""
+    if type(value) is float and 0.0 <= value < math.inf:  # the common case first (a decoding step checks it)
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a finite float >= 0, got {value!r} ({type(value).__name__})")
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"{name} must be a finite float >= 0, got {value!r}")
+
+
+def check_state_dtype(state, dtype: torch.dtype, expected: torch.dtype) -> None:
+    """The state (kv, z) is in `expected`, the state dtype of `dtype` inputs (see ops.chunked.state_dtype):
+    a lower precision would accumulate in it, a higher one is not what the operators return."""
+    kv, z = state
+    if kv.dtype is not expected or z.dtype is not expected:
+        raise TypeError(f"initial_state must be (kv, z) in {expected} for {dtype} inputs, "
+                        f"got kv {kv.dtype} and z {z.dtype}")

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from ._checks import check_number, check_positive_int
+from ._checks import check_eps, check_positive_int
 from .positional import broadcast_positions
 
 
@@ -101,7 +101,7 @@ class ReLUFeatureMap(FeatureMap):
 
     def __init__(self, head_dim: int, eps: float = 1e-6):
         super().__init__(head_dim)
-        check_number("eps", eps, minimum=0)
+        check_eps("eps", eps)
         self.eps = float(eps)
 
     def forward(self, x, *, is_query: bool = True, positions=None):
@@ -175,16 +175,20 @@ class FavorPlus(_RandomFeatures):
 
         φ(x) = exp(ω x − ‖x‖²/2) / √m,   x ← x·D^(−1/4),   E[φ(q)ᵀφ(k)] = exp(qᵀk/√D).
 
-    F = m. Stabilization (stabilize=True), exact in normalized attention and causal-safe: each
-    feature i is multiplied by e^{+‖ω_i‖²/2} on queries and e^{−‖ω_i‖²/2} on keys (the product is
-    unchanged), so a key's exponent is −‖x−ω_i‖²/2 ≤ 0 and cannot overflow, with no dependence on
-    other tokens. Keys are then multiplied by the fixed constant e^{c}, c = min(30, mean_i ‖ω_i‖²/2),
-    which brings typical keys back to O(1) so the denominators stay far above the operator's ε (a
-    constant shared by all keys cancels in the ratio; keys stay ≤ e^30). Each query's exponents are
-    shifted by their logsumexp, a per-query constant that also cancels and makes its features sum
-    to 1; the 1/√m factors are dropped for the same reason. Only ε sees these constants. With
-    normalize=False use stabilize=False. Computed in float32 (float64 for float64 inputs), returned
-    in that dtype.
+    F = m. Stabilization (stabilize=True), exact in normalized attention, with or without RoPE, and
+    causal-safe: with h_i = ‖ω_i‖²/2 and P = ⌊m/2⌋, each feature i is multiplied by e^{+h'_i} on queries
+    and e^{−h'_i} on keys, where h'_i is shared by the pair that RoPE rotates together (rotate-half:
+    h'_i = h'_{i+P} = max(h_i, h_{i+P}) for i < P; an odd m's last feature keeps its own h). Per pair
+    the two scalings are one scalar each, so they commute with RoPE's 2×2 rotations: the query and key
+    scalings cancel in every product φ(q)ᵀ R φ(k) (a constant per feature would cancel only when
+    feature i meets feature i, and RoPE mixes i with i+P). Taking the larger of the pair keeps a key's
+    exponent −‖x−ω_i‖²/2 − (h'_i − h_i) ≤ 0, so keys cannot overflow, with no dependence on other tokens.
+    Keys are then multiplied by the fixed constant e^{c}, c = min(30, mean_i h'_i), which brings typical
+    keys back to O(1) so the denominators stay far above the operator's ε (a constant shared by all
+    keys cancels in the ratio; keys stay ≤ e^30). Each query's exponents are shifted by their
+    logsumexp, a per-query constant that also cancels and makes its features sum to 1; the 1/√m
+    factors are dropped for the same reason. Only ε sees these constants. With normalize=False use
+    stabilize=False. Computed in float32 (float64 for float64 inputs), returned in that dtype.
     """
 
     def __init__(self, head_dim: int, num_features: int | None = None, *, orthogonal: bool = True, seed: int = 0,
@@ -193,15 +197,22 @@ class FavorPlus(_RandomFeatures):
         self.feature_dim = self.num_features
         self.stabilize = stabilize
 
+    def _pair_shift(self, dtype: torch.dtype) -> torch.Tensor:
+        """h'_i: ‖ω_i‖²/2, raised to the larger of the two in each RoPE pair (i, i+⌊m/2⌋). (m,)"""
+        half = 0.5 * (self.omega.to(dtype) ** 2).sum(-1)
+        p = self.num_features // 2
+        top = torch.maximum(half[:p], half[p:2 * p])
+        return torch.cat((top, top, half[2 * p:]))
+
     def forward(self, x, *, is_query: bool = True, positions=None):
         xs, wx = self._project(x)
         expo = wx - 0.5 * (xs * xs).sum(-1, keepdim=True)
         if self.stabilize:
-            half = 0.5 * (self.omega.to(wx.dtype) ** 2).sum(-1)
+            shift = self._pair_shift(wx.dtype)
             if is_query:
-                expo = expo + half
+                expo = expo + shift
                 return torch.exp(expo - torch.logsumexp(expo, dim=-1, keepdim=True).detach())
-            return torch.exp(expo - half + half.mean().clamp(max=30.0))
+            return torch.exp(expo - shift + shift.mean().clamp(max=30.0))
         return torch.exp(expo) / math.sqrt(self.num_features)
 
 

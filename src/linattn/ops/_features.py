@@ -10,6 +10,19 @@ from dataclasses import dataclass
 
 import torch
 
+from .nonfinite import all_finite
+
+
+def zero_masked(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """x with the entries where `keep` (a bool tensor broadcastable to x) is False set to 0, whatever
+    they hold (0·NaN would be NaN). On the CPU a multiply, and masked_fill only if the product holds a
+    NaN or Inf: masked_fill with a broadcast mask is ~8× slower there (29 vs 250 µs for 8×512×64)."""
+    if x.device.type == "cpu":
+        y = x * keep
+        if all_finite(y):
+            return y
+    return x.masked_fill(~keep, 0)
+
 
 @dataclass
 class Featurizer:
@@ -30,14 +43,37 @@ class Featurizer:
         pos = None if self.positions is None else self.positions[..., start:end]
         if is_query and self.scale is not None:
             x = x * self.scale
-        f = x if self.feature_map is None else self.feature_map(x, is_query=is_query, positions=pos)
         if not is_query and self.key_padding_mask is not None:
-            f = f * self.key_padding_mask[:, None, start:end, None].to(f.dtype)
+            f = self._masked_keys(x, start, end, pos)
+        else:
+            f = x if self.feature_map is None else self.feature_map(x, is_query=is_query, positions=pos)
         if self.rope is None:
             return f, None
         if self._angles is None or self._angles[:3] != (start, end, f.dtype):
             self._angles = (start, end, f.dtype, *self.rope.angles(pos, f.dtype))
         return self.rope.rotate(f, angles=self._angles[3:]), f
+
+    def _masked_keys(self, x: torch.Tensor, start: int, end: int, pos) -> torch.Tensor:
+        """φ of the keys x of slice [start, end), 0 on the masked slots whatever they hold. On the CPU
+        φ(x) times the mask, if that is finite (masked_fill with a broadcast mask is ~8× slower there);
+        else, and on other devices, selected: x zeroed before φ (no NaN, Inf or overflow comes out of a
+        masked slot, and no gradient flows into it or φ's parameters) and φ zeroed after."""
+        keep = self.key_padding_mask[:, None, start:end, None]
+        phi = (lambda t: t) if self.feature_map is None else (
+            lambda t: self.feature_map(t, is_query=False, positions=pos))
+        if x.device.type == "cpu":
+            f = phi(x) * keep
+            if all_finite(f):
+                return f
+        return phi(x.masked_fill(~keep, 0)).masked_fill(~keep, 0)
+
+    def values(self, v: torch.Tensor) -> torch.Tensor:
+        """v (B, H, N, E) with the masked key slots set to 0 (a NaN or Inf there would reach the state
+        as 0·NaN through the zeroed key features), or v itself without a mask. For the step and the
+        non-causal op; the chunked causal op leaves such a value to its exact pass (ops.chunked)."""
+        if self.key_padding_mask is None:
+            return v
+        return zero_masked(v, self.key_padding_mask[:, None, :, None])
 
     @property
     def local_grad(self) -> bool:

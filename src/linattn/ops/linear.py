@@ -15,15 +15,20 @@ from __future__ import annotations
 import torch
 
 from .._checks import (
+    check_bool,
+    check_eps,
     check_key_padding_mask,
     check_positions,
     check_positive_int,
     check_qkv,
+    check_sizes,
     check_state,
+    check_state_dtype,
 )
 from . import native
 from ._features import Featurizer
 from .chunked import DEFAULT_CHUNK_SIZE, ChunkedCausalLinearAttention, compute_dtype, state_dtype
+from .nonfinite import all_finite
 
 State = tuple[torch.Tensor, torch.Tensor]
 
@@ -39,6 +44,8 @@ def check_arguments(q, k, v, *, feature_map, scale, key_padding_mask, initial_st
     b, h, n_k, d = k.shape
     if q.shape[2] < 1 or n_k < 1:
         raise ValueError(f"q and k must hold at least one token, got lengths {q.shape[2]} and {n_k}")
+    if 0 in (b, h, d, v.shape[3]):
+        check_sizes(q, v)
     if feature_map is not None:
         if not hasattr(feature_map, "feature_dim"):
             raise TypeError(f"feature_map must be a linattn feature map (with .feature_dim), got {type(feature_map).__name__}")
@@ -53,6 +60,7 @@ def check_arguments(q, k, v, *, feature_map, scale, key_padding_mask, initial_st
         raise ValueError(f"rope dim must equal the feature dim F={feat}, got {rope.dim}")
     if initial_state is not None:
         check_state(initial_state, b, h, feat, v.shape[-1], q.device)
+        check_state_dtype(initial_state, q.dtype, state_dtype(q.dtype))
         if positions is None and (rope is not None or getattr(feature_map, "needs_positions", False)):
             raise ValueError(
                 "positions are required when resuming from initial_state with RoPE or a position-dependent "
@@ -129,6 +137,10 @@ def linear_attention(
 
     On the CPU, a causal call with φ elu+1 or None, no RoPE, mask or scale and fp32/fp64/bf16 inputs
     runs as fused operators, forward and backward (linattn.ops.native; the same numbers up to rounding).
+
+    NaN and Inf respect causality: one at token j changes no output before j and no gradient of a
+    loss over those outputs (such a call runs an exact, slower pass: linattn.ops.chunked), and a masked
+    key slot changes nothing whatever it holds.
     """
     advance_schedule(feature_map)
     return _linear_attention(q, k, v, causal=causal, feature_map=feature_map, normalize=normalize, eps=eps,
@@ -140,6 +152,9 @@ def _linear_attention(q, k, v, *, causal, feature_map, normalize, eps, scale, ke
                       return_state, chunk_size, positions, rope):
     """linear_attention without advancing φ's redraw schedule (for callers that already did)."""
     check_positive_int("chunk_size", chunk_size)
+    for name, flag in (("causal", causal), ("normalize", normalize), ("return_state", return_state)):
+        check_bool(name, flag, error=TypeError)
+    check_eps("eps", eps)
     if causal and q.dim() == 4 and k.dim() == 4 and q.shape[2] != k.shape[2]:
         raise ValueError(f"causal linear attention needs q and k of equal length, got {q.shape[2]} and {k.shape[2]}")
     fz, state = _prepare(q, k, v, feature_map=feature_map, scale=scale, key_padding_mask=key_padding_mask,
@@ -153,17 +168,23 @@ def run_linear_attention(fz: Featurizer, state: State, q, k, v, *, causal: bool,
                          chunk_size: int):
     """The op on checked arguments with its featurizer and initial state (see make_featurizer):
     returns (o (B, H, N, E), (kv, z) final). Causal: the fused CPU kernels where they apply, else the
-    chunked autograd Function; non-causal: O(N·F·E) with plain autograd."""
-    phi = None if not causal or fz.rope is not None else native.fused_phi(fz.feature_map, fz.scale,
-                                                                          fz.key_padding_mask, state, q, k, v,
-                                                                          bf16=True, train=True)
+    chunked autograd Function; non-causal: O(N·F·E) with plain autograd. A non-finite value in k, v
+    or the state shows in the final state; the causal pass then runs again exactly (ops.nonfinite),
+    so that it reaches no earlier token."""
+    if not causal:
+        return _noncausal(fz, q, k, v, state, normalize, eps)
+    chunk_size = min(chunk_size, q.shape[2])  # one chunk at most: no C² work buffer beyond N²
+    phi = None if fz.rope is not None else native.fused_phi(fz.feature_map, fz.scale, fz.key_padding_mask, state,
+                                                            q, k, v, bf16=True, train=True)
     if phi is not None and native.chunked_ready(q.dtype):  # CPU: fused forward (and backward)
-        return native.chunked(q, k, v, state, phi=phi, normalize=normalize, eps=float(eps), chunk=chunk_size)
-    if causal:
-        o, kv, z = ChunkedCausalLinearAttention.apply(fz, chunk_size, normalize, float(eps), q, k, v, *state,
+        o, (kv, z) = native.chunked(q, k, v, state, phi=phi, normalize=normalize, eps=float(eps), chunk=chunk_size)
+    else:
+        o, kv, z = ChunkedCausalLinearAttention.apply(fz, chunk_size, normalize, float(eps), False, q, k, v, *state,
                                                       *fz.parameters)
-        return o, (kv, z)
-    return _noncausal(fz, q, k, v, state, normalize, eps)
+    if not all_finite(kv, z):
+        o, kv, z = ChunkedCausalLinearAttention.apply(fz, chunk_size, normalize, float(eps), True, q, k, v, *state,
+                                                      *fz.parameters)
+    return o, (kv, z)
 
 
 def _noncausal(fz: Featurizer, q, k, v, state, normalize, eps):
@@ -174,6 +195,7 @@ def _noncausal(fz: Featurizer, q, k, v, state, normalize, eps):
         # positions describe the keys; queries of another length get their own arange only if unused
         raise ValueError(f"positions cover {fz.positions.shape[-1]} keys but q has {n_q} tokens; use equal lengths")
     kr, kd = fz(k, 0, n_k, False)
+    v = fz.values(v)
     kv = state[0].to(sdt) + (kr.to(cdt).transpose(-1, -2) @ v.to(cdt)).to(sdt)
     z = state[1].to(sdt) + (kr if kd is None else kd).to(sdt).sum(-2)
     return state_readout(fz, q, kv, z, normalize=normalize, eps=eps), (kv, z)
@@ -215,6 +237,8 @@ def linear_attention_step(
     to start from zeros. positions: (T,) or (B, T) global indices (required with RoPE / cosFormer).
     """
     advance_schedule(feature_map)
+    check_bool("normalize", normalize, error=TypeError)
+    check_eps("eps", eps)
     if q.dim() == 4 and q.shape[2] != 1:
         o, new_state = _linear_attention(q, k, v, causal=True, feature_map=feature_map, normalize=normalize, eps=eps,
                                          scale=scale, key_padding_mask=key_padding_mask, initial_state=state,
@@ -227,6 +251,7 @@ def linear_attention_step(
                          initial_state=state, positions=positions, rope=rope)
     if k.shape[2] != 1:
         raise ValueError(f"k must hold the same single token as q, got length {k.shape[2]}")
+    v = fz.values(v)
     phi = native.fused_phi(feature_map, scale, key_padding_mask, state, q, k, v)
     if phi is not None:  # one fused CPU operator (elu+1 or identity, inference)
         angles = None if rope is None else rope.angles(fz.positions, state[0].dtype)

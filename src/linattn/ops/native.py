@@ -28,6 +28,9 @@ from pathlib import Path
 import torch
 
 from ..feature_maps import EluPlusOne
+from ._features import Featurizer
+from .chunked import ChunkedCausalLinearAttention
+from .nonfinite import all_finite
 
 _CSRC = Path(__file__).with_name("csrc")
 _SOURCES = [str(_CSRC / name) for name in ("decode.cpp", "chunked.cpp", "delta.cpp")]
@@ -57,11 +60,30 @@ def load() -> bool:
                       build_directory=_build_directory(), is_python_module=False, verbose=False)
                 _state["loaded"] = hasattr(torch.ops.linattn_cpu, "step")
             except Exception as exc:  # no compiler, no ninja, a failed build: keep the torch-op path
-                _state["loaded"], _state["error"] = False, f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
+                _state["loaded"], _state["error"] = False, build_failure(exc)
                 warnings.warn(f"linattn: the fused CPU kernels could not be built ({_state['error']}); "
                               "torch ops run instead (same numbers, slower). Set LINATTN_NATIVE=0 to silence.",
                               RuntimeWarning, stacklevel=3)
     return _state["loaded"]
+
+
+def build_failure(exc: BaseException, lines: int = 6, width: int = 240) -> str:
+    """What made a build fail, in a few short lines: the error's text without the compiler and linker
+    command lines and ninja's progress lines (which fill the first hundreds of characters), repeated
+    lines once, the last `lines` kept, each cut at `width` characters, e.g. "RuntimeError: Error building
+    extension 'linattn_cpu': /bin/sh: 1: c++: not found; ninja: build stopped: subcommand failed."."""
+    head, *rest = str(exc).splitlines() or [""]
+    head = head.partition(": [")[0]  # torch: "Error building extension 'x': [1/3] <command line>"
+    kept: list[str] = []
+    for line in rest:
+        line = line.strip()
+        words = line.split()
+        is_command = sum(w.startswith("-") for w in words) >= 4  # a compiler or linker invocation
+        if line and not is_command and not line.startswith(("FAILED:", "[")) and line not in kept:
+            kept.append(line)
+    cause = "; ".join(x if len(x) <= width else x[:width] + "..." for x in kept[-lines:])
+    head = head if len(head) <= width else head[:width] + "..."
+    return f"{type(exc).__name__}: {head}" + (f": {cause}" if cause else "")
 
 
 def _build_directory() -> str:
@@ -156,20 +178,33 @@ class FusedChunkedCausal(torch.autograd.Function):
     def forward(ctx, q, k, v, kv0, z0, phi, normalize, eps, chunk):
         o, kv, z, den, S_blocks, z_blocks = torch.ops.linattn_cpu.chunked.default(q, k, v, kv0, z0, phi, normalize,
                                                                                  eps, chunk, True)
-        ctx.save_for_backward(q, k, v, o, den, S_blocks, z_blocks)
-        ctx.phi, ctx.normalize, ctx.chunk, ctx.state_dtypes = phi, normalize, chunk, (kv0.dtype, z0.dtype)
+        ctx.save_for_backward(q, k, v, o, den, S_blocks, z_blocks, kv0, z0)
+        ctx.phi, ctx.normalize, ctx.eps, ctx.chunk = phi, normalize, eps, chunk
         ctx.set_materialize_grads(False)  # unused outputs get None, not zero tensors
         return o, kv, z
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, do, dkv, dz):
-        q, k, v, o, den, S_blocks, z_blocks = ctx.saved_tensors
-        if do is None:
-            do = torch.zeros_like(o)
+        q, k, v, o, den, S_blocks, z_blocks, kv0, z0 = ctx.saved_tensors
         dq, dk, dv, dkv0, dz0 = torch.ops.linattn_cpu.chunked_backward.default(
-            q, k, v, o, do, den, S_blocks, z_blocks, dkv, dz, ctx.phi, ctx.normalize, ctx.chunk)
-        return dq, dk, dv, dkv0.to(ctx.state_dtypes[0]), dz0.to(ctx.state_dtypes[1]), None, None, None, None
+            q, k, v, o, torch.zeros_like(o) if do is None else do, den, S_blocks, z_blocks, dkv, dz, ctx.phi,
+            ctx.normalize, ctx.chunk)
+        if not all_finite(dkv0, dz0):  # a NaN or Inf among the factors: the torch ops' exact pass
+            dq, dk, dv, dkv0, dz0 = _exact_backward(ctx, (q, k, v, kv0, z0), (do, dkv, dz))
+        return dq, dk, dv, dkv0.to(kv0.dtype), dz0.to(z0.dtype), None, None, None, None
+
+
+def _exact_backward(ctx, inputs, grads):
+    """Gradients of (q, k, v, kv0, z0) from the torch-op chunked Function's exact pass (run again
+    here), for a backward whose products met a NaN or Inf (linattn.ops.chunked)."""
+    fz = Featurizer(EluPlusOne(inputs[0].shape[-1]) if ctx.phi == 1 else None)
+    with torch.enable_grad():
+        xs = [x.detach().requires_grad_() for x in inputs]
+        outs = ChunkedCausalLinearAttention.apply(fz, ctx.chunk, ctx.normalize, ctx.eps, True, *xs)
+        used = [(out, g) for out, g in zip(outs, grads) if g is not None]
+        res = torch.autograd.grad([u[0] for u in used], xs, [u[1] for u in used], allow_unused=True)
+    return [torch.zeros_like(x) if r is None else r for x, r in zip(xs, res)]
 
 
 def release_pool() -> int:

@@ -31,20 +31,27 @@ def kernel_attention(
         U_i = qf_iᵀ kv0 + Σ_{j (≤ i)} (qf_iᵀ kf_j) v_j,   d_i = qd_iᵀ z0 + Σ_{j (≤ i)} qd_iᵀ kd_j
         O_i = U_i / (d_i + ε)  (normalize) or U_i
 
-    Returns (O, (kv_final, z_final)).
+    A masked key (key_padding_mask False) leaves the sums whatever its features and value hold. Masks
+    select (where) instead of multiplying by 0, and with a non-finite value anywhere the causal sum is
+    taken row by row over j ≤ i only: 0·NaN = NaN would otherwise carry a later token's NaN or Inf into
+    earlier rows. Returns (O, (kv_final, z_final)).
     """
     qd = qf if qf_den is None else qf_den
     kd = kf if kf_den is None else kf_den
     if key_padding_mask is not None:
-        m = key_padding_mask[:, None, :, None].to(kf.dtype)
-        kf, kd = kf * m, kd * m
+        drop = ~key_padding_mask[:, None, :, None]
+        kf, kd, v = kf.masked_fill(drop, 0), kd.masked_fill(drop, 0), v.masked_fill(drop, 0)
     n_q, n_k = qf.shape[-2], kf.shape[-2]
     a = qf @ kf.transpose(-1, -2)
     ad = qd @ kd.transpose(-1, -2)
     if causal:
         keep = torch.ones(n_q, n_k, dtype=torch.bool, device=qf.device).tril(n_k - n_q)
-        a, ad = a * keep, ad * keep
-    u = a @ v
+        a, ad = a.masked_fill(~keep, 0), ad.masked_fill(~keep, 0)
+    if causal and not bool(torch.isfinite(v).all()):
+        last = range(n_k - n_q, n_k)  # the last key each query sees
+        u = torch.cat([a[..., i:i + 1, :j + 1] @ v[..., :j + 1, :] for i, j in enumerate(last)], -2)
+    else:
+        u = a @ v
     d = ad.sum(-1)
     kv = kf.transpose(-1, -2) @ v
     z = kd.sum(-2)

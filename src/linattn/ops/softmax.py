@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .._checks import check_key_padding_mask, check_qkv
+from .._checks import check_bool, check_key_padding_mask, check_qkv
 
 
 def softmax_attention(
@@ -25,6 +25,7 @@ def softmax_attention(
     keep.
     """
     check_qkv(q, k, v)
+    check_bool("causal", causal, error=TypeError)
     check_key_padding_mask(key_padding_mask, k.shape[0], k.shape[2], k.device)
     n_q, n_k = q.shape[2], k.shape[2]
     if causal and n_q > n_k:

@@ -9,6 +9,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <limits>
 #include <tuple>
 #include <vector>
 
@@ -240,14 +241,31 @@ void chunked_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
 // state entering each block (the backward recomputes the chunk states inside a block from it).
 int64_t block_tokens(int64_t chunk) { return std::max<int64_t>(chunk, (512 / chunk) * chunk); }
 
+// a·b of sizes, refused where int64 cannot hold it
+int64_t checked_mul(int64_t a, int64_t b) {
+  int64_t r = 0;
+  TORCH_CHECK(!__builtin_mul_overflow(a, b, &r), "linattn_cpu: sizes overflow int64 (", a, " x ", b, ")");
+  return r;
+}
+
 // q, k (B, H, N, F), v (B, H, N, E) of one dtype, states (kv-like, z-like) in the state dtype (float32
-// for bf16 inputs, else q's), a BLAS gemm for the dtype: the checks shared by both passes.
-void check_inputs(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& kv,
-                  const at::Tensor& z, int64_t phi, int64_t chunk) {
+// for bf16 inputs, else q's), a BLAS gemm for the dtype: the checks shared by both passes. Returns the
+// chunk clamped to N (a larger one is the same single chunk), after checking that every work-buffer
+// size fits int64 and every gemm dimension an int.
+int64_t check_inputs(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& kv,
+                     const at::Tensor& z, int64_t phi, int64_t chunk) {
   TORCH_CHECK(q.dim() == 4 && k.sizes() == q.sizes() && v.dim() == 4 && v.sizes().slice(0, 3) == q.sizes().slice(0, 3),
               op, " expects q, k (B, H, N, F) and v (B, H, N, E)");
   TORCH_CHECK(phi == 0 || phi == 1, op, ": phi must be 0 (identity) or 1 (elu + 1)");
   TORCH_CHECK(chunk > 0, op, ": chunk must be positive");
+  const int64_t N = q.size(2), F = q.size(3), E = v.size(3);
+  TORCH_CHECK(F > 0 && E > 0, op, ": F and E must be positive, got ", F, " and ", E);
+  chunk = std::min(chunk, std::max<int64_t>(N, 1));
+  const int64_t block = block_tokens(chunk), most = std::numeric_limits<int>::max();
+  TORCH_CHECK(chunk <= most && F <= most && E <= most, op, ": chunk, F and E must fit an int (BLAS)");
+  checked_mul(checked_mul(chunk, chunk), 8);
+  checked_mul(checked_mul(2 * block, F), 8);
+  checked_mul(checked_mul(checked_mul(block / chunk, F), E), 8);
   const bool bf16 = q.scalar_type() == at::kBFloat16;
   for (const at::Tensor* t : {&k, &v}) {
     TORCH_CHECK(t->scalar_type() == q.scalar_type(), op, ": q, k, v must share a dtype");
@@ -257,13 +275,14 @@ void check_inputs(const char* op, const at::Tensor& q, const at::Tensor& k, cons
                 ": the state must be float32 for bf16 inputs, else of q's dtype");
   }
   TORCH_CHECK(bf16 ? has_blas_bf16() : has_blas(), op, ": no BLAS gemm found in torch");
+  return chunk;
 }
 
 // Returns (o, kv, z, den, S_blocks, z_blocks); the last three are empty unless save (training).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> chunked(
     const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in, const at::Tensor& kv0_in,
     const at::Tensor& z0_in, int64_t phi, bool normalize, double eps, int64_t chunk, bool save) {
-  check_inputs("linattn_cpu::chunked", q_in, k_in, v_in, kv0_in, z0_in, phi, chunk);
+  chunk = check_inputs("linattn_cpu::chunked", q_in, k_in, v_in, kv0_in, z0_in, phi, chunk);
   const at::Tensor q = q_in.contiguous(), k = k_in.contiguous(), v = v_in.contiguous();
   const int64_t N = q.size(2), F = q.size(3), E = v.size(3), rows = q.size(0) * q.size(1);
   TORCH_CHECK(kv0_in.numel() == rows * F * E && z0_in.numel() == rows * F,
@@ -389,7 +408,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> chunked_b
     const at::Tensor& do_in, const at::Tensor& den, const at::Tensor& S_blocks, const at::Tensor& z_blocks,
     const c10::optional<at::Tensor>& dkv, const c10::optional<at::Tensor>& dz, int64_t phi, bool normalize,
     int64_t chunk) {
-  check_inputs("linattn_cpu::chunked_backward", q_in, k_in, v_in, S_blocks, z_blocks, phi, chunk);
+  chunk = check_inputs("linattn_cpu::chunked_backward", q_in, k_in, v_in, S_blocks, z_blocks, phi, chunk);
   const at::Tensor q = q_in.contiguous(), k = k_in.contiguous(), v = v_in.contiguous(), o = o_in.contiguous(),
                    dout = do_in.to(v.scalar_type()).contiguous();
   TORCH_CHECK(o.sizes() == v.sizes() && dout.sizes() == v.sizes(), "linattn_cpu::chunked_backward: o and do must be shaped like v");

@@ -82,8 +82,10 @@ LINATTN_CLONES void narrow_bf16(const float* __restrict__ src, at::BFloat16* __r
 template <typename X>
 class Aligned {
  public:
-  explicit Aligned(int64_t n)
-      : p_(n > 0 ? static_cast<X*>(std::aligned_alloc(64, (n * sizeof(X) + 63) / 64 * 64)) : nullptr) {
+  explicit Aligned(int64_t n) : p_(nullptr) {
+    TORCH_CHECK(n >= 0 && n <= (INT64_MAX - 63) / int64_t(sizeof(X)), "linattn_cpu: a work buffer of ", n,
+                " elements is too large");
+    if (n > 0) p_ = static_cast<X*>(std::aligned_alloc(64, (n * sizeof(X) + 63) / 64 * 64));
     TORCH_CHECK(n == 0 || p_ != nullptr, "linattn_cpu: out of memory for a work buffer");
   }
   ~Aligned() { std::free(p_); }
