@@ -104,7 +104,8 @@ def test_bench_ops_tiny_run(tmp_path, capsys):
     assert data["machine"]["cpu"] and data["machine"]["torch"] == torch.__version__
     assert data["args"]["lengths"] == [64, 128] and data["config"]["dtype"] == "float32"
     keys = {m["key"] for m in data["methods"]}
-    assert {"chunked", "chunked_bf16", "noncausal", "recurrent", "quadratic", "softmax"} <= keys
+    assert {"chunked", "chunked_bf16", "noncausal", "recurrent", "quadratic", "softmax", "gated_scalar",
+            "gated_vector", "deltanet", "gated_deltanet"} <= keys
     by = {(r["method"], r["n"]): r for r in data["results"]}
     for (key, n), r in by.items():
         if key == "recurrent" and n == 128:
@@ -127,7 +128,8 @@ def test_bench_decode_tiny_run(tmp_path, capsys):
     data = _load_report(out, "bench-decode")
     assert [r["ctx"] for r in data["results"]] == [32, 64]
     for r in data["results"]:
-        for key in ("linear_step", "kv_cache", "no_cache"):
+        for key in ("linear_step", "gated_scalar_step", "gated_vector_step", "deltanet_step", "gated_deltanet_step",
+                    "kv_cache", "no_cache"):
             assert r[key]["median_s"] > 0
         assert r["kv_cache_over_step"] > 0 and r["kv_cache_bytes"] == 4 * 2 * r["ctx"] * 128
 
@@ -149,3 +151,23 @@ def test_ops_core_script_smoke(capsys, tmp_path):
     rnd = data["rounds"][1]
     expected = rnd["raw"]["softmax"][0]["fwd_bwd"]["median_s"] / rnd["raw"]["chunked"][0]["fwd_bwd"]["median_s"]
     assert ratio["per_round"][1] == pytest.approx(expected)
+
+
+def test_ops_gated_script_smoke(capsys, tmp_path):
+    """benchmarks/ops_gated.py: every row of its table, the ratios formed within rounds."""
+    spec = importlib.util.spec_from_file_location("ops_gated", ROOT / "benchmarks" / "ops_gated.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = tmp_path / "gated.json"
+    assert mod.main(["--lengths", "64,128", "--min-run-time", "0.01", "--threads", "1", "--rounds", "2",
+                     "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "gated operators vs ungated" in printed and "2 interleaved rounds" in printed
+    data = json.loads(out.read_text())
+    assert len(data["rows"]) == 9 and printed.count("PASS") + printed.count("FAIL") >= 9
+    ratio = data["rows"][0]  # scalar-gated / ungated at N=64, one ratio per round
+    rnd = data["rounds"][1]
+    expected = rnd["fwd_bwd"]["scalar"][0]["median_s"] / rnd["fwd_bwd"]["ungated"][0]["median_s"]
+    assert ratio["per_round"][1] == pytest.approx(expected)
+    memory = data["rows"][-1]
+    assert 0 < memory["median"] < 100

@@ -11,8 +11,10 @@ import torch
 from linattn.cli import main as cli_main
 from linattn.evaluation import (
     ATTENTION_KINDS,
+    MIXER_KINDS,
     PRESETS,
     _train_config,
+    applies,
     kind_model,
     literature_notes,
     render_markdown,
@@ -39,6 +41,10 @@ def test_every_kind_and_task_of_the_presets_makes_a_valid_config(preset):
                 assert mc.layer_kinds == ["softmax"] * mc.n_layers
             elif kind == "hybrid":
                 assert mc.layer_kinds[-1] == "softmax" and mc.layer_kinds.count("softmax") == max(1, mc.n_layers // 4)
+            elif kind in MIXER_KINDS:
+                assert mc.layer_kinds == [kind] * mc.n_layers
+                assert mc.positions == ("rope" if kind == "retnet" else "none")  # as in the papers
+                assert (applies(kind, task) is None) == (task.task != "listops")
             else:
                 assert set(mc.layer_kinds) == {"linear"} and mc.feature_map == kind
     assert kind_model("taylor", p.model, p.kind_options)["qk_dim"] == {"quick": 16, "paper": 8}[preset]
@@ -50,6 +56,16 @@ def test_kind_model_hybrid_pattern_and_errors():
     ModelConfig.from_dict({**kind_model("hybrid", {"n_layers": 8, "d_model": 16, "n_heads": 2})})
     with pytest.raises(ValueError, match="unknown attention kind"):
         kind_model("mamba", {})
+
+
+def test_mixer_kinds_train_on_lm_tasks_and_skip_the_encoder_task():
+    report = run_eval("quick", kinds=["gated_deltanet"], tasks=["mqar", "listops"], steps=2, progress=False)
+    runs = {r["task"]: r for r in report["runs"]}
+    assert runs["mqar"]["status"] == "completed" and runs["mqar"]["metrics"]["accuracy"] is not None
+    assert runs["listops"]["status"] == "skipped" and "causal only" in runs["listops"]["message"]
+    assert report["summary"]["listops"]["gated_deltanet"]["accuracy"]["mean"] is None
+    md = render_markdown(report)
+    assert "Gated DeltaNet" in md and "skipped — Gated DeltaNet is causal only" in md
 
 
 def test_quick_subset_runs_and_writes_report(tmp_path):

@@ -191,11 +191,24 @@ for fm in (None, make_feature_map("elu", 8)):
         qg = q.clone().requires_grad_()
         linear_attention(qg, qg, qg, causal=True, feature_map=fm, chunk_size=chunk).sum().backward()
         assert torch.isfinite(qg.grad).all()
+from linattn.ops import gated_linear_attention
+g = -torch.rand(1, 2, 70, 8)
+for gates in (g[..., 0], g):
+    want = gated_linear_attention(q, q, q, gates, feature_map=make_feature_map("elu", 8), chunk_size=70)
+    for chunk in (2**31, 2**62):
+        qg = q.clone().requires_grad_()
+        o = gated_linear_attention(qg, qg, qg, gates, feature_map=make_feature_map("elu", 8), chunk_size=chunk)
+        torch.testing.assert_close(o, want)
+        o.sum().backward()
+        assert torch.isfinite(qg.grad).all()
 from linattn.ops import native
-if native.available():  # the kernel itself clamps the chunk too
+if native.available():  # the kernels themselves clamp the chunk too
     st = (torch.zeros(1, 2, 8, 8), torch.zeros(1, 2, 8))
     o, *_ = torch.ops.linattn_cpu.chunked.default(q, q, q, *st, 1, True, 1e-6, 2**62, True)
     torch.testing.assert_close(o, linear_attention(q, q, q, causal=True, feature_map=make_feature_map("elu", 8)))
+    o, *_ = torch.ops.linattn_cpu.gated_chunked.default(q, q, q, g, st[0], st[1], 1, 1e-6, 2**62, True)
+    torch.testing.assert_close(o, gated_linear_attention(q, q, q, g, feature_map=make_feature_map("elu", 8),
+                                                         normalize=True))
 print("ok")
 """
 

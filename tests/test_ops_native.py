@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -466,3 +467,22 @@ def test_a_failed_build_warns_with_its_cause(tmp_path):
     assert message.count("could not be built") == 1, message
     assert f"{tmp_path / 'no-such-c++'}: not found" in message, message  # the cause, from the shell
     assert "-DTORCH_EXTENSION_NAME" not in message and len(message) < 1200, message  # no command lines
+
+
+def test_a_killed_build_does_not_hang_the_next_one(tmp_path):
+    """A build killed midway leaves torch's lock file in the extension folder, and torch then waited
+    for it forever in every later process (seen: a test run hung for half an hour). The next build
+    must go ahead: here it starts, and fails fast on a compiler that does not exist."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "CXX": str(tmp_path / "no-such-c++"), "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext"),
+           "LINATTN_NATIVE": "1"}
+    where = subprocess.run([sys.executable, "-c", "from linattn.ops import native; print(native._build_directory())"],
+                           env=env, capture_output=True, text=True, timeout=120)
+    assert where.returncode == 0, where.stderr[-2000:]
+    (Path(where.stdout.strip()) / "lock").touch()  # what a killed build leaves
+    res = subprocess.run([sys.executable, "-c", _FAILED_BUILD], env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "could not be built" in res.stdout, res.stdout

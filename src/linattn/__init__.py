@@ -5,7 +5,15 @@
 
 from .feature_maps import FEATURE_MAPS, make_feature_map
 from .models import LinearTransformerEncoder, LinearTransformerLM, ModelConfig
-from .ops import delta_rule, delta_rule_step, linear_attention, linear_attention_step, softmax_attention
+from .ops import (
+    delta_rule,
+    delta_rule_step,
+    gated_linear_attention,
+    gated_linear_attention_step,
+    linear_attention,
+    linear_attention_step,
+    softmax_attention,
+)
 from .positional import RotaryEmbedding
 
 __version__ = "0.1.0"
@@ -18,6 +26,8 @@ __all__ = [
     "RotaryEmbedding",
     "delta_rule",
     "delta_rule_step",
+    "gated_linear_attention",
+    "gated_linear_attention_step",
     "linear_attention",
     "linear_attention_step",
     "make_feature_map",

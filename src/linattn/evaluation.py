@@ -1,10 +1,14 @@
 """`linattn eval`: train and evaluate a set of attention kinds on a set of tasks, one table.
 
 Kinds (ATTENTION_KINDS): softmax, elu (elu+1), relu, favor (FAVOR+), cosformer, taylor (Based's
-2nd-order Taylor features, q/k dim 16), hedgehog, and hybrid (elu+1 layers with one softmax layer in
-every four; with fewer than four layers the last layer is the softmax one). Tasks: copy (loss and
-token accuracy on the copied half), MQAR (accuracy at the query positions; one column per
-(seq_len, n_pairs) setting), ListOps (accuracy, encoder), byte-level LM (validation bits per byte).
+2nd-order Taylor features, q/k dim 16), hedgehog, hybrid (elu+1 layers with one softmax layer in
+every four; with fewer than four layers the last layer is the softmax one), and the kinds with a
+gated or delta-rule state of linattn.gated_layers (MIXER_KINDS: retnet, simple_gla, gla, deltanet,
+gated_deltanet), with their default short convolution and output gate and, as in their papers, no
+position encoding except RetNet's rotation (positions "rope").
+Tasks: copy (loss and token accuracy on the copied half), MQAR (accuracy at the query positions;
+one column per (seq_len, n_pairs) setting), ListOps (accuracy, bidirectional encoder: the causal-only
+MIXER_KINDS skip it), byte-level LM (validation bits per byte).
 
 Every (kind, task, seed) is one in-process `linattn.training.train` run with fixed seeds (data,
 initialization and random features all follow the seed); the table shows mean ± sample standard
@@ -30,7 +34,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ._checks import check_positive_int
+from .models import RECURRENT_KINDS
 from .training import TrainConfig, train
+from .training.tasks import TASK_CLASSES, LMTask
 
 __all__ = [
     "ATTENTION_KINDS",
@@ -47,9 +53,13 @@ __all__ = [
     "write_report",
 ]
 
-ATTENTION_KINDS = ("softmax", "elu", "relu", "favor", "cosformer", "taylor", "hedgehog", "hybrid")
+#: eval kinds that are a ModelConfig attention kind of their own (causal only), not a feature map
+MIXER_KINDS = tuple(RECURRENT_KINDS)
+ATTENTION_KINDS = ("softmax", "elu", "relu", "favor", "cosformer", "taylor", "hedgehog", "hybrid") + MIXER_KINDS
 KIND_LABELS = {"softmax": "softmax", "elu": "elu+1", "relu": "relu", "favor": "FAVOR+", "cosformer": "cosFormer",
-               "taylor": "Taylor (Based)", "hedgehog": "Hedgehog", "hybrid": "hybrid (elu+1/softmax)"}
+               "taylor": "Taylor (Based)", "hedgehog": "Hedgehog", "hybrid": "hybrid (elu+1/softmax)",
+               "retnet": "RetNet", "simple_gla": "simple GLA", "gla": "GLA", "deltanet": "DeltaNet",
+               "gated_deltanet": "Gated DeltaNet"}
 METRIC_LABELS = {"loss": "loss", "accuracy": "acc", "bpb": "bpb"}
 HIGHER_IS_BETTER = {"accuracy": True, "loss": False, "bpb": False}
 
@@ -178,6 +188,9 @@ def kind_model(kind: str, base: dict, kind_options: dict | None = None) -> dict:
         n = int(m.get("n_layers", 4))
         m["feature_map"] = "elu"
         m["attention"] = ["linear", "linear", "linear", "softmax"] if n % 4 == 0 else ["linear"] * (n - 1) + ["softmax"]
+    elif kind in MIXER_KINDS:
+        m["attention"] = [kind]
+        m["positions"] = "rope" if kind == "retnet" else "none"  # RetNet rotates q, k (xPos); GLA, DeltaNet use none
     else:
         m["attention"] = ["linear"]
         m["feature_map"] = kind
@@ -208,8 +221,21 @@ def _train_config(preset: Preset, task: EvalTask, kind: str, seed: int, steps: i
                        **fields)
 
 
+def applies(kind: str, task: EvalTask) -> str | None:
+    """Why `kind` cannot run `task` (None: it can): the causal-only kinds have no encoder."""
+    if kind in MIXER_KINDS and not issubclass(TASK_CLASSES[task.task], LMTask):
+        return f"{KIND_LABELS[kind]} is causal only; the {task.task} task trains a bidirectional encoder"
+    return None
+
+
 def _run_one(task: EvalTask, kind: str, seed: int, cfg) -> dict:
-    """Trains one (task, kind, seed) and returns its entry of report["runs"]."""
+    """Trains one (task, kind, seed) and returns its entry of report["runs"] (status "skipped", with
+    the reason as message, when the kind does not apply to the task)."""
+    why = applies(kind, task)
+    if why is not None:
+        return {"task": task.name, "kind": kind, "seed": seed, "status": "skipped", "steps": 0, "elapsed_s": 0.0,
+                "tokens_per_s": None, "parameters": None, "first_loss": None, "last_loss": None, "metrics": None,
+                "message": why}
     t0 = time.perf_counter()
     res = train(cfg, progress=False)
     return {"task": task.name, "kind": kind, "seed": seed, "status": res.status, "steps": res.step,

@@ -1,4 +1,4 @@
-"""Attention layers, feed-forward networks, norms and the pre-norm block (design §6–8).
+"""Attention layers, feed-forward networks, norms and the pre-norm block (design §6–8, §14).
 
 Both attention layers share one interface, so the same module serves training and decoding:
 
@@ -13,6 +13,11 @@ updated in place and returned:
     LinearAttention:  cache = (kv (B, H, F, E), z (B, H, F)) + position; O(1) per new token.
     SoftmaxAttention: cache = growing K (B, H, T, D), V (B, H, T, E) (+ padding mask); O(T).
 
+Every attention layer can put a short causal convolution on q, k and v after their projection
+(`short_conv`, linattn.convolution; its cache is the last K−1 projected inputs) and normalize and
+gate its per-head output before the output projection (`output_gate`, `OutputGate`); design §14.
+The gated and delta-rule kinds build on the same base in linattn.gated_layers.
+
 Positions are absolute token indices counted from each sequence's first *real* token, so a
 left-padded prompt sees the same positions (RoPE, cosFormer) as the same prompt alone.
 """
@@ -25,7 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._checks import check_number, check_positive_int
+from ._checks import check_bool, check_int, check_number, check_positive_int
+from .convolution import ShortConvolution
 from .feature_maps import make_feature_map
 from .ops import linear_attention, linear_attention_step, native, softmax_attention
 from .ops.chunked import DEFAULT_CHUNK_SIZE
@@ -74,8 +80,20 @@ class PositionCounter:
         self.length += n
 
 
+def _nbytes(*tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
 @dataclass
-class LinearAttentionCache(PositionCounter):
+class LayerCache(PositionCounter):
+    """What every attention layer's cache holds besides its mixer's context: `conv`, the last K−1
+    inputs of the layer's short convolution (B, K−1, C) (None without one, or before the first call)."""
+
+    conv: torch.Tensor | None = None
+
+
+@dataclass
+class LinearAttentionCache(LayerCache):
     """Recurrent state of one LinearAttention layer: (kv (B, H, F, E), z (B, H, F)), float32
     (float64 for float64 models), None before the first call. Its size does not depend on length."""
 
@@ -83,11 +101,11 @@ class LinearAttentionCache(PositionCounter):
 
     @property
     def nbytes(self) -> int:
-        return 0 if self.state is None else sum(t.numel() * t.element_size() for t in self.state)
+        return _nbytes(self.conv, *(self.state or ()))
 
 
 @dataclass
-class KVCache(PositionCounter):
+class KVCache(LayerCache):
     """Keys and values of one SoftmaxAttention layer, in preallocated buffers of `capacity` tokens
     that grow geometrically (amortized O(1) append, no O(T) copy per token): k (B, H, cap, D),
     v (B, H, cap, E), mask (B, cap) bool or None (no padding so far). Valid entries: [:length]."""
@@ -99,9 +117,9 @@ class KVCache(PositionCounter):
     @property
     def nbytes(self) -> int:
         if self.k is None:
-            return 0
+            return _nbytes(self.conv)
         per_token = self.k[:, :, 0].numel() * self.k.element_size() + self.v[:, :, 0].numel() * self.v.element_size()
-        return self.length * per_token
+        return self.length * per_token + _nbytes(self.conv)
 
     def append(self, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None):
         """Writes n new keys/values after the first `length` ones; returns views (K, V, mask) of all
@@ -141,7 +159,7 @@ def _grow(buf: torch.Tensor | None, shape, keep: int, like: torch.Tensor) -> tor
 # attention layers
 
 
-def _column_major(linear: nn.Linear) -> nn.Linear:
+def column_major(linear: nn.Linear) -> nn.Linear:
     """Stores linear.weight (out, in) as the transpose of a contiguous (in, out) tensor. x·Wᵀ for one
     token is then a plain (1, in)·(in, out) product, which CPU BLAS runs about 1.7× faster than the
     row-major layout's (decoding is bound by these matrix-vector products); batched products cost
@@ -168,27 +186,42 @@ def _check_dropout(p) -> float:
 
 
 class _Attention(nn.Module):
-    """Projections shared by both kinds: x (B, N, d) -> q, k (B, H, N, qk_dim), v (B, H, N, d/H),
-    one fused input matmul; output o (B, H, N, d/H) -> (B, N, d) through `out` and dropout."""
+    """Projections shared by every kind: x (B, N, d) -> q, k (B, H, N, qk_dim), v (B, H, N, d/H),
+    one fused input matmul, then (short_conv = K > 0) a causal depthwise convolution of kernel K over
+    the projected channels; output o (B, H, N, d/H) -> (B, N, d) through (output_gate) the per-head
+    RMSNorm and swish gate, then `out` and dropout."""
 
     kind = ""
 
-    def __init__(self, d_model: int, n_heads: int, qk_dim: int | None, causal: bool, dropout: float, bias: bool):
+    def __init__(self, d_model: int, n_heads: int, qk_dim: int | None, causal: bool, dropout: float, bias: bool,
+                 *, short_conv: int = 0, output_gate: bool = False, norm_eps: float = 1e-5):
         super().__init__()
         self.head_dim, self.qk_dim = _check_heads(d_model, n_heads, qk_dim)
         self.d_model, self.n_heads, self.causal = d_model, n_heads, bool(causal)
         self.dropout_p = _check_dropout(dropout)
-        self.qkv = _column_major(nn.Linear(d_model, n_heads * (2 * self.qk_dim + self.head_dim), bias=bias))
-        self.out = _column_major(nn.Linear(n_heads * self.head_dim, d_model, bias=bias))
+        check_int("short_conv", short_conv, minimum=0)
+        check_bool("output_gate", output_gate)
+        width = n_heads * (2 * self.qk_dim + self.head_dim)
+        self.qkv = column_major(nn.Linear(d_model, width, bias=bias))
+        self.conv = ShortConvolution(width, short_conv) if short_conv else None
+        self.output_gate = OutputGate(d_model, n_heads, self.head_dim, norm_eps, bias) if output_gate else None
+        self.out = column_major(nn.Linear(n_heads * self.head_dim, d_model, bias=bias))
         self.dropout = nn.Dropout(self.dropout_p)
         #: set by LinearTransformerLM.set_sequence_parallel_group; used when no cache is given.
         self.sequence_parallel_group = None
 
-    def _project(self, x: torch.Tensor):
+    def _project(self, x: torch.Tensor, mask: torch.Tensor | None = None, cache: LayerCache | None = None):
+        """q, k, v of x; with a short convolution, padded tokens enter it as zeros and the cache's
+        tail (the last K−1 projected inputs) continues the sequence and is updated."""
         if x.dim() != 3 or x.shape[-1] != self.d_model:
             raise ValueError(f"x must have shape (B, N, d_model={self.d_model}), got {tuple(x.shape)}")
         b, n, _ = x.shape
         y = self.qkv(x)
+        if self.conv is not None:
+            if cache is None:
+                y = self.conv(y, mask)
+            else:
+                y, cache.conv = self.conv(y, mask, cache.conv, return_tail=True)
         if self.qk_dim == self.head_dim:  # [q | k | v] as (3, B, H, N, D) views: three ops, not seven
             return y.view(b, n, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
         hq = self.n_heads * self.qk_dim
@@ -198,9 +231,13 @@ class _Attention(nn.Module):
         v = v.view(b, n, self.n_heads, self.head_dim).transpose(1, 2)
         return q, k, v
 
-    def _merge(self, o: torch.Tensor) -> torch.Tensor:
+    def _merge(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """o (B, H, N, E) -> (B, N, d); x (B, N, d), the layer's input, feeds the output gate."""
         b, _, n, _ = o.shape
-        y = self.out(o.transpose(1, 2).reshape(b, n, self.n_heads * self.head_dim))
+        o = o.transpose(1, 2)
+        if self.output_gate is not None:
+            o = self.output_gate(o, x)
+        y = self.out(o.reshape(b, n, self.n_heads * self.head_dim))
         return self.dropout(y) if self.dropout_p and self.training else y
 
     @staticmethod
@@ -233,8 +270,10 @@ class LinearAttention(_Attention):
     def __init__(self, d_model: int, n_heads: int, *, feature_map="elu", feature_map_options: dict | None = None,
                  causal: bool = True, rope: bool = False, rope_base: float = 10_000.0, qk_dim: int | None = None,
                  normalize: bool = True, eps: float = 1e-6, dropout: float = 0.0, bias: bool = False,
-                 chunk_size: int = DEFAULT_CHUNK_SIZE):
-        super().__init__(d_model, n_heads, qk_dim, causal, dropout, bias)
+                 chunk_size: int = DEFAULT_CHUNK_SIZE, short_conv: int = 0, output_gate: bool = False,
+                 norm_eps: float = 1e-5):
+        super().__init__(d_model, n_heads, qk_dim, causal, dropout, bias, short_conv=short_conv,
+                         output_gate=output_gate, norm_eps=norm_eps)
         if isinstance(feature_map, str):
             self.feature_map = make_feature_map(feature_map, self.qk_dim, **(feature_map_options or {}))
         elif isinstance(feature_map, nn.Module) and hasattr(feature_map, "feature_dim"):
@@ -258,7 +297,7 @@ class LinearAttention(_Attention):
         """x (B, N, d), mask (B, N) bool or None, positions (N,) or (B, N) or None (derived from the
         mask and the cache). Returns (y (B, N, d), cache)."""
         self._check_mask(mask, x)
-        q, k, v = self._project(x)
+        q, k, v = self._project(x, mask, cache)
         n = x.shape[1]
         if positions is None and self._needs_positions and (cache is not None or mask is not None):
             positions = (cache.next_positions(n, mask, x.device) if cache is not None
@@ -275,7 +314,7 @@ class LinearAttention(_Attention):
             else:
                 o = linear_attention(q, k, v, causal=self.causal, key_padding_mask=mask, positions=positions,
                                      chunk_size=self.chunk_size, **opts)
-            return self._merge(o), None
+            return self._merge(o, x), None
         if not self.causal:
             raise ValueError("a cache (recurrent decoding) needs a causal LinearAttention")
         if n == 1:
@@ -286,7 +325,7 @@ class LinearAttention(_Attention):
                                         **opts)
         cache.state = state
         cache.advance(n, mask)
-        return self._merge(o), cache
+        return self._merge(o, x), cache
 
     def extra_repr(self) -> str:
         return (f"d_model={self.d_model}, n_heads={self.n_heads}, qk_dim={self.qk_dim}, causal={self.causal}, "
@@ -305,8 +344,10 @@ class SoftmaxAttention(_Attention):
     kind = "softmax"
 
     def __init__(self, d_model: int, n_heads: int, *, causal: bool = True, rope: bool = False,
-                 rope_base: float = 10_000.0, qk_dim: int | None = None, dropout: float = 0.0, bias: bool = False):
-        super().__init__(d_model, n_heads, qk_dim, causal, dropout, bias)
+                 rope_base: float = 10_000.0, qk_dim: int | None = None, dropout: float = 0.0, bias: bool = False,
+                 short_conv: int = 0, output_gate: bool = False, norm_eps: float = 1e-5):
+        super().__init__(d_model, n_heads, qk_dim, causal, dropout, bias, short_conv=short_conv,
+                         output_gate=output_gate, norm_eps=norm_eps)
         self.rope = RotaryEmbedding(self.qk_dim, rope_base) if rope else None
 
     def new_cache(self) -> KVCache:
@@ -316,7 +357,7 @@ class SoftmaxAttention(_Attention):
                 positions: torch.Tensor | None = None):
         """x (B, N, d), mask (B, N) bool or None, positions (N,) or (B, N) or None. Returns (y, cache)."""
         self._check_mask(mask, x)
-        q, k, v = self._project(x)
+        q, k, v = self._project(x, mask, cache)
         n = x.shape[1]
         if self.rope is not None:
             if positions is None:
@@ -335,13 +376,13 @@ class SoftmaxAttention(_Attention):
                 raise ValueError("sequence parallelism does not take a padding mask")
             o = sequence_parallel_softmax_attention(q, k, v, group=self.sequence_parallel_group, causal=self.causal,
                                                     scale=None)
-            return self._merge(o), None
+            return self._merge(o, x), None
         if mask is None:
             # a single new query sees every cached key: no mask to build
             o = softmax_attention(q, k, v, causal=self.causal and n > 1, dropout_p=p)
         else:
             o = _padded_softmax_attention(q, k, v, mask, self.causal, p)
-        return self._merge(o), cache
+        return self._merge(o, x), cache
 
     def extra_repr(self) -> str:
         return (f"d_model={self.d_model}, n_heads={self.n_heads}, qk_dim={self.qk_dim}, causal={self.causal}, "
@@ -388,6 +429,27 @@ class RMSNorm(nn.Module):
         return f"{self.weight.shape[0]}, eps={self.eps:g}"
 
 
+class OutputGate(nn.Module):
+    """Per-head output normalization and swish output gate (RetNet, GLA, DeltaNet; design §14):
+
+        o_h ← RMSNorm(o_h) ⊙ swish(W_g x)_h
+
+    o_h (E) is head h's output at one token, normalized by its own root mean square with a gain (E)
+    shared by the heads; W_g (d -> H·E) projects the layer's input x. swish(a) = a·sigmoid(a).
+    forward(o (B, N, H, E), x (B, N, d)) -> (B, N, H, E).
+    """
+
+    def __init__(self, d_model: int, n_heads: int, head_dim: int, eps: float = 1e-5, bias: bool = False):
+        super().__init__()
+        self.n_heads, self.head_dim = n_heads, head_dim
+        self.norm = RMSNorm(head_dim, eps)
+        self.proj = column_major(nn.Linear(d_model, n_heads * head_dim, bias=bias))
+
+    def forward(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        gate = F.silu(self.proj(x)).unflatten(-1, (self.n_heads, self.head_dim))
+        return self.norm(o) * gate
+
+
 NORMS = ("rmsnorm", "layernorm")
 ACTIVATIONS = ("gelu", "swiglu")
 
@@ -414,8 +476,8 @@ class FeedForward(nn.Module):
             raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
         check_positive_int("d_ff", d_ff)
         self.activation = activation
-        self.up = _column_major(nn.Linear(d_model, d_ff * (2 if activation == "swiglu" else 1), bias=bias))
-        self.down = _column_major(nn.Linear(d_ff, d_model, bias=bias))
+        self.up = column_major(nn.Linear(d_model, d_ff * (2 if activation == "swiglu" else 1), bias=bias))
+        self.down = column_major(nn.Linear(d_ff, d_model, bias=bias))
         self.dropout = nn.Dropout(_check_dropout(dropout))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -446,6 +508,10 @@ class Block(nn.Module):
         self.norm2 = make_norm(norm, d, norm_eps)
         self.ffn = FeedForward(d, d_ff, activation, dropout, bias)
 
+    def new_cache(self):
+        """The attention layer's empty cache."""
+        return self.attn.new_cache()
+
     def forward(self, x, mask=None, cache=None, positions=None):
         a, cache = self.attn(self.norm1(x), mask, cache, positions)
         x = x + a
@@ -453,14 +519,87 @@ class Block(nn.Module):
         return x, cache
 
 
+class GatedConvolution(nn.Module):
+    """Zoology's BaseConv (Arora et al. 2023): a causal depthwise convolution of kernel K (3 by default)
+    gated by a linear map of the same input, plus the input,
+
+        y = conv(u) ⊙ (W u + b) + u,         u (B, N, d),
+
+    with biases on both, as in Zoology. forward(u, mask=None, tail=None, return_tail=False) -> y, or
+    (y, tail') with return_tail (the convolution's cache, see linattn.convolution.ShortConvolution).
+    """
+
+    def __init__(self, d_model: int, kernel_size: int = 3):
+        super().__init__()
+        self.conv = ShortConvolution(d_model, kernel_size, bias=True)
+        self.proj = column_major(nn.Linear(d_model, d_model, bias=True))
+
+    def forward(self, u: torch.Tensor, mask: torch.Tensor | None = None, tail: torch.Tensor | None = None,
+                return_tail: bool = False):
+        c = self.conv(u, mask, tail, return_tail)
+        if return_tail:
+            c, tail = c
+        y = torch.addcmul(u, c, self.proj(u))
+        return (y, tail) if return_tail else y
+
+
+@dataclass
+class ConvMixerCache:
+    """The decoding cache of a ConvMixerBlock: its attention layer's cache and the gated convolution's
+    tail (B, K−1, d) (None before the first call)."""
+
+    attn: PositionCounter
+    conv: torch.Tensor | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return self.attn.nbytes + _nbytes(self.conv)
+
+
+class ConvMixerBlock(nn.Module):
+    """A block without feed-forward network that alternates a gated short convolution with the
+    attention layer (the layout of Zoology's and Based's MQAR models; design §15):
+
+        x ← x + GatedConv(Norm₁(x)),   x ← x + Attn(Norm₂(x)).
+
+    forward(x (B, N, d), mask, cache, positions) -> (x, cache); cache a ConvMixerCache or None.
+    """
+
+    def __init__(self, attn: _Attention, kernel_size: int = 3, *, norm: str = "rmsnorm", norm_eps: float = 1e-5):
+        super().__init__()
+        d = attn.d_model
+        self.norm1 = make_norm(norm, d, norm_eps)
+        self.conv = GatedConvolution(d, kernel_size)
+        self.norm2 = make_norm(norm, d, norm_eps)
+        self.attn = attn
+
+    def new_cache(self) -> ConvMixerCache:
+        return ConvMixerCache(attn=self.attn.new_cache())
+
+    def forward(self, x, mask=None, cache=None, positions=None):
+        if cache is None:
+            x = x + self.conv(self.norm1(x), mask)
+            a, _ = self.attn(self.norm2(x), mask, None, positions)
+            return x + a, None
+        c, cache.conv = self.conv(self.norm1(x), mask, cache.conv, return_tail=True)
+        x = x + c
+        a, _ = self.attn(self.norm2(x), mask, cache.attn, positions)
+        return x + a, cache
+
+
 __all__ = [
     "ACTIVATIONS",
     "NORMS",
     "Block",
+    "ConvMixerBlock",
+    "ConvMixerCache",
     "FeedForward",
+    "GatedConvolution",
     "KVCache",
+    "LayerCache",
     "LinearAttention",
     "LinearAttentionCache",
+    "OutputGate",
     "PositionCounter",
     "RMSNorm",
     "SoftmaxAttention",

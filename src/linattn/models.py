@@ -2,13 +2,17 @@
 
     ids (B, N) ─ tok_emb (+ pos_emb) ─ dropout ─ Block × n_layers ─ Norm ─ head
 
-Each Block is pre-norm, `x ← x + Attn(Norm(x)); x ← x + FFN(Norm(x))`, and its attention kind
-(linear or softmax) is chosen per layer by `ModelConfig.attention`, so a hybrid such as
-["linear", "linear", "linear", "softmax"] (repeated over the layers) is a config value.
+Each Block is pre-norm, `x ← x + Attn(Norm(x)); x ← x + FFN(Norm(x))` (block="transformer"), or
+`x ← x + GatedConv(Norm(x)); x ← x + Attn(Norm(x))` without FFN (block="conv_mixer", Zoology's
+layout), and its attention kind is chosen per layer by `ModelConfig.attention` (ATTENTION_KINDS:
+linear, softmax, and the gated / delta-rule kinds of linattn.gated_layers), so a hybrid such as
+["gated_deltanet", "gated_deltanet", "gated_deltanet", "softmax"] (repeated over the layers) is a
+config value.
 
 The LM decodes recurrently: `forward(ids, cache=model.new_cache())` prefills (chunked parallel
 path) and returns the per-layer caches; each further call with that cache costs O(1) per token in
-linear layers (state update) and O(context) in softmax layers (KV cache). See linattn.generation.
+linear, gated and delta-rule layers (state update) and O(context) in softmax layers (KV cache). See
+linattn.generation.
 """
 
 from __future__ import annotations
@@ -36,10 +40,18 @@ from ._checks import (
 )
 from .checkpoint import CONFIG_NAME, CheckpointError, load_model, read_config, save_pretrained
 from .feature_maps import FEATURE_MAPS, make_feature_map
+from .gated_layers import (
+    DeltaNetAttention,
+    GatedDeltaNetAttention,
+    GLAAttention,
+    RetNetAttention,
+    SimpleGLAAttention,
+)
 from .layers import (
     ACTIVATIONS,
     NORMS,
     Block,
+    ConvMixerBlock,
     LinearAttention,
     PositionCounter,
     SoftmaxAttention,
@@ -49,9 +61,24 @@ from .layers import (
 from .ops.chunked import DEFAULT_CHUNK_SIZE
 from .positional import RotaryEmbedding
 
-ATTENTION_KINDS = ("linear", "softmax")
+#: attention kind -> layer class (linattn.layers, linattn.gated_layers)
+ATTENTION_LAYERS = {
+    "linear": LinearAttention,
+    "softmax": SoftmaxAttention,
+    "retnet": RetNetAttention,
+    "simple_gla": SimpleGLAAttention,
+    "gla": GLAAttention,
+    "deltanet": DeltaNetAttention,
+    "gated_deltanet": GatedDeltaNetAttention,
+}
+ATTENTION_KINDS = tuple(ATTENTION_LAYERS)
+#: the kinds with a decaying or corrected state (linattn.gated_layers): causal only, output gate on by default
+RECURRENT_KINDS = ("retnet", "simple_gla", "gla", "deltanet", "gated_deltanet")
+#: short convolution kernel on q, k, v when ModelConfig.short_conv is None (DeltaNet and Gated DeltaNet use 4)
+DEFAULT_SHORT_CONV = {"deltanet": 4, "gated_deltanet": 4}
 POSITIONS = ("rope", "learned", "none")
 POOLINGS = ("mean", "first")
+BLOCKS = ("transformer", "conv_mixer")
 
 
 @dataclass
@@ -69,8 +96,18 @@ class ModelConfig:
         "learned" (absolute embeddings, at most max_len positions) or "none".
     d_ff: FFN hidden width (default 4·d_model). num_classes / pooling: the encoder's head.
     seed: seeds the weight initialization (and, by default, the random feature maps).
-    chunk_size: rows per chunk C of the linear layers' chunked causal operator (design §3); any
-        positive int, the sequence length need not be a multiple. Numbers equal up to rounding.
+    chunk_size: rows per chunk C of the chunked causal operators (linear, gated, delta rule; design
+        §3, §12–13); any positive int, the sequence length need not be a multiple. Numbers equal up
+        to rounding.
+    short_conv: kernel size K of the causal depthwise convolution on q, k and v after their
+        projection (design §14), in every layer; 0 = none; None (default) = each kind's own: 4 for
+        deltanet and gated_deltanet, none for the others.
+    output_gate: per-head RMSNorm of the attention output and swish gate, o = RMSNorm(o) ⊙ swish(W_g x),
+        in every layer; None (default) = each kind's own: on for the gated and delta-rule kinds, off
+        for linear and softmax.
+    block: "transformer" (pre-norm attention + FFN) or "conv_mixer" (pre-norm gated short convolution
+        + attention, no FFN: Zoology's BaseConv layout for recall); conv_mixer_kernel: the kernel of
+        that gated convolution (3, as in Zoology).
     """
 
     vocab_size: int = 256
@@ -95,9 +132,13 @@ class ModelConfig:
     pooling: str = "mean"
     seed: int = 0
     chunk_size: int = DEFAULT_CHUNK_SIZE
+    short_conv: int | None = None
+    output_gate: bool | None = None
+    block: str = "transformer"
+    conv_mixer_kernel: int = 3
 
     def __post_init__(self):
-        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "max_len", "chunk_size"):
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "max_len", "chunk_size", "conv_mixer_kernel"):
             check_positive_int(name, getattr(self, name))
         for name in ("d_ff", "qk_dim", "num_classes"):
             check_positive_int(name, getattr(self, name), allow_none=True)
@@ -118,6 +159,10 @@ class ModelConfig:
         check_choice("norm", self.norm, NORMS)
         check_choice("activation", self.activation, ACTIVATIONS)
         check_choice("pooling", self.pooling, POOLINGS)
+        check_choice("block", self.block, BLOCKS)
+        check_int("short_conv", self.short_conv, minimum=0, allow_none=True)
+        if self.output_gate is not None:
+            check_bool("output_gate", self.output_gate)
         check_number("dropout", self.dropout, minimum=0, maximum=1, high_open=True)
         for name in ("rope_base", "norm_eps"):
             check_number(name, getattr(self, name), minimum=0, low_open=True)
@@ -158,6 +203,27 @@ class ModelConfig:
     def layer_kinds(self) -> list[str]:
         """The attention kind of every layer: the pattern repeated to n_layers."""
         return self.attention * (self.n_layers // len(self.attention))
+
+    def short_conv_for(self, kind: str) -> int:
+        """The short convolution kernel of a layer of `kind` (0: none)."""
+        return DEFAULT_SHORT_CONV.get(kind, 0) if self.short_conv is None else self.short_conv
+
+    def output_gate_for(self, kind: str) -> bool:
+        """Whether a layer of `kind` normalizes and gates its output."""
+        return kind in RECURRENT_KINDS if self.output_gate is None else self.output_gate
+
+    def sequence_parallel_obstacle(self) -> str | None:
+        """Why a model of this config cannot run sequence-parallel (None: it can). Only linear and
+        softmax layers without short convolutions in transformer blocks can for now."""
+        kinds = sorted({k for k in self.attention if k in RECURRENT_KINDS})
+        if kinds:
+            return f"the attention kind(s) {', '.join(kinds)} do not run sequence-parallel yet"
+        convs = sorted({k for k in self.attention if self.short_conv_for(k)})
+        if convs:
+            return f"short convolutions (short_conv, in the {', '.join(convs)} layers) do not run sequence-parallel yet"
+        if self.block != "transformer":
+            return f"block={self.block!r} (a gated convolution) does not run sequence-parallel yet"
+        return None
 
     def feature_map_options_for(self, layer: int) -> dict:
         opts = dict(self.feature_map_options)
@@ -247,22 +313,29 @@ class _Transformer(nn.Module):
         self.activation_checkpointing = False
         self.sequence_parallel_group = None
 
-    def _block(self, i: int, kind: str) -> Block:
+    def _block(self, i: int, kind: str) -> nn.Module:
         c = self.config
-        common = dict(causal=self.causal, rope=c.positions == "rope", rope_base=c.rope_base, qk_dim=c.qk_dim,
-                      dropout=c.dropout, bias=c.bias)
+        common = dict(rope=c.positions == "rope", rope_base=c.rope_base, qk_dim=c.qk_dim, dropout=c.dropout,
+                      bias=c.bias, short_conv=c.short_conv_for(kind), output_gate=c.output_gate_for(kind),
+                      norm_eps=c.norm_eps)
         if kind == "linear":
-            attn = LinearAttention(c.d_model, c.n_heads, feature_map=c.feature_map,
+            attn = LinearAttention(c.d_model, c.n_heads, feature_map=c.feature_map, causal=self.causal,
                                    feature_map_options=c.feature_map_options_for(i), chunk_size=c.chunk_size, **common)
+        elif kind == "softmax":
+            attn = SoftmaxAttention(c.d_model, c.n_heads, causal=self.causal, **common)
         else:
-            attn = SoftmaxAttention(c.d_model, c.n_heads, **common)
+            attn = ATTENTION_LAYERS[kind](c.d_model, c.n_heads, chunk_size=c.chunk_size, **common)
+        if c.block == "conv_mixer":
+            return ConvMixerBlock(attn, c.conv_mixer_kernel, norm=c.norm, norm_eps=c.norm_eps)
         return Block(attn, c.ffn_dim, activation=c.activation, norm=c.norm, norm_eps=c.norm_eps, dropout=c.dropout,
                      bias=c.bias)
 
     @torch.no_grad()
     def _init_weights(self) -> None:
         """GPT-2 style, seeded by config.seed: N(0, 0.02) for linear and embedding weights, residual
-        output projections scaled by 1/√(2·n_layers), zero biases; norms at 1; φ keeps its own."""
+        output projections scaled by 1/√(2·n_layers), zero biases; norms at 1; φ keeps its own.
+        Modules with their own scheme (`init_parameters(generator)`: short convolutions, Mamba2-style
+        decays) draw from the same generator."""
         g = torch.Generator().manual_seed(self.config.seed)
         resid = 0.02 / math.sqrt(2 * self.config.n_layers)
         for name, mod in self.named_modules():
@@ -271,6 +344,8 @@ class _Transformer(nn.Module):
                 mod.weight.copy_(torch.randn(mod.weight.shape, generator=g) * std)
                 if getattr(mod, "bias", None) is not None:
                     mod.bias.zero_()
+            elif hasattr(mod, "init_parameters"):
+                mod.init_parameters(g)
 
     def save_pretrained(self, directory) -> Path:
         """Writes `directory`/config.json and model.safetensors (linattn.checkpoint's format)."""
@@ -291,7 +366,12 @@ class _Transformer(nn.Module):
         """Run every attention layer sequence-parallel over `group` (a torch.distributed process
         group; None: local) when no cache is used. Each rank then passes its contiguous shard of
         every sequence, in rank order, with `positions` = the global indices of the shard's tokens
-        (start + arange(n), see linattn.parallel.shard_bounds), and gets the logits of its shard."""
+        (start + arange(n), see linattn.parallel.shard_bounds), and gets the logits of its shard.
+        Models with gated or delta-rule layers, short convolutions or conv_mixer blocks are refused."""
+        obstacle = None if group is None else self.config.sequence_parallel_obstacle()
+        if obstacle is not None:
+            raise ValueError(f"sequence parallelism: {obstacle}; use 'linear' and 'softmax' layers with "
+                             "short_conv=0 and block='transformer', or train on one process per sequence")
         self.sequence_parallel_group = group
         for block in self.blocks:
             block.attn.sequence_parallel_group = group
@@ -352,9 +432,13 @@ class _Transformer(nn.Module):
 class LinearTransformerLM(_Transformer):
     """Decoder-only language model with linear (and optionally softmax) attention layers.
 
-    forward(ids (B, N), mask=None, cache=None, last_only=False, positions=None) -> (logits (B, N, V), cache)
-    With last_only, logits are (B, 1, V) for the last position only (generation). positions: the
-    tokens' global indices, needed under sequence parallelism (see set_sequence_parallel_group).
+    forward(ids (B, N), mask=None, cache=None, last_only=False, positions=None, logits_at=None)
+        -> (logits (B, N, V), cache)
+    With last_only, logits are (B, 1, V) for the last position only (generation). With logits_at, an
+    int tensor (B, P) or (P,) of indices into the N tokens (e.g. the query positions of a recall task),
+    logits are (B, P, V) for those positions only: the output projection runs on P rows instead of N.
+    positions: the tokens' global indices, needed under sequence parallelism (see
+    set_sequence_parallel_group).
     """
 
     causal = True
@@ -368,13 +452,20 @@ class LinearTransformerLM(_Transformer):
 
     def new_cache(self) -> ModelCache:
         """An empty cache: pass it to forward for the prefill, then the returned one per step."""
-        return ModelCache(layers=[block.attn.new_cache() for block in self.blocks])
+        return ModelCache(layers=[block.new_cache() for block in self.blocks])
 
     def forward(self, ids: torch.Tensor, mask: torch.Tensor | None = None, cache: ModelCache | None = None,
-                last_only: bool = False, positions: torch.Tensor | None = None):
+                last_only: bool = False, positions: torch.Tensor | None = None,
+                logits_at: torch.Tensor | None = None):
+        if logits_at is not None:
+            if last_only:
+                raise ValueError("pass last_only or logits_at, not both")
+            logits_at = _check_logits_at(logits_at, ids)
         h = self._trunk(ids, mask, cache, positions)
         if last_only:
             h = h[:, -1:]
+        elif logits_at is not None:
+            h = h.gather(1, logits_at[..., None].expand(-1, -1, h.shape[-1]))
         return self.lm_head(h), cache
 
     def loss(self, ids: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -403,6 +494,24 @@ class LinearTransformerLM(_Transformer):
                       seed=seed, stop_tokens=stop_tokens, mask=mask)
 
 
+def _check_logits_at(index, ids: torch.Tensor) -> torch.Tensor:
+    """logits_at as (B, P) long indices into ids' N tokens (a (P,) index is shared by the rows)."""
+    b, n = ids.shape
+    if not isinstance(index, torch.Tensor) or index.dtype not in (torch.int32, torch.int64) or index.dim() not in (1, 2):
+        got = f"{tuple(index.shape)} {index.dtype}" if isinstance(index, torch.Tensor) else type(index).__name__
+        raise ValueError(f"logits_at must be an integer tensor of shape (B, P) or (P,) of token indices, got {got}")
+    if index.dim() == 2 and index.shape[0] != b:
+        raise ValueError(f"logits_at must have shape (B={b}, P) or (P,), got {tuple(index.shape)}")
+    if index.device != ids.device:
+        raise ValueError(f"logits_at must be on ids' device ({ids.device}), got {index.device}")
+    if index.numel() and not torch.compiler.is_compiling():
+        lo, hi = int(index.min()), int(index.max())
+        if lo < 0 or hi >= n:
+            raise ValueError(f"logits_at indices must lie in [0, {n}) (the tokens of ids), got {lo} … {hi}")
+    index = index.long()
+    return index.expand(b, -1) if index.dim() == 1 else index
+
+
 class LinearTransformerEncoder(_Transformer):
     """Bidirectional encoder with a classification head (e.g. ListOps).
 
@@ -416,6 +525,10 @@ class LinearTransformerEncoder(_Transformer):
     def __init__(self, config: ModelConfig):
         if config.num_classes is None:
             raise ValueError("num_classes must be set in the config of a LinearTransformerEncoder")
+        causal_only = sorted({k for k in config.attention if k in RECURRENT_KINDS})
+        if causal_only:
+            raise ValueError(f"attention: the kind(s) {', '.join(causal_only)} are causal only; a "
+                             "LinearTransformerEncoder (bidirectional) takes 'linear' and 'softmax' layers")
         super().__init__(config)
         self.head = nn.Linear(config.d_model, config.num_classes)
         self._init_weights()
@@ -472,6 +585,8 @@ def load_pretrained(directory, cls=None, *, config: ModelConfig | None = None, d
 
 __all__ = [
     "ATTENTION_KINDS",
+    "BLOCKS",
+    "RECURRENT_KINDS",
     "POSITIONS",
     "LinearTransformerEncoder",
     "LinearTransformerLM",

@@ -1,6 +1,9 @@
 """`linattn bench decode`: the cost of generating one token against a context of length `ctx`.
 
     linear step     linattn.linear_attention_step on a (kv, z) state — O(1) in ctx
+    gated step      linattn.gated_linear_attention_step on a state kv (D×E per head), scalar or vector g
+    DeltaNet step   linattn.delta_rule_step (qk_l2norm) on a state S (D×E per head) — O(1) in ctx
+    Gated DeltaNet step  the same with a log-decay g — O(1) in ctx
     softmax + cache SDPA of the new query against a KV cache of ctx tokens — O(ctx)
     softmax, no cache  full causal SDPA over ctx + 1 tokens, recomputed for the last token — O(ctx²)
 
@@ -17,14 +20,16 @@ import torch.nn.functional as F
 from rich.console import Console
 
 from ..feature_maps import EluPlusOne
-from ..ops import linear_attention_step
+from ..ops import delta_rule_step, gated_linear_attention_step, linear_attention_step
 from ..report import fmt_bytes, fmt_time, make_table, plot_loglog, progress
 from .consistency import growing_series, unstable
 from .methods import Shape, short_dtype
 from .timing import measure
 
 DEFAULT_CONTEXTS = [256, 512, 1024, 2048, 4096, 8192, 16384]
-DECODE_METHODS = {"linear_step": "linear RNN step", "kv_cache": "softmax + KV cache",
+DECODE_METHODS = {"linear_step": "linear RNN step", "gated_scalar_step": "gated step, scalar g",
+                  "gated_vector_step": "GLA step, vector g", "deltanet_step": "DeltaNet step",
+                  "gated_deltanet_step": "Gated DeltaNet step", "kv_cache": "softmax + KV cache",
                   "no_cache": "softmax, no cache"}
 
 
@@ -45,6 +50,39 @@ def linear_step_fn(shape: Shape, dtype: torch.dtype, device, seed: int = 0):
     def fn():
         with torch.inference_mode():
             return linear_attention_step(state, q, k, v, feature_map=fm)
+
+    return fn
+
+
+def gated_step_fn(shape: Shape, dtype: torch.dtype, device, seed: int = 0, per_feature: bool = False):
+    """One linattn.gated_linear_attention_step (g = −0.1, per head or per feature) from a float32 state kv."""
+    gen = torch.Generator().manual_seed(seed)
+    b, h, d, e = shape.batch, shape.heads, shape.head_dim, shape.value_dim
+    q, k = (_randn(gen, b, h, 1, d, dtype=dtype, device=device) for _ in range(2))
+    v = _randn(gen, b, h, 1, e, dtype=dtype, device=device)
+    state = _randn(gen, b, h, d, e, dtype=torch.float32, device=device)
+    g = torch.full((b, h, 1, d) if per_feature else (b, h, 1), -0.1, device=device)
+
+    def fn():
+        with torch.inference_mode():
+            return gated_linear_attention_step(state, q, k, v, g)
+
+    return fn
+
+
+def delta_step_fn(shape: Shape, dtype: torch.dtype, device, seed: int = 0, gated: bool = False):
+    """One linattn.delta_rule_step (qk_l2norm, β = 0.5, g = −0.1 when gated) from a float32 state (B, H, D, E)."""
+    gen = torch.Generator().manual_seed(seed)
+    b, h, d, e = shape.batch, shape.heads, shape.head_dim, shape.value_dim
+    q, k = (_randn(gen, b, h, 1, d, dtype=dtype, device=device) for _ in range(2))
+    v = _randn(gen, b, h, 1, e, dtype=dtype, device=device)
+    state = _randn(gen, b, h, d, e, dtype=torch.float32, device=device)
+    beta = torch.full((b, h, 1), 0.5, device=device)
+    g = torch.full((b, h, 1), -0.1, device=device) if gated else None
+
+    def fn():
+        with torch.inference_mode():
+            return delta_rule_step(state, q, k, v, beta, g=g, qk_l2norm=True)
 
     return fn
 
@@ -116,6 +154,12 @@ def run_decode(cfg: DecodeConfig, console: Console | None = None) -> dict:
                     row[key] = None
                 else:
                     fn = {"linear_step": lambda: linear_step_fn(cfg.shape, cfg.dtype, device, cfg.seed),
+                          "gated_scalar_step": lambda: gated_step_fn(cfg.shape, cfg.dtype, device, cfg.seed),
+                          "gated_vector_step": lambda: gated_step_fn(cfg.shape, cfg.dtype, device, cfg.seed,
+                                                                     per_feature=True),
+                          "deltanet_step": lambda: delta_step_fn(cfg.shape, cfg.dtype, device, cfg.seed),
+                          "gated_deltanet_step": lambda: delta_step_fn(cfg.shape, cfg.dtype, device, cfg.seed,
+                                                                       gated=True),
                           "kv_cache": lambda: kv_cache_fn(cfg.shape, ctx, cfg.dtype, device, cfg.seed),
                           "no_cache": lambda: no_cache_fn(cfg.shape, ctx, cfg.dtype, device, cfg.seed)}[key]()
                     row[key] = measure(fn, min_run_time=cfg.min_run_time, warmup=3).as_dict()
@@ -139,7 +183,7 @@ def check_decode(res: dict) -> list[str]:
     or without a cache faster at a longer context, or flat over the sweep."""
     out = []
     for key, label in DECODE_METHODS.items():
-        pts = [(r["ctx"], r[key]["median_s"], r[key]["iqr_s"]) for r in res["results"] if r[key]]
+        pts = [(r["ctx"], r[key]["median_s"], r[key]["iqr_s"]) for r in res["results"] if r.get(key)]
         for ctx, median, iqr in pts:
             out += unstable(label, f"context {ctx}", median, iqr)
         if key in GROWS_WITH_CONTEXT:

@@ -8,6 +8,13 @@ The linear ones use the normalized elu+1 feature map unless another is given.
     recurrent     a Python loop of linattn.linear_attention_step over the tokens (slow; capped)
     quadratic     linattn.ops.reference.kernel_attention on φ(q), φ(k): the N×N oracle (capped)
     softmax       F.scaled_dot_product_attention(is_causal=True)
+    gated_scalar  linattn.gated_linear_attention, g = logsigmoid(N(0, 1)) per head and token (simple GLA)
+    gated_vector  the same with g per key feature (B, H, N, D)                  (GLA)
+    deltanet      linattn.delta_rule(qk_l2norm=True), β = sigmoid(N(0, 1))      (DeltaNet)
+    gated_deltanet  the same with g = logsigmoid(N(0, 1))                       (Gated DeltaNet)
+
+The gates of the recurrent kinds are fixed tensors in float32, drawn once per shape from a seeded
+generator (`fixed_gates`); gradients are taken with respect to q, k and v only.
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from ..feature_maps import EluPlusOne
-from ..ops import linear_attention, linear_attention_step
+from ..ops import delta_rule, gated_linear_attention, linear_attention, linear_attention_step
 from ..ops.chunked import DEFAULT_CHUNK_SIZE
 from ..ops.reference import kernel_attention
 from .flops import chunked_linear_flops
@@ -56,6 +63,47 @@ class Method:
 
 def short_dtype(dtype: torch.dtype) -> str:
     return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}[dtype]
+
+
+_GATES: dict = {}
+
+
+def fixed_gates(q: torch.Tensor, seed: int = 0, per_feature: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """β = sigmoid(N(0, 1)) of shape (B, H, N) and g = logsigmoid(N(0, 1)) of shape (B, H, N), or (B, H,
+    N, D) with per_feature, float32 on q's device, drawn once per shape and device (then reused, so
+    timings do not include the draw)."""
+    b, h, n, d = q.shape
+    key = (tuple(q.shape), str(q.device), seed, per_feature)
+    if key not in _GATES:
+        if len(_GATES) > 16:
+            _GATES.clear()
+        gen = torch.Generator().manual_seed(seed * 1_000_003 + n)
+        beta = torch.sigmoid(torch.randn(b, h, n, generator=gen)).to(q.device)
+        g_shape = (b, h, n, d) if per_feature else (b, h, n)
+        _GATES[key] = beta, F.logsigmoid(torch.randn(g_shape, generator=gen)).to(q.device)
+    return _GATES[key]
+
+
+def recurrent_methods(*, chunk: int = DEFAULT_CHUNK_SIZE) -> list[Method]:
+    """The operators of the recurrent attention kinds (gated linear attention, delta rule) as rows of
+    the operator sweep."""
+
+    def gated_scalar(q, k, v):
+        return gated_linear_attention(q, k, v, fixed_gates(q)[1], chunk_size=chunk)
+
+    def gated_vector(q, k, v):
+        return gated_linear_attention(q, k, v, fixed_gates(q, per_feature=True)[1], chunk_size=chunk)
+
+    def deltanet(q, k, v):
+        beta, _ = fixed_gates(q)
+        return delta_rule(q, k, v, beta, qk_l2norm=True, chunk_size=chunk)
+
+    def gated_deltanet(q, k, v):
+        beta, g = fixed_gates(q)
+        return delta_rule(q, k, v, beta, g=g, qk_l2norm=True, chunk_size=chunk)
+
+    return [Method("gated_scalar", "gated, scalar g", gated_scalar), Method("gated_vector", "GLA, vector g", gated_vector),
+            Method("deltanet", "DeltaNet", deltanet), Method("gated_deltanet", "Gated DeltaNet", gated_deltanet)]
 
 
 def core_methods(dtype: torch.dtype = torch.float32, *, feature_map=None, head_dim: int = 64,
@@ -96,7 +144,7 @@ def core_methods(dtype: torch.dtype = torch.float32, *, feature_map=None, head_d
                cap_reason="materializes N×N: memory"),
         Method("softmax", "softmax SDPA", softmax),
     ]
-    return methods
+    return methods + recurrent_methods(chunk=chunk)
 
 
 def make_inputs(shape: Shape, n: int, dtype: torch.dtype, device, *, seed: int = 0, requires_grad: bool = False):

@@ -31,7 +31,8 @@ def add_parser(subparsers) -> None:
         "ops", help="operators vs sequence length: forward and fwd+bwd time, memory, GFLOP/s",
         description="Sweeps the sequence length N for causal chunked linear attention (fp32 and bf16), "
                     "non-causal linear, the recurrent loop, the quadratic reference and softmax SDPA "
-                    "(normalized elu+1). Times forward and forward+backward (median ±IQR), measures fwd+bwd "
+                    "(normalized elu+1), gated linear attention (scalar and vector gates) and the delta rule "
+                    "(DeltaNet, Gated DeltaNet). Times forward and forward+backward (median ±IQR), measures fwd+bwd "
                     "peak memory and the chunked op's GFLOP/s against the measured bmm peak, marks the "
                     "crossover with softmax. --dtype sets every method's dtype except the extra bf16 chunked "
                     "column.")
@@ -51,7 +52,8 @@ def add_parser(subparsers) -> None:
 
     dec = sub.add_parser(
         "decode", help="per-token decode latency vs context: linear RNN step vs softmax with/without KV cache",
-        description="Per-token latency against context length: a linear-attention RNN step (constant), "
+        description="Per-token latency against context length: a linear-attention RNN step and the gated "
+                    "(scalar, vector g), DeltaNet and Gated DeltaNet steps (constant), "
                     "softmax attention of one query against a KV cache, and softmax recomputed over the whole "
                     "context without a cache. One layer of H heads.")
     dec.add_argument("--contexts", type=int_list, default=DEFAULT_CONTEXTS, metavar="N[,N...]",

@@ -341,23 +341,35 @@ def _backward(ctx, saved, do, dkv, dz, exact: bool):
             for gr in (grads[2], grads[3]):
                 if gr is not None:
                     gr.masked_fill_(masked, 0)
-        if local:
-            for dst, f, gr, is_q in ((dq, Q, grads[0], True), (dk, K, grads[2], False)):
-                if dst is not None:
-                    featurize.input_grad(f.view(b, h, m, -1), gr.view(b, h, m, -1), s, t, is_q, out=dst[:, :, s:t])
-                    if exact:  # a zero gradient stays 0 against a NaN or Inf in φ'
-                        dst[:, :, s:t].masked_fill_(gr.view(b, h, m, -1) == 0, 0)
-            continue
-        _chain(featurize, feats, grads, qb, kb, dq, dk, params, dparams, s, t, exact)
+        chain_feature_grads(featurize, (b, h, s, t), None if local else (qb, kb), (Q, K) if local else feats, grads,
+                            (dq, dk), params, dparams, exact)
     return dq, dk, dv, R, r, dparams
 
 
-def _chain(featurize: Featurizer, feats, grads, qb, kb, dq, dk, params, dparams, s: int, t: int, exact: bool):
-    """Chains the feature gradients of block [s, t) to q, k (written into dq, dk) and φ's parameters
-    (added to dparams) with autograd on the features `feats` of qb, kb. Exact pass: rows whose feature
-    gradients are all 0 are featurized again from zeros (their φ' may be NaN: q or k held a NaN there),
-    so they give exactly 0 to q, k and the parameters."""
-    b, h, m = qb.shape[:3]
+def chain_feature_grads(featurize: Featurizer, span, inputs, feats, grads, outs, params, dparams,
+                        exact: bool = False) -> None:
+    """Writes ∂L/∂q, ∂L/∂k of the tokens [s, t) into outs = (dq, dk) (either None when not wanted) and
+    adds the gradients of φ's trainable parameters `params` to dparams, from grads = (∂Q̃, ∂Q̃_d, ∂K̃,
+    ∂K̃_d) (the numerator and denominator feature gradients, None where absent), span = (B, H, s, t).
+
+    `featurize.local_grad`: elementwise; inputs is None and feats = (Q̃, K̃) (any shape holding
+    (B, H, t − s, F)). Otherwise autograd through the block's graph: inputs = (qb, kb) the block's q, k
+    (requiring grad where wanted) and feats = (q̃, q̃_d, k̃, k̃_d) made from them.
+
+    Exact pass: a zero feature gradient gives exactly 0 against a NaN or Inf in φ', and with autograd
+    rows whose feature gradients are all 0 are featurized again from zeros (their φ' may be NaN: q or k
+    held a NaN there), so they give exactly 0 to q, k and the parameters."""
+    b, h, s, t = span
+    m = t - s
+    dq, dk = outs
+    if inputs is None:
+        for dst, f, gr, is_q in ((dq, feats[0], grads[0], True), (dk, feats[1], grads[2], False)):
+            if dst is not None:
+                featurize.input_grad(f.view(b, h, m, -1), gr.view(b, h, m, -1), s, t, is_q, out=dst[:, :, s:t])
+                if exact:
+                    dst[:, :, s:t].masked_fill_(gr.view(b, h, m, -1) == 0, 0)
+        return
+    qb, kb = inputs
     if exact:
         dead_q = _dead_rows(grads[0], grads[1]).view(b, h, m, 1)
         dead_k = _dead_rows(grads[2], grads[3]).view(b, h, m, 1)

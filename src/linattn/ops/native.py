@@ -7,7 +7,11 @@ step (φ = elu+1 or identity, optional RoPE, state update, output) in one operat
 In `csrc/chunked.cpp`, `linattn_cpu::chunked` runs the causal chunked forward row by row with the
 state and the chunk scores kept in cache, its products by the BLAS gemm that torch itself links; for
 training it also saves the denominators and block states, and `linattn_cpu::chunked_backward` walks
-the rows back. `csrc/common.h` holds what both files share (φ, the ISA clones).
+the rows back. `csrc/gated.cpp` and `csrc/gated_backward.cpp` are the gated form's kernels
+(linattn.ops.gated.fused), `csrc/delta.cpp` the delta rule's (linattn.ops.delta.fused). The files
+share headers: `csrc/common.h` (φ, bf16 conversions, work buffers, the ISA clones), `csrc/blas.h`
+(torch's BLAS), `csrc/pool.h` (the one pool of result buffers), `csrc/chunked.h` (the pieces of the
+ungated and gated chunk loops).
 
 The extension is built the first time a kernel can be used (about 15 s) into a folder named after a
 hash of its sources and flags, under torch's extension cache (~/.cache/torch_extensions, or
@@ -19,6 +23,7 @@ torch-op paths run, with the same numbers up to rounding (tests/test_ops_native.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import threading
@@ -33,7 +38,8 @@ from .chunked import ChunkedCausalLinearAttention
 from .nonfinite import all_finite
 
 _CSRC = Path(__file__).with_name("csrc")
-_SOURCES = [str(_CSRC / name) for name in ("decode.cpp", "chunked.cpp", "delta.cpp")]
+_SOURCES = [str(_CSRC / name)
+            for name in ("decode.cpp", "chunked.cpp", "gated.cpp", "gated_backward.cpp", "delta.cpp")]
 _CFLAGS = ["-O3", "-fopenmp", "-fno-trapping-math"]
 _lock = threading.Lock()
 _state: dict = {"loaded": None, "error": None}
@@ -56,8 +62,10 @@ def load() -> bool:
             try:
                 from torch.utils.cpp_extension import load as build
 
-                build("linattn_cpu", sources=_SOURCES, extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"],
-                      build_directory=_build_directory(), is_python_module=False, verbose=False)
+                folder = _build_directory()
+                with _build_guard(folder):
+                    build("linattn_cpu", sources=_SOURCES, extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"],
+                          build_directory=folder, is_python_module=False, verbose=False)
                 _state["loaded"] = hasattr(torch.ops.linattn_cpu, "step")
             except Exception as exc:  # no compiler, no ninja, a failed build: keep the torch-op path
                 _state["loaded"], _state["error"] = False, build_failure(exc)
@@ -86,11 +94,34 @@ def build_failure(exc: BaseException, lines: int = 6, width: int = 240) -> str:
     return f"{type(exc).__name__}: {head}" + (f": {cause}" if cause else "")
 
 
+@contextlib.contextmanager
+def _build_guard(folder: str):
+    """Holds an OS lock on `folder` while torch builds or loads the extension there, and removes torch's
+    own lock file ("lock") once it holds it. torch waits for that file to disappear, forever, and a
+    build killed midway (Ctrl-C, SIGKILL) leaves it behind; the OS lock is released when its holder
+    dies, so whoever holds it knows that any "lock" left in the folder is stale."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: torch's own lock alone
+        yield
+        return
+    with open(Path(folder) / ".linattn-build.lock", "a") as guard:
+        fcntl.flock(guard, fcntl.LOCK_EX)
+        try:
+            (Path(folder) / "lock").unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(guard, fcntl.LOCK_UN)
+
+
 def _build_directory() -> str:
-    """<torch extension cache>/linattn_cpu-<hash of the sources, headers, flags and torch version>."""
+    """<torch extension cache>/linattn_cpu-<hash of the sources, headers, flags, torch version and headers' path>."""
     from torch.utils.cpp_extension import get_default_build_root
 
-    digest = hashlib.sha256(" ".join(_CFLAGS + [torch.__version__]).encode())
+    from torch.utils.cpp_extension import include_paths
+
+    # the build's command lines name torch's headers: two environments on the same sources get two folders
+    digest = hashlib.sha256(" ".join(_CFLAGS + [torch.__version__, *include_paths()]).encode())
     for path in sorted(_CSRC.iterdir()):
         if path.suffix in (".cpp", ".h"):
             digest.update(path.name.encode() + path.read_bytes())

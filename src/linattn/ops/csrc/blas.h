@@ -1,7 +1,7 @@
-// The BLAS of the loaded torch, for the fused kernels that multiply matrices (chunked.cpp, delta.cpp):
-// symbols looked up at run time (without them the ops raise and linattn uses torch ops), row-major
-// gemm and triangular-solve wrappers, and a guard that keeps MKL to one thread inside the kernels' own parallel rows.
-// Internal linkage, one copy per file.
+// The BLAS of the loaded torch, for the fused kernels that multiply matrices (chunked.cpp, gated.cpp,
+// gated_backward.cpp, delta.cpp): symbols looked up at run time (without them the ops raise and
+// linattn uses torch ops), row-major gemm and triangular-solve wrappers, and a guard that keeps MKL to
+// one thread inside the kernels' own parallel rows. Internal linkage, one copy per file.
 #pragma once
 
 #include <ATen/ATen.h>

@@ -1,6 +1,6 @@
-// Shared by the fused CPU kernels (decode.cpp, chunked.cpp, delta.cpp): the ISA clones of elementwise
-// loops, φ = elu + 1 with an exp of its own, bf16 widening and rounding, aligned work buffers.
-// Everything here has internal linkage (one copy per file).
+// Shared by the fused CPU kernels (decode.cpp, chunked.cpp, gated.cpp, gated_backward.cpp, delta.cpp):
+// the ISA clones of elementwise loops, φ = elu + 1 with an exp of its own, bf16 widening and rounding,
+// aligned work buffers. Everything here has internal linkage (one copy per file).
 #pragma once
 
 #include <ATen/ATen.h>

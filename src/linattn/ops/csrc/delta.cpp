@@ -1,4 +1,4 @@
-// Fused CPU operators for the delta rule (DESIGN §13; linattn.ops.delta), per (batch, head) row:
+// Fused CPU operators for the delta rule (design §13; linattn.ops.delta), per (batch, head) row:
 //
 //   S_t = α_t (I − β_t k̂_t k̂_tᵀ) S_{t−1} + β_t k̂_t v_tᵀ,   o_t = scale · S_tᵀ q̂_t,   α_t = e^{g_t}
 //

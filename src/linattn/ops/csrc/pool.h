@@ -1,6 +1,6 @@
-// The pool of reused result buffers of the fused kernels (chunked.cpp, delta.cpp). Its functions have
-// external linkage (inline, in a named namespace), so every file of the extension shares one pool and
-// `release_pool` empties all of it.
+// The pool of reused result buffers of the fused kernels (chunked.cpp, gated.cpp, gated_backward.cpp,
+// delta.cpp). Its functions have external linkage (inline, in a named namespace), so every file of the
+// extension shares one pool and `release_pool` empties all of it.
 #pragma once
 
 #include <ATen/ATen.h>

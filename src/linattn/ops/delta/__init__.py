@@ -1,4 +1,4 @@
-"""The delta rule (DeltaNet, Gated DeltaNet; DESIGN §13): the public operators (`rule`), the
+"""The delta rule (DeltaNet, Gated DeltaNet; design §13): the public operators (`rule`), the
 chunked torch-op path with its explicit backward (`chunked`), the wrappers of the fused CPU kernels
 (`fused`, csrc/delta.cpp), and the float64 token-by-token recurrence the tests hold them to
 (`reference`)."""

@@ -1,4 +1,4 @@
-"""The delta rule, chunked, with torch ops and an explicit backward (DESIGN §13): the path of every
+"""The delta rule, chunked, with torch ops and an explicit backward (design §13): the path of every
 device and dtype the fused CPU kernels do not take (and the fallback when they cannot be built).
 
 Per (batch, head), a chunk of c rows with keys K, queries Q (already normalized and scaled), values

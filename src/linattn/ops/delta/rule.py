@@ -35,7 +35,7 @@ def delta_rule(
     return_state: bool = False,
     chunk_size: int = 64,
 ):
-    """The delta rule over a whole sequence (causal), in the chunked WY/UT form (DESIGN §13).
+    """The delta rule over a whole sequence (causal), in the chunked WY/UT form (design §13).
 
     q, k: (B, H, N, D); v: (B, H, N, E); beta: (B, H, N) in (0, 1]; g: (B, H, N) log-decays ≤ 0
     (Gated DeltaNet) or None (DeltaNet). Returns o (B, H, N, E) in q's dtype, or (o, S) with

@@ -1,0 +1,195 @@
+// Fused CPU operators of gated causal linear attention (the maths in gated.h): `gated_chunked`, the
+// chunked forward (for training it also saves the denominators and the state entering each block),
+// and `gated_step`, one recurrent step (it checks g ≤ 0 and finite itself).
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <limits>
+#include <tuple>
+
+#include "gated.h"
+#include "pool.h"
+
+namespace {
+
+using linattn_pool::empty_result;
+
+template <typename T>
+void gated_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g, at::Tensor& o,
+                at::Tensor& kv, at::Tensor& z_all, int64_t phi, bool normalize, double eps, int64_t chunk, int64_t block,
+                const Saves<linattn_acc<T>>* saves) {
+  using Acc = linattn_acc<T>;
+  const int64_t N = q.size(2), F = q.size(3), E = v.size(3), rows = q.size(0) * q.size(1);
+  const bool vector = g.dim() == 4;
+  const int64_t G = vector ? F : 1;
+  const T *pq = q.data_ptr<T>(), *pk = k.data_ptr<T>(), *pv = v.data_ptr<T>();
+  const Acc* pg = g.data_ptr<Acc>();
+  T* po = o.data_ptr<T>();
+  Acc* pS = kv.data_ptr<Acc>();
+  Acc* pz = normalize ? z_all.data_ptr<Acc>() : nullptr;
+  const Acc eps_t = static_cast<Acc>(eps);
+  at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
+    const SequentialBlas one_thread;
+    Work<T> wk(chunk, F, E, vector);
+    BlockFeatures<T> fb(phi, block, F);
+    for (int64_t r = r0; r < r1; ++r) {
+      Acc* S = pS + r * F * E;
+      Acc* z = normalize ? pz + r * F : nullptr;
+      for (int64_t s = 0; s < N; s += block) {
+        const int64_t m = std::min(N, s + block) - s;
+        if (saves != nullptr) {
+          const int64_t b = r * saves->blocks + s / block;
+          std::copy(S, S + F * E, saves->S_blocks + b * F * E);
+          if (normalize) std::copy(z, z + F, saves->z_blocks + b * F);
+        }
+        fb.compute(pq + (r * N + s) * F, pk + (r * N + s) * F, m * F, phi);
+        for (int64_t c0 = 0; c0 < m; c0 += chunk) {
+          const int c = static_cast<int>(std::min(chunk, m - c0));
+          const int64_t t0 = r * N + s + c0;
+          Acc* den_out = saves != nullptr && normalize ? saves->den + t0 : nullptr;
+          if (vector) {
+            vector_chunk_forward<T>(wk, c, F, E, fb.Qa + c0 * F, fb.Ka + c0 * F, pv + t0 * E, pg + t0 * G, S, z,
+                                    po + t0 * E, normalize, eps_t, den_out);
+          } else {
+            scalar_chunk_forward<T>(wk, c, F, E, fb.Q + c0 * F, fb.K + c0 * F, fb.Qa + c0 * F, fb.Ka + c0 * F,
+                                    pv + t0 * E, pg + t0, S, z, po + t0 * E, normalize, eps_t);
+            if (den_out != nullptr) std::copy(wk.den.begin(), wk.den.begin() + c, den_out);
+          }
+        }
+      }
+    }
+  });
+}
+
+// Returns (o, kv, z, den, S_blocks, z_blocks); z and z_blocks empty without z0 (normalize = z0 given),
+// den, S_blocks, z_blocks empty unless save (training).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> gated_chunked(
+    const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in, const at::Tensor& g_in,
+    const at::Tensor& kv0_in, const c10::optional<at::Tensor>& z0_in, int64_t phi, double eps, int64_t chunk, bool save) {
+  const bool normalize = z0_in.has_value();
+  chunk = check_inputs("linattn_cpu::gated_chunked", q_in, k_in, v_in, kv0_in, normalize ? *z0_in : kv0_in, phi, chunk);
+  check_gates("linattn_cpu::gated_chunked", q_in, g_in, kv0_in);
+  const at::Tensor q = q_in.contiguous(), k = k_in.contiguous(), v = v_in.contiguous(), g = g_in.contiguous();
+  const int64_t N = q.size(2), F = q.size(3), E = v.size(3), rows = q.size(0) * q.size(1);
+  TORCH_CHECK(kv0_in.numel() == rows * F * E && (!normalize || z0_in->numel() == rows * F),
+              "linattn_cpu::gated_chunked: the initial state must be (B, H, F, E) and (B, H, F)");
+  at::Tensor kv = kv0_in.contiguous().clone();
+  at::Tensor z = normalize ? z0_in->contiguous().clone() : at::empty({0}, kv.options());
+  at::Tensor o = empty_result(v.sizes(), v.options());
+  const int64_t block = block_tokens(chunk), blocks = (N + block - 1) / block;
+  const auto acc = kv.options();
+  at::Tensor den = at::empty({save && normalize ? rows : 0, N}, acc);
+  at::Tensor S_blocks = at::empty({save ? rows : 0, blocks, F, E}, acc);
+  at::Tensor z_blocks = at::empty({save && normalize ? rows : 0, blocks, F}, acc);
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "linattn_cpu_gated_chunked", [&] {
+    using Acc = linattn_acc<scalar_t>;
+    const Saves<Acc> saves{normalize ? den.data_ptr<Acc>() : nullptr, S_blocks.data_ptr<Acc>(),
+                           normalize ? z_blocks.data_ptr<Acc>() : nullptr, blocks};
+    gated_rows<scalar_t>(q, k, v, g, o, kv, z, phi, normalize, eps, chunk, block, save ? &saves : nullptr);
+  });
+  return {o, kv, z, den, S_blocks, z_blocks};
+}
+
+// One step of one row: kv' = diag(a) kv + k̃ vᵀ (a_f = e^{g_f}, or e^{g} for all f), out = q̃ᵀ kv'
+template <typename T>
+LINATTN_CLONES void gated_update_row(const T* __restrict__ src, T* __restrict__ dst, const T* __restrict__ qr,
+                                     const T* __restrict__ kr, const T* __restrict__ vr, const T* __restrict__ a,
+                                     bool vector, T* __restrict__ out, int64_t F, int64_t E) {
+  for (int64_t e = 0; e < E; ++e) out[e] = T(0);
+  for (int64_t f = 0; f < F; ++f) {
+    const T kf = kr[f], qf = qr[f], af = a[vector ? f : 0];
+    const T* __restrict__ s = src + f * E;
+    T* __restrict__ d = dst + f * E;
+    for (int64_t e = 0; e < E; ++e) {
+      const T x = af * s[e] + kf * vr[e];
+      d[e] = x;
+      out[e] += qf * x;
+    }
+  }
+}
+
+// kv (…, F, E), z (…, F) or none (normalize = z given), q, k (…, 1, F), v (…, 1, E), g (…, 1) or
+// (…, 1, F) of one dtype (float32/float64). Returns (o shaped like v, kv', z' or an empty tensor).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> gated_step(const at::Tensor& kv_in, const c10::optional<at::Tensor>& z_in,
+                                                          const at::Tensor& q_in, const at::Tensor& k_in,
+                                                          const at::Tensor& v_in, const at::Tensor& g_in, int64_t phi,
+                                                          double eps) {
+  const char* op = "linattn_cpu::gated_step";
+  const bool normalize = z_in.has_value();
+  TORCH_CHECK(kv_in.dim() >= 2, op, " expects kv (..., F, E)");
+  TORCH_CHECK(phi == 0 || phi == 1, op, ": phi must be 0 (identity) or 1 (elu + 1)");
+  const int64_t F = kv_in.size(-2), E = kv_in.size(-1), rows = kv_in.numel() / std::max<int64_t>(1, F * E);
+  const bool vector = g_in.numel() == rows * F && F != 1;
+  TORCH_CHECK((!normalize || z_in->numel() == rows * F) && q_in.numel() == rows * F && k_in.numel() == rows * F &&
+                  v_in.numel() == rows * E && q_in.size(-1) == F && v_in.size(-1) == E &&
+                  (g_in.numel() == rows || g_in.numel() == rows * F),
+              op, ": shapes of kv, z, q, k, v, g do not agree");
+  for (const at::Tensor* t : {&q_in, &k_in, &v_in, &g_in}) {
+    TORCH_CHECK(t->scalar_type() == kv_in.scalar_type(), op, ": all tensors must share kv's dtype");
+  }
+  if (normalize) TORCH_CHECK(z_in->scalar_type() == kv_in.scalar_type(), op, ": all tensors must share kv's dtype");
+  const at::Tensor kv = kv_in.contiguous(), q = q_in.contiguous(), k = k_in.contiguous(), v = v_in.contiguous(),
+                   g = g_in.contiguous();
+  const at::Tensor z = normalize ? z_in->contiguous() : at::empty({0}, kv.options());
+  at::Tensor kv_new = at::empty_like(kv), z_new = at::empty_like(z), o = at::empty(v_in.sizes(), kv.options());
+  AT_DISPATCH_FLOATING_TYPES(kv.scalar_type(), "linattn_cpu_gated_step", [&] {
+    const int64_t ng = g.numel();
+    const scalar_t* pg = g.data_ptr<scalar_t>();
+    for (int64_t i = 0; i < ng; ++i) {
+      TORCH_CHECK_VALUE(pg[i] <= scalar_t(0) && pg[i] > -std::numeric_limits<scalar_t>::infinity(),
+                        "g (the log of the decay) must be ≤ 0 and finite, got ", pg[i]);
+    }
+    // the decays e^g and, with φ = elu + 1, the features of the q rows then the k rows
+    at::Tensor work = at::empty({ng + (phi == 1 ? 2 * rows * F : 0)}, kv.options());
+    scalar_t* pa = work.data_ptr<scalar_t>();
+    for (int64_t i = 0; i < ng; ++i) pa[i] = exp_nonpositive(pg[i]);
+    scalar_t* pf = phi == 1 ? pa + ng : nullptr;
+    if (phi == 1) {
+      elu_plus_one(q.data_ptr<scalar_t>(), pf, rows * F);
+      elu_plus_one(k.data_ptr<scalar_t>(), pf + rows * F, rows * F);
+    }
+    const scalar_t* pq = phi == 1 ? pf : q.data_ptr<scalar_t>();
+    const scalar_t* pk = phi == 1 ? pf + rows * F : k.data_ptr<scalar_t>();
+    const scalar_t *pkv = kv.data_ptr<scalar_t>(), *pv = v.data_ptr<scalar_t>();
+    const scalar_t* pz = normalize ? z.data_ptr<scalar_t>() : nullptr;
+    scalar_t *pkv2 = kv_new.data_ptr<scalar_t>(), *po = o.data_ptr<scalar_t>();
+    scalar_t* pz2 = normalize ? z_new.data_ptr<scalar_t>() : nullptr;
+    const scalar_t eps_t = static_cast<scalar_t>(eps);
+    const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, F * E));
+    at::parallel_for(0, rows, grain, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) {
+        const scalar_t *qr = pq + r * F, *kr = pk + r * F, *a = pa + r * (vector ? F : 1);
+        scalar_t* out = po + r * E;
+        gated_update_row<scalar_t>(pkv + r * F * E, pkv2 + r * F * E, qr, kr, pv + r * E, a, vector, out, F, E);
+        if (normalize) {
+          scalar_t den = 0;
+          for (int64_t f = 0; f < F; ++f) {
+            const scalar_t zf = a[vector ? f : 0] * pz[r * F + f] + kr[f];
+            pz2[r * F + f] = zf;
+            den += qr[f] * zf;
+          }
+          const scalar_t inv = scalar_t(1) / (den + eps_t);
+          for (int64_t e = 0; e < E; ++e) out[e] *= inv;
+        }
+      }
+    });
+  });
+  return {o, kv_new, z_new};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(linattn_cpu, m) {
+  m.def(
+      "gated_chunked(Tensor q, Tensor k, Tensor v, Tensor g, Tensor kv0, Tensor? z0, int phi, float eps, int chunk, "
+      "bool save) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def(
+      "gated_step(Tensor kv, Tensor? z, Tensor q, Tensor k, Tensor v, Tensor g, int phi, float eps) "
+      "-> (Tensor, Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(linattn_cpu, CPU, m) {
+  m.impl("gated_chunked", gated_chunked);
+  m.impl("gated_step", gated_step);
+}

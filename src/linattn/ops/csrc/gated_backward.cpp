@@ -1,0 +1,367 @@
+// The backward of the gated chunked forward (linattn_cpu::gated_chunked_backward; the maths in gated.h):
+// one (batch, head) row per task, blocks and chunks in reverse, the states entering the chunks of a
+// block recomputed from the one saved for it.
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <tuple>
+#include <vector>
+
+#include "gated.h"
+#include "pool.h"
+
+namespace {
+
+using linattn_pool::empty_result;
+
+// What the backward of one chunk or piece reads and writes besides the work buffers
+template <typename T>
+struct Grads {
+  using Acc = linattn_acc<T>;
+  Aligned<Acc> G, gd, dQ, dK, dV, P;
+  Aligned<T> G_low, P_low, R_low, S_low;
+
+  Grads(int64_t chunk, int64_t F, int64_t E)
+      : G(chunk * E),
+        gd(chunk),
+        dQ(chunk * F),
+        dK(chunk * F),
+        dV(chunk * E),
+        P(chunk * chunk),
+        G_low(Work<T>::low ? chunk * E : 0),
+        P_low(Work<T>::low ? chunk * chunk : 0),
+        R_low(Work<T>::low ? F * E : 0),
+        S_low(Work<T>::low ? F * E : 0) {}
+};
+
+// Row pointers of one chunk or piece in the backward (t0: its first token's index in (B·H·N))
+template <typename T>
+struct Span {
+  using Acc = linattn_acc<T>;
+  int c;
+  const T *Q, *K, *V, *dO, *O;
+  const Acc *Qa, *Ka, *fQ, *fK, *den, *g;
+  T *dq, *dk, *dv;
+  Acc* dg;
+};
+
+// ∂V = Aᵀ G + Kw R into the span's dv (bf16: through dV); A, Kw given as operands
+template <typename T>
+void values_grad(Grads<T>& gr, const Span<T>& sp, int64_t F, int64_t E, const T* A_op, const T* Kw_op, const T* G_op,
+                 const T* R_op) {
+  using Acc = linattn_acc<T>;
+  const int c = sp.c, f = static_cast<int>(F), e = static_cast<int>(E);
+  Acc* dV = Work<T>::low ? gr.dV.data() : reinterpret_cast<Acc*>(sp.dv);
+  gemm_rm<T>(true, false, c, e, c, A_op, c, G_op, e, Acc(0), dV, e);
+  gemm_rm<T>(false, false, c, e, f, Kw_op, f, R_op, e, Acc(1), dV, e);
+  if constexpr (Work<T>::low) narrow_bf16(dV, sp.dv, int64_t(c) * E);
+}
+
+// The backward of one chunk of scalar gates from the state (S, z) entering it and (S_out, z_out) after
+// it; (R, r) the gradients flowing into the state after it, updated to those entering it.
+template <typename T>
+void scalar_chunk_backward(Work<T>& wk, Grads<T>& gr, const Span<T>& sp, int64_t F, int64_t E, const linattn_acc<T>* S,
+                           const linattn_acc<T>* z, const linattn_acc<T>* S_out, const linattn_acc<T>* z_out,
+                           linattn_acc<T>* R, linattn_acc<T>* rr, bool normalize, double* carry) {
+  using Acc = linattn_acc<T>;
+  const int c = sp.c, f = static_cast<int>(F), e = static_cast<int>(E);
+  const int64_t cc = int64_t(c) * c;
+  end_term(S_out, R, z_out, rr, F, E, false, carry);
+  scalar_decays(sp.g, c, wk.beta.data(), wk.eb.data(), wk.w.data());
+  gemm_rm<T>(false, true, c, c, f, sp.Q, f, sp.K, f, Acc(0), wk.A.data(), c);  // A = (Q̃K̃ᵀ) ⊙ D
+  decay_scores(wk.A.data(), wk.D.data(), c, wk.beta.data());
+  output_grads(sp.dO, sp.O, sp.den, normalize, gr.G.data(), gr.gd.data(), c, E);
+  const T* G_op = as_operand<T>(gr.G.data(), gr.G_low, int64_t(c) * E);
+  const T* R_op = as_operand<T>(R, gr.R_low, F * E);
+  weighted_rows(sp.Ka, wk.w.data(), c, F, wk.Kv.data());  // K̂ = e^{λ−β} ⊙ K̃
+  const T* Kw_op = as_operand<T>(wk.Kv.data(), wk.Kv_low, int64_t(c) * F);
+  values_grad<T>(gr, sp, F, E, as_operand<T>(wk.A.data(), wk.A_low, cc), Kw_op, G_op, R_op);
+  // P = M ⊙ D ⊙ (G Vᵀ + g 1ᵀ)
+  gemm_rm<T>(false, true, c, c, e, G_op, e, sp.V, e, Acc(0), gr.P.data(), c);
+  add_rows_and_decay(gr.P.data(), normalize ? gr.gd.data() : nullptr, wk.D.data(), c);
+  const T* P_op = as_operand<T>(gr.P.data(), gr.P_low, cc);
+  // dQ̃ = e^{β} ⊙ (G Sᵀ + g zᵀ) + P K̃
+  gemm_rm<T>(false, true, c, f, e, G_op, e, as_operand<T>(S, gr.S_low, F * E), e, Acc(0), gr.dQ.data(), f);
+  if (normalize) add_outer(gr.dQ.data(), gr.gd.data(), z, c, F);
+  scale_rows(gr.dQ.data(), wk.eb.data(), c, F);
+  gemm_rm<T>(false, false, c, f, c, P_op, c, sp.K, f, Acc(1), gr.dQ.data(), f);
+  // dK̃ = e^{λ−β} ⊙ (V Rᵀ + 1 rᵀ) + Pᵀ Q̃
+  gemm_rm<T>(false, true, c, f, e, sp.V, e, R_op, e, Acc(0), gr.dK.data(), f);
+  if (normalize) add_outer<Acc>(gr.dK.data(), nullptr, rr, c, F);
+  scale_rows(gr.dK.data(), wk.w.data(), c, F);
+  gemm_rm<T>(true, false, c, f, c, P_op, c, sp.Q, f, Acc(1), gr.dK.data(), f);
+  gate_grads(sp.Qa, gr.dQ.data(), sp.Ka, gr.dK.data(), c, F, false, carry, sp.dg);
+  // (R, r) ← e^{λ} (R, r) + Q̃ᵀ (e^{β} ⊙ (G, g))
+  const Acc ec = wk.eb.data()[c - 1];
+  scale_rows(gr.G.data(), wk.eb.data(), c, E);
+  scale_all(R, F * E, ec);
+  gemm_rm<T>(true, false, f, e, c, sp.Q, f, as_operand<T>(gr.G.data(), gr.G_low, int64_t(c) * E), e, Acc(1), R, e);
+  if (normalize) {
+    for (int i = 0; i < c; ++i) gr.gd.data()[i] *= wk.eb.data()[i];
+    scale_all(rr, F, ec);
+    add_weighted_rows(rr, gr.gd.data(), sp.Qa, c, F);
+  }
+  chain_features(gr.dQ.data(), sp.fQ, sp.dq, int64_t(c) * F);
+  chain_features(gr.dK.data(), sp.fK, sp.dk, int64_t(c) * F);
+}
+
+// The backward of one vector-gated piece (its γ in gam) from the states (S, z) entering and (S_out, z_out)
+// leaving it
+template <typename T>
+void piece_backward(Work<T>& wk, Grads<T>& gr, const Span<T>& sp, int64_t F, int64_t E, const double* gam,
+                    const linattn_acc<T>* S,
+                    const linattn_acc<T>* z, const linattn_acc<T>* S_out, const linattn_acc<T>* z_out,
+                    linattn_acc<T>* R, linattn_acc<T>* rr, bool normalize, double* carry) {
+  using Acc = linattn_acc<T>;
+  const int c = sp.c, f = static_cast<int>(F), e = static_cast<int>(E);
+  const int64_t cc = int64_t(c) * c;
+  end_term(S_out, R, z_out, rr, F, E, true, carry);
+  piece_factors(sp.g, gam, c, F, sp.Qa, sp.Ka, wk.dec.data(), wk.w.data(), wk.Qv.data(), wk.Kv.data());
+  std::copy(S, S + F * E, wk.S_hat.begin());
+  decay_rows(wk.S_hat.data(), wk.dec.data(), F, E);  // Ŝ = e^{λ} ⊙ S
+  if (normalize) {
+    std::copy(z, z + F, wk.z_hat.begin());
+    decay_rows(wk.z_hat.data(), wk.dec.data(), F, 1);
+  }
+  const T* Qop = as_operand<T>(wk.Qv.data(), wk.Qv_low, c * F);
+  const T* Kop = as_operand<T>(wk.Kv.data(), wk.Kv_low, c * F);
+  gemm_rm<T>(false, true, c, c, f, Qop, f, Kop, f, Acc(0), wk.A.data(), c);  // A = M ⊙ Q̌K̂ᵀ
+  mask_upper(wk.A.data(), c);
+  output_grads(sp.dO, sp.O, sp.den, normalize, gr.G.data(), gr.gd.data(), c, E);
+  const T* G_op = as_operand<T>(gr.G.data(), gr.G_low, int64_t(c) * E);
+  const T* R_op = as_operand<T>(R, gr.R_low, F * E);
+  values_grad<T>(gr, sp, F, E, as_operand<T>(wk.A.data(), wk.A_low, cc), Kop, G_op, R_op);
+  // P = M ⊙ (G Vᵀ + g 1ᵀ)
+  gemm_rm<T>(false, true, c, c, e, G_op, e, sp.V, e, Acc(0), gr.P.data(), c);
+  if (normalize) {
+    add_rows_and_mask(gr.P.data(), gr.gd.data(), c);
+  } else {
+    mask_upper(gr.P.data(), c);
+  }
+  const T* P_op = as_operand<T>(gr.P.data(), gr.P_low, cc);
+  // dQ̌ = P K̂ + G Ŝᵀ + g ẑᵀ,   dK̂ = Pᵀ Q̌ + V Rᵀ + 1 rᵀ
+  gemm_rm<T>(false, false, c, f, c, P_op, c, Kop, f, Acc(0), gr.dQ.data(), f);
+  gemm_rm<T>(false, true, c, f, e, G_op, e, as_operand<T>(wk.S_hat.data(), gr.S_low, F * E), e, Acc(1), gr.dQ.data(),
+             f);
+  if (normalize) add_outer(gr.dQ.data(), gr.gd.data(), wk.z_hat.data(), c, F);
+  gemm_rm<T>(true, false, c, f, c, P_op, c, Qop, f, Acc(0), gr.dK.data(), f);
+  gemm_rm<T>(false, true, c, f, e, sp.V, e, R_op, e, Acc(1), gr.dK.data(), f);
+  if (normalize) add_outer<Acc>(gr.dK.data(), nullptr, rr, c, F);
+  // q ⊙ dq − k ⊙ dk = Q̌ ⊙ dQ̌ − K̂ ⊙ dK̂
+  gate_grads(wk.Qv.data(), gr.dQ.data(), wk.Kv.data(), gr.dK.data(), c, F, true, carry, sp.dg);
+  // (R, r) ← e^{λ} ⊙ ((R, r) + Q̌ᵀ (G, g))
+  gemm_rm<T>(true, false, f, e, c, Qop, f, G_op, e, Acc(1), R, e);
+  decay_rows(R, wk.dec.data(), F, E);
+  if (normalize) {
+    add_weighted_rows(rr, gr.gd.data(), wk.Qv.data(), c, F);
+    decay_rows(rr, wk.dec.data(), F, 1);
+  }
+  unscale_grads(gr.dQ.data(), gr.dK.data(), wk.w.data(), int64_t(c) * F);
+  chain_features(gr.dQ.data(), sp.fQ, sp.dq, int64_t(c) * F);
+  chain_features(gr.dK.data(), sp.fK, sp.dk, int64_t(c) * F);
+}
+
+// A vector-gated chunk backward: its pieces in reverse, each between the states entering and leaving it
+// (recomputed into Sp, zp when the chunk has more than one piece); the γ of the piece at row p are kept
+// at row p of wk.gam
+template <typename T>
+void vector_chunk_backward(Work<T>& wk, Grads<T>& gr, const Span<T>& ch, int64_t F, int64_t E,
+                           const linattn_acc<T>* S, const linattn_acc<T>* z, const linattn_acc<T>* S_out,
+                           const linattn_acc<T>* z_out, linattn_acc<T>* R, linattn_acc<T>* rr,
+                           bool normalize, double* carry, std::vector<int>& starts, std::vector<linattn_acc<T>>& Sp,
+                           std::vector<linattn_acc<T>>& zp) {
+  starts.clear();
+  for (int p = 0; p < ch.c;) {
+    starts.push_back(p);
+    p += piece_length(ch.g + p * F, ch.c - p, F, wk.gam.data() + p * F);
+  }
+  const int np = static_cast<int>(starts.size());
+  starts.push_back(ch.c);
+  if (np > 1) {
+    Sp.resize(np * F * E);
+    zp.resize(normalize ? np * F : 0);
+    std::copy(S, S + F * E, Sp.begin());
+    if (normalize) std::copy(z, z + F, zp.begin());
+    for (int i = 0; i + 1 < np; ++i) {
+      const int p = starts[i], len = starts[i + 1] - p;
+      std::copy(Sp.begin() + i * F * E, Sp.begin() + (i + 1) * F * E, Sp.begin() + (i + 1) * F * E);
+      if (normalize) std::copy(zp.begin() + i * F, zp.begin() + (i + 1) * F, zp.begin() + (i + 1) * F);
+      piece_forward<T>(wk, len, F, E, wk.gam.data() + p * F, ch.Qa + p * F, ch.Ka + p * F, ch.V + p * E, ch.g + p * F,
+                       Sp.data() + (i + 1) * F * E, normalize ? zp.data() + (i + 1) * F : nullptr, nullptr, normalize,
+                       linattn_acc<T>(0), nullptr);
+    }
+  }
+  for (int i = np - 1; i >= 0; --i) {
+    const int p = starts[i], len = starts[i + 1] - p;
+    Span<T> sp = ch;
+    sp.c = len;
+    sp.Q += p * F;
+    sp.K += p * F;
+    sp.V += p * E;
+    sp.dO += p * E;
+    sp.O += p * E;
+    sp.Qa += p * F;
+    sp.Ka += p * F;
+    if (sp.fQ != nullptr) {
+      sp.fQ += p * F;
+      sp.fK += p * F;
+    }
+    if (sp.den != nullptr) sp.den += p;
+    sp.g += p * F;
+    sp.dq += p * F;
+    sp.dk += p * F;
+    sp.dv += p * E;
+    sp.dg += p * F;
+    const bool first = i == 0, last = i + 1 == np;
+    piece_backward<T>(wk, gr, sp, F, E, wk.gam.data() + p * F, first ? S : Sp.data() + i * F * E,
+                      first ? z : (normalize ? zp.data() + i * F : nullptr), last ? S_out : Sp.data() + (i + 1) * F * E,
+                      last ? z_out : (normalize ? zp.data() + (i + 1) * F : nullptr), R, rr, normalize, carry);
+  }
+}
+
+template <typename T>
+void gated_backward_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
+                         const at::Tensor& o, const at::Tensor& dout, const at::Tensor& den_all,
+                         const at::Tensor& S_blocks, const at::Tensor& z_blocks, const at::Tensor& kvN,
+                         const at::Tensor& zN, const at::Tensor& R_all, const at::Tensor& r_all, at::Tensor& dq,
+                         at::Tensor& dk, at::Tensor& dv, at::Tensor& dg, int64_t phi, bool normalize, int64_t chunk,
+                         int64_t block) {
+  using Acc = linattn_acc<T>;
+  const int64_t N = q.size(2), F = q.size(3), E = v.size(3), rows = q.size(0) * q.size(1);
+  const int64_t blocks = (N + block - 1) / block, per_block = block / chunk;
+  const bool vector = g.dim() == 4;
+  const int64_t Gw = vector ? F : 1;
+  const T *pq = q.data_ptr<T>(), *pk = k.data_ptr<T>(), *pv = v.data_ptr<T>(), *po = o.data_ptr<T>();
+  const T* pdo = dout.data_ptr<T>();
+  const Acc* pg = g.data_ptr<Acc>();
+  const Acc* pden = normalize ? den_all.data_ptr<Acc>() : nullptr;
+  const Acc* pSb = S_blocks.data_ptr<Acc>();
+  const Acc* pzb = normalize ? z_blocks.data_ptr<Acc>() : nullptr;
+  const Acc* pkvN = kvN.data_ptr<Acc>();
+  const Acc* pzN = normalize ? zN.data_ptr<Acc>() : nullptr;
+  T *pdq = dq.data_ptr<T>(), *pdk = dk.data_ptr<T>(), *pdv = dv.data_ptr<T>();
+  Acc* pdg = dg.data_ptr<Acc>();
+  Acc* pR = R_all.data_ptr<Acc>();
+  Acc* pr = normalize ? r_all.data_ptr<Acc>() : nullptr;
+  at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
+    const SequentialBlas one_thread;
+    Work<T> wk(chunk, F, E, vector);
+    Grads<T> gr(chunk, F, E);
+    BlockFeatures<T> fb(phi, block, F);
+    Aligned<Acc> Sc(per_block * F * E), zc(normalize ? per_block * F : 0);
+    std::vector<double> carry(Gw);
+    std::vector<int> starts;
+    std::vector<Acc> Sp, zp;
+    for (int64_t r = r0; r < r1; ++r) {
+      Acc* R = pR + r * F * E;
+      Acc* rr = normalize ? pr + r * F : nullptr;
+      for (int64_t b = blocks - 1; b >= 0; --b) {
+        const int64_t s = b * block, m = std::min(N, s + block) - s, nch = (m + chunk - 1) / chunk;
+        fb.compute(pq + (r * N + s) * F, pk + (r * N + s) * F, m * F, phi);
+        std::copy(pSb + (r * blocks + b) * F * E, pSb + (r * blocks + b + 1) * F * E, Sc.begin());
+        if (normalize) std::copy(pzb + (r * blocks + b) * F, pzb + (r * blocks + b + 1) * F, zc.begin());
+        for (int64_t j = 0; j + 1 < nch; ++j) {  // the states entering the block's later chunks
+          const int c = static_cast<int>(std::min(chunk, m - j * chunk));
+          const int64_t c0 = j * chunk, t0 = r * N + s + c0;
+          Acc* Snext = Sc.data() + (j + 1) * F * E;
+          Acc* znext = normalize ? zc.data() + (j + 1) * F : nullptr;
+          std::copy(Sc.begin() + j * F * E, Sc.begin() + (j + 1) * F * E, Snext);
+          if (normalize) std::copy(zc.begin() + j * F, zc.begin() + (j + 1) * F, znext);
+          if (vector) {
+            vector_chunk_forward<T>(wk, c, F, E, fb.Qa + c0 * F, fb.Ka + c0 * F, pv + t0 * E, pg + t0 * F, Snext, znext,
+                                    nullptr, normalize, Acc(0), nullptr);
+          } else {
+            scalar_chunk_forward<T>(wk, c, F, E, fb.Q + c0 * F, fb.K + c0 * F, fb.Qa + c0 * F, fb.Ka + c0 * F,
+                                    pv + t0 * E, pg + t0, Snext, znext, nullptr, normalize, Acc(0));
+          }
+        }
+        for (int64_t j = nch - 1; j >= 0; --j) {
+          const int64_t c0 = j * chunk, t0 = r * N + s + c0;
+          Span<T> sp{static_cast<int>(std::min(chunk, m - c0)),
+                     fb.Q + c0 * F,
+                     fb.K + c0 * F,
+                     pv + t0 * E,
+                     pdo + t0 * E,
+                     po + t0 * E,
+                     fb.Qa + c0 * F,
+                     fb.Ka + c0 * F,
+                     fb.fQ == nullptr ? nullptr : fb.fQ + c0 * F,
+                     fb.fK == nullptr ? nullptr : fb.fK + c0 * F,
+                     normalize ? pden + t0 : nullptr,
+                     pg + t0 * Gw,
+                     pdq + t0 * F,
+                     pdk + t0 * F,
+                     pdv + t0 * E,
+                     pdg + t0 * Gw};
+          const Acc* S = Sc.data() + j * F * E;
+          const Acc* z = normalize ? zc.data() + j * F : nullptr;
+          // the state after the chunk: the next chunk's, the next block's, or the final state
+          const bool last_block = b + 1 == blocks;
+          const Acc* S_out = j + 1 < nch   ? S + F * E
+                             : last_block ? pkvN + r * F * E
+                                          : pSb + (r * blocks + b + 1) * F * E;
+          const Acc* z_out = !normalize     ? nullptr
+                             : j + 1 < nch  ? z + F
+                             : last_block   ? pzN + r * F
+                                            : pzb + (r * blocks + b + 1) * F;
+          if (vector) {
+            vector_chunk_backward<T>(wk, gr, sp, F, E, S, z, S_out, z_out, R, rr, normalize, carry.data(), starts, Sp,
+                                     zp);
+          } else {
+            scalar_chunk_backward<T>(wk, gr, sp, F, E, S, z, S_out, z_out, R, rr, normalize, carry.data());
+          }
+        }
+      }
+    }
+  });
+}
+
+// Returns (dq, dk, dv, dg, dkv0, dz0); normalize = z (the final z) given. kv, z: the final state;
+// dkv, dz: its gradients (undefined: zero). dz0 is empty without normalize.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> gated_chunked_backward(
+    const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in, const at::Tensor& g_in,
+    const at::Tensor& o_in, const at::Tensor& do_in, const at::Tensor& den, const at::Tensor& S_blocks,
+    const at::Tensor& z_blocks, const at::Tensor& kv_in, const c10::optional<at::Tensor>& z_in,
+    const c10::optional<at::Tensor>& dkv, const c10::optional<at::Tensor>& dz, int64_t phi, int64_t chunk) {
+  const char* op = "linattn_cpu::gated_chunked_backward";
+  const bool normalize = z_in.has_value();
+  chunk = check_inputs(op, q_in, k_in, v_in, kv_in, normalize ? *z_in : kv_in, phi, chunk);
+  check_gates(op, q_in, g_in, kv_in);
+  const at::Tensor q = q_in.contiguous(), k = k_in.contiguous(), v = v_in.contiguous(), g = g_in.contiguous(),
+                   o = o_in.contiguous(), dout = do_in.to(v.scalar_type()).contiguous();
+  TORCH_CHECK(o.sizes() == v.sizes() && dout.sizes() == v.sizes(), op, ": o and do must be shaped like v");
+  const int64_t N = q.size(2), F = q.size(3), E = v.size(3), rows = q.size(0) * q.size(1);
+  const int64_t block = block_tokens(chunk), blocks = (N + block - 1) / block;
+  TORCH_CHECK(S_blocks.numel() == rows * blocks * F * E && kv_in.numel() == rows * F * E &&
+                  (!normalize || (z_blocks.numel() == rows * blocks * F && den.numel() == rows * N &&
+                                  z_in->numel() == rows * F)),
+              op, ": the saved tensors do not match q, k, v");
+  const auto acc = kv_in.options();
+  at::Tensor R = dkv.has_value() ? dkv->to(acc).contiguous().clone() : at::zeros({rows, F, E}, acc);
+  at::Tensor r = normalize ? (dz.has_value() ? dz->to(acc).contiguous().clone() : at::zeros({rows, F}, acc))
+                           : at::empty({0}, acc);
+  TORCH_CHECK(R.numel() == rows * F * E && (!normalize || r.numel() == rows * F), op,
+              ": dkv, dz must be shaped like the state");
+  at::Tensor dq = empty_result(q.sizes(), q.options()), dk = empty_result(k.sizes(), k.options()),
+             dv = empty_result(v.sizes(), v.options()), dg = empty_result(g.sizes(), g.options());
+  const at::Tensor den_c = den.contiguous(), Sb = S_blocks.contiguous(), zb = z_blocks.contiguous(),
+                   kvN = kv_in.contiguous(), zN = normalize ? z_in->contiguous() : at::empty({0}, acc);
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "linattn_cpu_gated_chunked_backward", [&] {
+    gated_backward_rows<scalar_t>(q, k, v, g, o, dout, den_c, Sb, zb, kvN, zN, R, r, dq, dk, dv, dg, phi, normalize,
+                                  chunk, block);
+  });
+  const auto b = q.size(0), h = q.size(1);
+  return {dq, dk, dv, dg, R.view({b, h, F, E}), normalize ? r.view({b, h, F}) : r};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(linattn_cpu, m) {
+  m.def(
+      "gated_chunked_backward(Tensor q, Tensor k, Tensor v, Tensor g, Tensor o, Tensor do, Tensor den, "
+      "Tensor S_blocks, Tensor z_blocks, Tensor kv, Tensor? z, Tensor? dkv, Tensor? dz, int phi, int chunk) "
+      "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(linattn_cpu, CPU, m) { m.impl("gated_chunked_backward", gated_chunked_backward); }

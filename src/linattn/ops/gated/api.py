@@ -1,0 +1,161 @@
+"""The public gated linear-attention operators: the causal chunked form and the recurrent step.
+
+Tensors are (B, H, N, D) as everywhere in linattn.ops; g is the log of the decay (≤ 0), one per head
+and token (B, H, N) — RetNet with a constant, Mamba2/SSD-style when data-dependent — or one per
+feature of φ(k) (B, H, N, F) — GLA (design §12). The state is the tensor kv (B, H, F, E), or the tuple
+(kv, z (B, H, F)) with normalize=True, in float32 (float64 for float64 inputs).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..._checks import check_bool, check_eps, check_positive_int
+from .. import native
+from ..chunked import DEFAULT_CHUNK_SIZE, state_dtype
+from ..linear import advance_schedule, check_arguments, make_featurizer
+from . import fused
+from .checks import check_gate, check_gate_values, check_gated_state
+from .chunked import ChunkedGatedLinearAttention
+
+
+def gated_linear_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    *,
+    feature_map=None,
+    normalize: bool = False,
+    eps: float = 1e-6,
+    scale: float | None = None,
+    initial_state=None,
+    return_state: bool = False,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    key_padding_mask: torch.Tensor | None = None,
+):
+    """Causal gated linear attention, per (batch, head), with q̃ = φ(scale·q), k̃ = φ(k):
+
+        S_t = diag(e^{g_t}) S_{t−1} + k̃_t v_tᵀ,      o_t = S_tᵀ q̃_t
+        normalize:  z_t = e^{g_t} ⊙ z_{t−1} + k̃_t,   o_t = S_tᵀ q̃_t / (q̃_t · z_t + ε)
+
+    q, k: (B, H, N, D); v: (B, H, N, E); g: (B, H, N) or (B, H, N, F), g ≤ 0 and finite -> o (B, H, N, E)
+    in q's dtype.
+
+    feature_map: φ (a linattn.feature_maps module) or None when q, k are already features.
+    scale: multiplies q before φ (None: no scaling).
+    initial_state: kv (B, H, F, E), or (kv, z) with normalize, from an earlier call; gradients flow
+        into it. return_state: also return the final state; the result is then (o, state).
+    chunk_size: rows per chunk of the chunked algorithm (any positive int).
+    key_padding_mask: (B, N) bool, True where the key is real; a masked token leaves the state as it
+        was (no key added, no decay), so padding anywhere gives the state of the sequence without it.
+
+    Gradients flow to q, k, v, g, the initial state and φ's parameters. On the CPU, φ elu+1 or None
+    without scale or mask and fp32/fp64/bf16 inputs run as fused operators, forward and backward
+    (`linattn.ops.gated.fused`); elsewhere torch ops (`ChunkedGatedLinearAttention`), same numbers
+    up to rounding.
+    """
+    advance_schedule(feature_map)
+    check_positive_int("chunk_size", chunk_size)
+    for name, flag in (("normalize", normalize), ("return_state", return_state)):
+        check_bool(name, flag, error=TypeError)
+    check_eps("eps", eps)
+    fz, kv0, z0 = _prepare(q, k, v, g, feature_map=feature_map, scale=scale, key_padding_mask=key_padding_mask,
+                           state=initial_state, normalize=normalize, name="initial_state")
+    check_gate_values(g)
+    chunk_size = min(chunk_size, q.shape[2])  # one chunk at most: no C² work buffer beyond N²
+    if key_padding_mask is not None:
+        keep = key_padding_mask[:, None, :] if g.dim() == 3 else key_padding_mask[:, None, :, None]
+        g = g.masked_fill(~keep, 0.0)
+    sdt = state_dtype(q.dtype)
+    kv0, z0 = kv0.to(sdt), None if z0 is None else z0.to(sdt)
+    phi = native.fused_phi(feature_map, scale, key_padding_mask, (kv0, kv0 if z0 is None else z0), q, k, v, bf16=True,
+                           train=True)
+    if phi is not None and fused.ready(q.dtype):
+        o, kv, z = fused.chunked(q, k, v, g, kv0, z0, phi=phi, eps=float(eps), chunk=chunk_size)
+    else:
+        o, kv, *rest = ChunkedGatedLinearAttention.apply(fz, chunk_size, normalize, float(eps), q, k, v, g, kv0, z0,
+                                                         *fz.parameters)
+        z = rest[0] if normalize else None
+    if not return_state:
+        return o
+    return o, ((kv, z) if normalize else kv)
+
+
+def gated_linear_attention_step(
+    state,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    *,
+    feature_map=None,
+    normalize: bool = False,
+    eps: float = 1e-6,
+    scale: float | None = None,
+):
+    """Recurrent form: returns (o, new_state); `state` is not modified.
+
+        kv ← diag(e^{g}) kv + k̃ vᵀ,   (z ← e^{g} ⊙ z + k̃),   o = kvᵀ q̃  (/ (q̃ · z + ε))
+
+    state: kv (B, H, F, E), or (kv, z) with normalize, or None to start from zeros. q, k: (B, H, T, D),
+    v: (B, H, T, E), g: (B, H, T) or (B, H, T, F). T = 1 is the decoding fast path (on the CPU, with φ
+    elu+1 or None, no scale and no gradient wanted: one fused operator); T > 1 (a short block) runs
+    the chunked op from the state.
+    """
+    if isinstance(q, torch.Tensor) and q.dim() == 4 and q.shape[2] != 1:
+        return gated_linear_attention(q, k, v, g, feature_map=feature_map, normalize=normalize, eps=eps, scale=scale,
+                                      initial_state=state, return_state=True)
+    advance_schedule(feature_map)
+    check_bool("normalize", normalize, error=TypeError)
+    check_eps("eps", eps)
+    fz, kv, z = _prepare(q, k, v, g, feature_map=feature_map, scale=scale, key_padding_mask=None, state=state,
+                         normalize=normalize, name="state")
+    phi = native.fused_phi(feature_map, scale, None, (kv, kv if z is None else z), q, k, v)
+    if phi is not None and g.dtype is kv.dtype and not (g.requires_grad and torch.is_grad_enabled()):
+        o, kv, z = fused.step(kv, z, q, k, v, g, phi=phi, eps=float(eps))  # checks g's values itself
+    else:
+        check_gate_values(g)
+        o, kv, z = step_from_features(kv, z, fz(q, 0, 1, True)[0], fz(k, 0, 1, False)[0], v, g, eps=float(eps),
+                                      out_dtype=q.dtype)
+    return o, ((kv, z) if normalize else kv)
+
+
+def step_from_features(kv, z, qf, kf, v, g, *, eps: float, out_dtype):
+    """One step in torch ops from the features qf, kf (B, H, 1, F): kv (B, H, F, E) and z (B, H, F) or
+    None in the state dtype. Returns (o (B, H, 1, E) in out_dtype, kv', z' or None)."""
+    b, h, feat, e = kv.shape
+    sdt = kv.dtype
+    qf, kf, v = qf.to(sdt), kf.to(sdt), v.to(sdt)
+    decay = g.to(sdt).exp().reshape(b, h, -1)  # (B, H, 1 or F)
+    kv_new = torch.addcmul(kv * decay[..., None], kf.mT, v)
+    num = torch.bmm(qf.reshape(b * h, 1, feat), kv_new.reshape(b * h, feat, e))
+    z_new = None
+    if z is not None:
+        z_new = torch.addcmul(kf.reshape(b, h, feat), z, decay)
+        den = torch.bmm(qf.reshape(b * h, 1, feat), z_new.reshape(b * h, feat, 1))
+        num = num / (den + eps)
+    return num.view(b, h, 1, e).to(out_dtype), kv_new, z_new
+
+
+def _prepare(q, k, v, g, *, feature_map, scale, key_padding_mask, state, normalize: bool, name: str):
+    """Checks every argument; returns (featurizer, kv0, z0): the given state, or zeros (z0 None
+    without normalize)."""
+    if state is not None and getattr(feature_map, "needs_positions", False):
+        raise ValueError(f"the gated operators take no positions, so a position-dependent feature map "
+                         f"({type(feature_map).__name__}) cannot continue from {name}")
+    feat = check_arguments(q, k, v, feature_map=feature_map, scale=scale, key_padding_mask=key_padding_mask,
+                           initial_state=None, positions=None, rope=None)
+    b, h, n, _ = q.shape
+    if k.shape[2] != n:
+        raise ValueError(f"causal gated linear attention needs q and k of equal length, got {n} and {k.shape[2]}")
+    e = v.shape[-1]
+    check_gate(g, b, h, n, feat, q.device)
+    fz = make_featurizer(k, feature_map=feature_map, scale=scale, key_padding_mask=key_padding_mask, positions=None,
+                         rope=None)
+    if state is None:
+        sdt = state_dtype(q.dtype)
+        kv0 = torch.zeros(b, h, feat, e, dtype=sdt, device=q.device)
+        return fz, kv0, (torch.zeros(b, h, feat, dtype=sdt, device=q.device) if normalize else None)
+    check_gated_state(state, normalize, b, h, feat, e, q.device, name)
+    return (fz, *state) if normalize else (fz, state, None)

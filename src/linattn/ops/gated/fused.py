@@ -1,0 +1,71 @@
+"""The fused CPU kernels of gated linear attention (csrc/gated.h, gated.cpp, gated_backward.cpp, in the
+linattn_cpu extension that `linattn.ops.native` builds), wired into Python and autograd.
+
+    linattn_cpu::gated_chunked           the chunked forward, one (batch, head) row per task; for
+                                         training it also saves the denominators and the state
+                                         entering every block of 512 tokens
+    linattn_cpu::gated_chunked_backward  walks each row back block by block: q, k, v, g and the
+                                         initial state's gradients (g's from the identity of §12)
+    linattn_cpu::gated_step              one recurrent step (checks g ≤ 0 and finite itself)
+
+The state is kv, or (kv, z) when a z is given (normalize=True); g (B, H, N) or (B, H, N, F) in the
+state's dtype (converted here). φ is elu+1 (phi=1) or the identity (phi=0).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import native
+
+
+def ready(dtype: torch.dtype) -> bool:
+    """The chunked kernels can run on inputs of `dtype` (torch's BLAS has the gemm they need)."""
+    return native.chunked_ready(dtype)
+
+
+def chunked(q, k, v, g, kv0, z0, *, phi: int, eps: float, chunk: int):
+    """The gated chunked forward, through `FusedGatedChunked` when a gradient is wanted.
+    Returns (o, kv, z) with z None when z0 is None."""
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, g, kv0, z0)):
+        out = FusedGatedChunked.apply(q, k, v, g, kv0, z0, phi, eps, chunk)
+        return out if z0 is not None else (*out, None)
+    o, kv, z, *_ = torch.ops.linattn_cpu.gated_chunked.default(q, k, v, g.to(kv0.dtype), kv0, z0, phi, eps, chunk,
+                                                              False)
+    return o, kv, (z if z0 is not None else None)
+
+
+class FusedGatedChunked(torch.autograd.Function):
+    """apply(q, k, v, g, kv0, z0, phi, eps, chunk) -> (o, kv[, z]), fused forward and backward.
+
+    Saved: q, k, v, g (in the state dtype), o, the final state, the denominators (B·H·N floats, with
+    normalize) and the state entering every block of 512 tokens. Not twice differentiable."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, kv0, z0, phi, eps, chunk):
+        gk = g.to(kv0.dtype)
+        o, kv, z, den, S_blocks, z_blocks = torch.ops.linattn_cpu.gated_chunked.default(q, k, v, gk, kv0, z0, phi, eps,
+                                                                                       chunk, True)
+        normalize = z0 is not None
+        ctx.save_for_backward(q, k, v, gk, o, den, S_blocks, z_blocks, kv, z if normalize else None)
+        ctx.phi, ctx.chunk, ctx.dtypes = phi, chunk, (g.dtype, kv0.dtype, None if z0 is None else z0.dtype)
+        ctx.set_materialize_grads(False)
+        return (o, kv, z) if normalize else (o, kv)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, do, dkv, dz=None):
+        q, k, v, gk, o, den, S_blocks, z_blocks, kv, z = ctx.saved_tensors
+        if do is None:
+            do = torch.zeros_like(o)
+        dq, dk, dv, dg, dkv0, dz0 = torch.ops.linattn_cpu.gated_chunked_backward.default(
+            q, k, v, gk, o, do, den, S_blocks, z_blocks, kv, z, dkv, dz, ctx.phi, ctx.chunk)
+        g_dtype, kv_dtype, z_dtype = ctx.dtypes
+        return (dq, dk, dv, dg.to(g_dtype), dkv0.to(kv_dtype), None if z is None else dz0.to(z_dtype), None, None,
+                None)
+
+
+def step(kv, z, q, k, v, g, *, phi: int, eps: float):
+    """One fused step from (kv, z) (z None without normalize); returns (o, kv', z' or None)."""
+    o, kv_new, z_new = torch.ops.linattn_cpu.gated_step.default(kv, z, q, k, v, g, phi, eps)
+    return o, kv_new, (z_new if z is not None else None)
