@@ -325,31 +325,46 @@ def run_eval(preset: str | Preset = "quick", *, kinds=None, tasks=None, seeds=No
 
 def _run_pool(plan, report, jobs, threads_per_job, bar, bar_task) -> None:
     """Runs `plan` in `jobs` spawned processes; appends the runs to report["runs"] in plan order."""
-    import multiprocessing
-    from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
-
     import torch
 
     threads = threads_per_job or max(1, torch.get_num_threads() // jobs)
+    if bar is not None:
+        bar.update(bar_task, description=f"{len(plan)} runs on {jobs} processes × {threads} threads")
+    try:
+        done = run_in_processes(_run_one, plan, jobs, threads,
+                                on_done=None if bar is None else (lambda i, r: bar.advance(bar_task)))
+    except KeyboardInterrupt as exc:
+        done = exc.args[0]
+        report["runs"].extend(done[i] for i in sorted(done))
+        raise KeyboardInterrupt(report) from None
+    report["runs"].extend(done[i] for i in sorted(done))
+
+
+def run_in_processes(fn, items, jobs: int, threads: int, on_done=None) -> dict:
+    """{i: fn(*items[i])} for every item, computed in `jobs` spawned processes with `threads` torch
+    threads each (fn must be importable: a module-level function). on_done(i, result) runs in this
+    process as each finishes. Ctrl-C cancels what has not started, waits for the runs in flight and
+    raises KeyboardInterrupt({i: result} of the finished ones)."""
+    import multiprocessing
+    from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+
     done: dict = {}
     pool = ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn"),
                                initializer=_init_worker, initargs=(threads,))
     try:
-        pending = {pool.submit(_run_one, *item): i for i, item in enumerate(plan)}
-        if bar is not None:
-            bar.update(bar_task, description=f"{len(plan)} runs on {jobs} processes × {threads} threads")
+        pending = {pool.submit(fn, *item): i for i, item in enumerate(items)}
         while pending:
             finished, _ = wait(pending, return_when=FIRST_COMPLETED)
             for fut in finished:
-                done[pending.pop(fut)] = fut.result()
-                if bar is not None:
-                    bar.advance(bar_task)
+                i = pending.pop(fut)
+                done[i] = fut.result()
+                if on_done is not None:
+                    on_done(i, done[i])
     except KeyboardInterrupt:
         pool.shutdown(wait=True, cancel_futures=True)
-        report["runs"].extend(done[i] for i in sorted(done))
-        raise KeyboardInterrupt(report) from None
+        raise KeyboardInterrupt(done) from None
     pool.shutdown(wait=True)
-    report["runs"].extend(done[i] for i in sorted(done))
+    return done
 
 
 def _stats(values: list) -> dict:
