@@ -150,7 +150,7 @@ def _run(kind: str, seq_len: int, n_pairs: int, lr: float, cfg: TrainConfig) -> 
     t0 = time.perf_counter()
     res = train(cfg, progress=False)
     curve = [(v["step"], v["accuracy"]) for v in res.validation]
-    reached = [s for s, a in curve if a >= cfg.stop_accuracy]
+    reached = [s for s, a in curve if cfg.stop_accuracy is not None and a >= cfg.stop_accuracy]
     return {"kind": kind, "seq_len": seq_len, "n_pairs": n_pairs, "lr": lr,
             "state_size": state_size(res.model, seq_len),
             "accuracy": res.final["accuracy"] if res.final else None,
