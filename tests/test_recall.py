@@ -176,6 +176,21 @@ def test_early_stop_ends_a_run_at_the_first_validation_that_reaches_it():
     assert full["steps"] == 40 and full["steps_to_stop"] is None
 
 
+def test_ctrl_c_in_one_run_stops_the_sweep_with_the_partial_report(monkeypatch):
+    calls, seen = [], []
+
+    def fake_run(kind, n, pairs, lr, cfg):  # train() turns a Ctrl-C into an "interrupted" run
+        calls.append(kind)
+        return {**_rec(kind, lr, 0.1, n=n, p=pairs), "status": "interrupted" if len(calls) == 2 else "completed"}
+
+    monkeypatch.setattr(recall, "_run", fake_run)
+    with pytest.raises(KeyboardInterrupt) as info:
+        recall.run_recall(tiny_preset(), kinds=["softmax", "elu"], progress=False, on_record=seen.append)
+    report = info.value.args[0]
+    assert len(calls) == 2 and [r["status"] for r in report["records"]] == ["completed", "interrupted"]
+    assert seen == report["records"] and report["wall_s"] >= 0 and len(report["best"]) == 1
+
+
 def test_run_recall_writes_the_issue_schema(tmp_path):
     report = recall.run_recall(tiny_preset(), kinds=["softmax", "deltanet"], progress=False)
     assert len(report["records"]) == 2 * 2 and report["wall_s"] > 0
@@ -208,7 +223,9 @@ def test_cli_preset_recall_end_to_end(tmp_path, monkeypatch, capsys):
                                                                    "cosformer"])
     assert data["machine"]["jobs"] == 2 and data["machine"]["threads_per_job"] == 1
     assert {p.name for p in out.iterdir()} >= {"recall.json", "recall-runs.json", "recall.md", "recall.png",
-                                              "recall.txt"}
+                                              "recall.txt", "recall-runs.jsonl"}
+    lines = [json.loads(x) for x in (out / "recall-runs.jsonl").read_text().splitlines()]  # written as runs end
+    assert len(lines) == len(data["records"]) and {x["kind"] for x in lines} == {r["kind"] for r in data["records"]}
 
 
 def test_cli_preset_recall_rejects_what_it_does_not_take(capsys):

@@ -162,12 +162,13 @@ def _run(kind: str, seq_len: int, n_pairs: int, lr: float, cfg: TrainConfig) -> 
 
 
 def run_recall(preset: RecallPreset | None = None, *, kinds=None, jobs: int = 1, threads_per_job: int = 1,
-               device: str = "cpu", progress: bool = True, console=None) -> dict:
+               device: str = "cpu", progress: bool = True, console=None, on_record=None) -> dict:
     """Runs the preset (default RECALL_PRESET) and returns the report: records (one per run, every
     lr), best (per setting and kind, the record with the highest accuracy; ties: fewer steps),
     criteria, skipped kinds, wall_s, machine and the preset's sizes. `jobs` > 1 trains that many runs
     at once in spawned processes of `threads_per_job` torch threads each (jobs 1: in this process,
-    with its threads). Ctrl-C raises KeyboardInterrupt with the partial report as its argument."""
+    with its threads). on_record(record) runs as each run finishes (in finishing order). Ctrl-C raises
+    KeyboardInterrupt with the partial report as its argument."""
     from .report import machine_info, timestamp
 
     preset = RECALL_PRESET if preset is None else preset
@@ -189,17 +190,23 @@ def run_recall(preset: RecallPreset | None = None, *, kinds=None, jobs: int = 1,
         bar = make_progress(console or make_console())
         bar_task = bar.add_task(f"recall: {len(plan)} runs on {jobs} process(es)", total=len(plan))
         bar.start()
+    def finished(i, record):
+        if on_record is not None:
+            on_record(record)
+        if bar is not None:
+            bar.advance(bar_task)
+
     t0 = time.perf_counter()
     done: dict = {}
     try:
         if jobs == 1:
             for i, item in enumerate(plan):
                 done[i] = _run(*item)
-                if bar is not None:
-                    bar.advance(bar_task)
+                finished(i, done[i])
+                if done[i]["status"] == "interrupted":  # train() took the Ctrl-C: stop the sweep too
+                    raise KeyboardInterrupt(done)
         else:
-            done = run_in_processes(_run, plan, jobs, threads_per_job,
-                                    on_done=None if bar is None else (lambda i, r: bar.advance(bar_task)))
+            done = run_in_processes(_run, plan, jobs, threads_per_job, on_done=finished)
     except KeyboardInterrupt as exc:
         if isinstance(exc.args[0] if exc.args else None, dict):
             done = exc.args[0]

@@ -110,6 +110,7 @@ def run_eval_command(args) -> int:
 def run_recall_command(args) -> int:
     """--preset recall: linattn.recall.run_recall, the table and the criteria, recall.{json,md,png}."""
     import dataclasses
+    import json
 
     from rich.console import Console
 
@@ -127,9 +128,17 @@ def run_recall_command(args) -> int:
                                                                                 max(1, args.steps // 10)))
     console = make_console()
     status = 0
+    out = output_dir("recall", args.out)
+    partial = out / "recall-runs.jsonl"  # one line per finished run, as they finish: survives a crash
+    partial.write_text("", encoding="utf-8")
+
+    def keep(record):
+        with partial.open("a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
+
     try:
         report = recall.run_recall(preset, kinds=args.kinds, jobs=args.jobs, threads_per_job=args.threads or 1,
-                                   device=args.device, progress=not args.quiet, console=console)
+                                   device=args.device, progress=not args.quiet, console=console, on_record=keep)
     except ValueError as exc:
         print(f"linattn eval: error: {exc}", file=sys.stderr)
         return 2
@@ -140,7 +149,6 @@ def run_recall_command(args) -> int:
             return 130
         console.print("[yellow]interrupted: writing the partial report[/]")
         status = 130
-    out = output_dir("recall", args.out)
     header, rows = recall_table_rows(report)
     table = make_table(f"linattn eval (recall): {report['description']}", header, rows,
                        caption=f"best of lr {report['lrs']} per kind; {report['wall_s']:.0f} s")
@@ -159,5 +167,6 @@ def run_recall_command(args) -> int:
     show(text)
     (out / "recall.txt").write_text(text.export_text(), encoding="utf-8")
     write_recall_report(report, out)
-    console.print(f"report: {out.resolve()} (recall.json, recall-runs.json, recall.md, recall.png, recall.txt)")
+    console.print(f"report: {out.resolve()} (recall.json, recall-runs.json, recall-runs.jsonl, recall.md, recall.png, "
+                  "recall.txt)")
     return status
