@@ -171,3 +171,22 @@ def test_ops_gated_script_smoke(capsys, tmp_path):
     assert ratio["per_round"][1] == pytest.approx(expected)
     memory = data["rows"][-1]
     assert 0 < memory["median"] < 100
+
+
+def test_seq_parallel_script_smoke(capsys, monkeypatch):
+    """benchmarks/seq_parallel.py: one 2-rank Gated DeltaNet run in spawned processes (the script
+    checks the state bytes it exchanged against transition_exchange_bytes and raises on a mismatch)
+    and the bytes table of every op."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))  # spawned ranks import the script by name
+    import seq_parallel
+    from rich.console import Console
+
+    ranks = seq_parallel.measure("gated_deltanet", 9, 2, 1, 1)
+    assert [(r["rank"], r["world"], r["op"], r["n"]) for r in ranks] == [(0, 2, "gated_deltanet", 9),
+                                                                         (1, 2, "gated_deltanet", 9)]
+    state = seq_parallel.exchange_bytes("gated_deltanet", 2)
+    assert state == 2 * 8 * (64 * 64 * 2) * 4 + 2 * 8 * 64 * 64 * 4  # P·B·H·(D² + D·E) fwd + P·B·H·D·E bwd, fp32
+    assert all(r["comm_bytes"] > state and r["time_s"] > 0 and r["peak_rss"] >= r["base_rss"] for r in ranks)
+    seq_parallel.render_bytes(Console(width=200), seq_parallel.OPS)
+    printed = capsys.readouterr().out
+    assert all(op in printed for op in seq_parallel.OPS) and f"{state:,}" in printed

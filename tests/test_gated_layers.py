@@ -285,11 +285,47 @@ def test_short_conv_and_output_gate_on_linear_and_softmax(cls):
     torch.testing.assert_close(y[:, 2:], full, rtol=1e-10, atol=1e-12)
 
 
-def test_sequence_parallel_is_refused():
-    layer = make_layer("deltanet")
-    layer.sequence_parallel_group = object()
-    with pytest.raises(ValueError, match="sequence parallelism does not support the 'deltanet'"):
-        layer(torch.randn(1, 4, D_MODEL, dtype=torch.float64))
+@pytest.mark.parametrize("kind", KINDS)
+def test_sequence_parallel_hook(kind, monkeypatch):
+    """With a group set and no cache, a layer calls linattn.parallel's operator of its kind with the
+    single-process op's arguments and the short convolution asks for its halo; a padding mask is
+    refused; decoding with a cache stays local. (The sharded results: tests/parallel/.)"""
+    import linattn.gated_layers as gl
+    import linattn.layers as ly
+
+    calls = {}
+
+    def sp_op(name):
+        def op(q, k, v, gate, **kw):
+            calls[name] = (gate, kw)
+            return torch.zeros_like(v)
+        return op
+
+    def halo(x, width, *, group):
+        calls["halo"] = (width, group)
+        return torch.zeros(x.shape[0], width, x.shape[2], dtype=x.dtype)
+
+    monkeypatch.setattr(gl, "sequence_parallel_gated_linear_attention", sp_op("gated"))
+    monkeypatch.setattr(gl, "sequence_parallel_delta_rule", sp_op("delta"))
+    monkeypatch.setattr(ly, "sequence_halo", halo)
+    layer = make_layer(kind)
+    layer.sequence_parallel_group = "GROUP"
+    x = torch.randn(1, 4, D_MODEL, dtype=torch.float64)
+    y, _ = layer(x)
+    assert torch.equal(y, layer._merge(torch.zeros(1, HEADS, 4, D_MODEL // HEADS, dtype=torch.float64), x))
+    gate, kw = calls["delta" if kind in DELTA else "gated"]
+    assert kw["group"] == "GROUP" and kw["chunk_size"] == layer.chunk_size
+    if kind in DELTA:
+        assert kw["qk_l2norm"] is True and kw["scale"] == layer.scale and (kw["g"] is None) == (kind == "deltanet")
+        assert gate.shape == (1, HEADS, 4)
+    else:
+        assert gate.shape[:3] == (1, HEADS, 4)
+    assert calls["halo"] == (2, "GROUP")
+    with pytest.raises(ValueError, match="sequence parallelism does not take a padding mask"):
+        layer(x, mask=torch.ones(1, 4, dtype=torch.bool))
+    calls.clear()
+    y, cache = layer(x, cache=layer.new_cache())
+    assert not calls and cache.length == 4 and y.abs().sum() > 0
 
 
 @pytest.mark.parametrize("kw, match", [

@@ -241,14 +241,16 @@ def test_encoder_refuses_causal_only_kinds(kind):
         LinearTransformerEncoder(tiny(attention=[kind, "linear"], num_classes=3))
 
 
-@pytest.mark.parametrize("kw, match", [
-    (dict(attention="deltanet,softmax"), "deltanet do not run sequence-parallel"),
-    (dict(attention="linear", short_conv=3), "short convolutions"),
-    (dict(attention="linear", block="conv_mixer"), "block='conv_mixer'"),
-])
-def test_sequence_parallelism_is_refused_with_a_clear_error(kw, match):
+@pytest.mark.parametrize("kw", [dict(attention="deltanet,softmax"), dict(attention="gla,linear", short_conv=3),
+                                dict(attention="retnet", block="conv_mixer")], ids=["delta", "gla-conv", "conv_mixer"])
+def test_set_sequence_parallel_group_reaches_every_layer_and_convolution(kw):
+    """Every kind, short convolution and conv_mixer block runs sequence-parallel (tests/parallel/
+    compare the sharded models with one process): the group reaches each attention layer and each
+    conv_mixer block's gated convolution, and None switches it off."""
     model = LinearTransformerLM(tiny(**kw))
-    with pytest.raises(ValueError, match=match):
-        model.set_sequence_parallel_group(object())
-    assert all(b.attn.sequence_parallel_group is None for b in model.blocks)
+    model.set_sequence_parallel_group("G")
+    assert all(b.attn.sequence_parallel_group == "G" for b in model.blocks)
+    assert all(b.sequence_parallel_group == "G" for b in model.blocks if isinstance(b, ConvMixerBlock))
     model.set_sequence_parallel_group(None)
+    assert all(b.attn.sequence_parallel_group is None for b in model.blocks)
+    assert all(b.sequence_parallel_group is None for b in model.blocks if isinstance(b, ConvMixerBlock))

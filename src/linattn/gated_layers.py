@@ -18,6 +18,11 @@ The gates come from linattn.decay. No normalizer z: the output norm takes its pl
 (B, H, D, E) is float32 (float64 for float64 models) and is the decoding cache (`RecurrentCache`),
 with the short convolution's tail; a token costs O(D·E) per head whatever the context.
 
+Sequence parallelism (design §9): with `sequence_parallel_group` set (LinearTransformerLM.
+set_sequence_parallel_group) and no cache, each rank passes its shard of the sequence and the layer
+runs linattn.parallel's gated or delta-rule operator; the short convolution takes the K−1 inputs
+before the shard from the previous ranks (linattn.parallel.sequence_halo).
+
 Padding: a masked token leaves the state as it was (the gated operator's key_padding_mask; for the
 delta rule its key and log-decay are set to 0, so S_t = S_{t−1}), and enters the short convolution as
 zeros, so a left-padded row gives, at its real tokens, the output of the row alone. With
@@ -38,6 +43,7 @@ from .decay import FeatureDecay, FixedDecay, ScalarDecay
 from .layers import LayerCache, _Attention, token_positions
 from .ops import delta_rule, delta_rule_step, gated_linear_attention, gated_linear_attention_step
 from .ops.chunked import DEFAULT_CHUNK_SIZE, state_dtype
+from .parallel import sequence_parallel_delta_rule, sequence_parallel_gated_linear_attention
 from .positional import RotaryEmbedding
 
 
@@ -80,9 +86,8 @@ class _RecurrentAttention(_Attention):
         """x (B, N, d), mask (B, N) bool or None, positions (N,) or (B, N) or None (derived from the
         mask and the cache). Returns (y (B, N, d), cache)."""
         self._check_mask(mask, x)
-        if cache is None and self.sequence_parallel_group is not None:
-            raise ValueError(f"sequence parallelism does not support the {self.kind!r} attention kind yet "
-                             "(only 'linear' and 'softmax' layers without a short convolution)")
+        if cache is None and self.sequence_parallel_group is not None and mask is not None:
+            raise ValueError("sequence parallelism does not take a padding mask")
         q, k, v = self._activate(*self._project(x, mask, cache))
         n = x.shape[1]
         if self.rope is not None:
@@ -97,6 +102,8 @@ class _RecurrentAttention(_Attention):
         return self._merge(o, x), cache
 
     def _mix(self, x, q, k, v, mask, state, stateful: bool):
+        """(o (B, H, N, E), state after x or None); runs sequence-parallel over
+        `sequence_parallel_group` when one is set and there is no cache (not stateful)."""
         raise NotImplementedError
 
     def extra_repr(self) -> str:
@@ -116,6 +123,9 @@ class _GatedAttention(_RecurrentAttention):
     def _mix(self, x, q, k, v, mask, state, stateful: bool):
         g = self.decay(x)
         q = q * self.scale
+        if not stateful and self.sequence_parallel_group is not None:
+            return sequence_parallel_gated_linear_attention(q, k, v, g, group=self.sequence_parallel_group,
+                                                            chunk_size=self.chunk_size), None
         if not stateful:
             return gated_linear_attention(q, k, v, g, key_padding_mask=mask, chunk_size=self.chunk_size), None
         if q.shape[2] == 1 and mask is None:
@@ -189,6 +199,9 @@ class DeltaNetAttention(_RecurrentAttention):
             k = k * keep[..., None].to(k.dtype)
             g = None if g is None else g.masked_fill(~keep, 0.0)
         opts = dict(g=g, scale=self.scale, qk_l2norm=True)
+        if not stateful and self.sequence_parallel_group is not None:
+            return sequence_parallel_delta_rule(q, k, v, beta, group=self.sequence_parallel_group,
+                                                chunk_size=self.chunk_size, **opts), None
         if not stateful:
             return delta_rule(q, k, v, beta, chunk_size=self.chunk_size, **opts), None
         if q.shape[2] == 1:

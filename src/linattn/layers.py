@@ -35,7 +35,7 @@ from .convolution import ShortConvolution
 from .feature_maps import make_feature_map
 from .ops import linear_attention, linear_attention_step, native, softmax_attention
 from .ops.chunked import DEFAULT_CHUNK_SIZE
-from .parallel import sequence_parallel_linear_attention, sequence_parallel_softmax_attention
+from .parallel import sequence_halo, sequence_parallel_linear_attention, sequence_parallel_softmax_attention
 from .positional import RotaryEmbedding
 
 # --------------------------------------------------------------------------------------------
@@ -159,6 +159,16 @@ def _grow(buf: torch.Tensor | None, shape, keep: int, like: torch.Tensor) -> tor
 # attention layers
 
 
+def shard_halo(x: torch.Tensor, kernel_size: int, group) -> torch.Tensor | None:
+    """The tail a causal convolution of `kernel_size` needs before this rank's shard x (B, n, C) under
+    sequence parallelism (its K−1 inputs from the earlier ranks, linattn.parallel.sequence_halo);
+    None without a group or for K = 1 (the convolution then starts from zeros, as a whole sequence
+    does)."""
+    if group is None or kernel_size == 1:
+        return None
+    return sequence_halo(x, kernel_size - 1, group=group)
+
+
 def column_major(linear: nn.Linear) -> nn.Linear:
     """Stores linear.weight (out, in) as the transpose of a contiguous (in, out) tensor. x·Wᵀ for one
     token is then a plain (1, in)·(in, out) product, which CPU BLAS runs about 1.7× faster than the
@@ -212,14 +222,15 @@ class _Attention(nn.Module):
 
     def _project(self, x: torch.Tensor, mask: torch.Tensor | None = None, cache: LayerCache | None = None):
         """q, k, v of x; with a short convolution, padded tokens enter it as zeros and the cache's
-        tail (the last K−1 projected inputs) continues the sequence and is updated."""
+        tail (the last K−1 projected inputs) continues the sequence and is updated; under sequence
+        parallelism the tail is the K−1 inputs before the shard, from the earlier ranks."""
         if x.dim() != 3 or x.shape[-1] != self.d_model:
             raise ValueError(f"x must have shape (B, N, d_model={self.d_model}), got {tuple(x.shape)}")
         b, n, _ = x.shape
         y = self.qkv(x)
         if self.conv is not None:
             if cache is None:
-                y = self.conv(y, mask)
+                y = self.conv(y, mask, shard_halo(y, self.conv.kernel_size, self.sequence_parallel_group))
             else:
                 y, cache.conv = self.conv(y, mask, cache.conv, return_tail=True)
         if self.qk_dim == self.head_dim:  # [q | k | v] as (3, B, H, N, D) views: three ops, not seven
@@ -572,13 +583,16 @@ class ConvMixerBlock(nn.Module):
         self.conv = GatedConvolution(d, kernel_size)
         self.norm2 = make_norm(norm, d, norm_eps)
         self.attn = attn
+        #: set by LinearTransformerLM.set_sequence_parallel_group: the convolution's halo comes from there
+        self.sequence_parallel_group = None
 
     def new_cache(self) -> ConvMixerCache:
         return ConvMixerCache(attn=self.attn.new_cache())
 
     def forward(self, x, mask=None, cache=None, positions=None):
         if cache is None:
-            x = x + self.conv(self.norm1(x), mask)
+            u = self.norm1(x)
+            x = x + self.conv(u, mask, shard_halo(u, self.conv.conv.kernel_size, self.sequence_parallel_group))
             a, _ = self.attn(self.norm2(x), mask, None, positions)
             return x + a, None
         c, cache.conv = self.conv(self.norm1(x), mask, cache.conv, return_tail=True)

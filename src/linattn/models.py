@@ -212,19 +212,6 @@ class ModelConfig:
         """Whether a layer of `kind` normalizes and gates its output."""
         return kind in RECURRENT_KINDS if self.output_gate is None else self.output_gate
 
-    def sequence_parallel_obstacle(self) -> str | None:
-        """Why a model of this config cannot run sequence-parallel (None: it can). Only linear and
-        softmax layers without short convolutions in transformer blocks can for now."""
-        kinds = sorted({k for k in self.attention if k in RECURRENT_KINDS})
-        if kinds:
-            return f"the attention kind(s) {', '.join(kinds)} do not run sequence-parallel yet"
-        convs = sorted({k for k in self.attention if self.short_conv_for(k)})
-        if convs:
-            return f"short convolutions (short_conv, in the {', '.join(convs)} layers) do not run sequence-parallel yet"
-        if self.block != "transformer":
-            return f"block={self.block!r} (a gated convolution) does not run sequence-parallel yet"
-        return None
-
     def feature_map_options_for(self, layer: int) -> dict:
         opts = dict(self.feature_map_options)
         if self.feature_map in ("favor", "trig", "hedgehog"):
@@ -367,14 +354,14 @@ class _Transformer(nn.Module):
         group; None: local) when no cache is used. Each rank then passes its contiguous shard of
         every sequence, in rank order, with `positions` = the global indices of the shard's tokens
         (start + arange(n), see linattn.parallel.shard_bounds), and gets the logits of its shard.
-        Models with gated or delta-rule layers, short convolutions or conv_mixer blocks are refused."""
-        obstacle = None if group is None else self.config.sequence_parallel_obstacle()
-        if obstacle is not None:
-            raise ValueError(f"sequence parallelism: {obstacle}; use 'linear' and 'softmax' layers with "
-                             "short_conv=0 and block='transformer', or train on one process per sequence")
+        Every attention kind runs sequence-parallel (linattn.parallel: linear and softmax layers,
+        the gated and delta-rule kinds), and short convolutions and conv_mixer blocks take the K−1
+        inputs before the shard from the earlier ranks (a halo exchange); design §9."""
         self.sequence_parallel_group = group
         for block in self.blocks:
             block.attn.sequence_parallel_group = group
+            if isinstance(block, ConvMixerBlock):
+                block.sequence_parallel_group = group
 
     def _check_ids(self, ids, mask):
         if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.dtype not in (torch.int32, torch.int64):

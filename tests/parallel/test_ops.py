@@ -4,21 +4,20 @@ every rank recomputes the single-process reference itself and compares its shard
 
 from __future__ import annotations
 
-import multiprocessing
 import os
-import tempfile
 import time
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from linattn import parallel as D
 from linattn.parallel import ops as sp_ops
 from linattn.feature_maps import make_feature_map
 from linattn.ops import linear_attention, softmax_attention
 from linattn.positional import RotaryEmbedding
+
+from .harness import launch, setup
 
 B, H, DH, E = 2, 2, 8, 6  # F = DH for elu/relu; E != F on purpose
 TOL = dict(atol=2e-5, rtol=1e-4)
@@ -30,19 +29,10 @@ TOL_BF16 = dict(atol=3e-2, rtol=3e-2)
 
 
 def _launch(fn, world: int, *args, timeout_s: float = 60.0):
-    """Runs fn(rank, world, init_method, tmp_dir, timeout_s, *args) on `world` processes. They fork from
-    a forkserver that has imported torch and linattn once (a fresh interpreter per rank costs seconds
-    of imports on a small machine); the forkserver itself never runs torch ops, so forking is safe."""
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "linattn.parallel", __name__])
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(fn, args=(world, f"file://{tmp}/rendezvous", tmp, timeout_s, *args), nprocs=world,
-                           join=True, start_method="forkserver")
+    launch(fn, world, *args, timeout_s=timeout_s, preload=(__name__,))
 
 
-def _setup(rank, world, init, timeout_s):
-    torch.set_num_threads(1)
-    D.init_distributed("gloo", init_method=init, rank=rank, world_size=world, timeout_s=timeout_s)
+_setup = setup
 
 
 def _inputs(n, seed, dtype=torch.float32, positive=False):

@@ -23,12 +23,13 @@ def _ddp_config(**kw) -> TrainConfig:
     return TrainConfig(**base)
 
 
-def _ddp_worker(rank: int, world: int, port: int, out: str, sequence_parallel: int = 1, extra: dict | None = None
-                ) -> None:
+def _ddp_worker(rank: int, world: int, port: int, out: str, sequence_parallel: int = 1,
+                model: dict | None = None, extra: dict | None = None) -> None:
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
                        "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank)})
     torch.set_num_threads(1)
-    res = train(_ddp_config(dist_timeout_s=60.0, sequence_parallel=sequence_parallel, **(extra or {})),
+    res = train(_ddp_config(dist_timeout_s=60.0, sequence_parallel=sequence_parallel, model=model or dict(TINY_MODEL),
+                            **(extra or {})),
                 progress=False)
     assert res.world_size == world and res.rank == rank
     from safetensors.torch import save_file
@@ -40,17 +41,20 @@ def _ddp_worker(rank: int, world: int, port: int, out: str, sequence_parallel: i
                   f)
 
 
-@pytest.mark.parametrize("sequence_parallel", [1, 2], ids=["data-parallel", "sequence-parallel"])
-def test_ddp_two_processes_equal_one_process(tmp_path, sequence_parallel):
+@pytest.mark.parametrize("sequence_parallel, attention", [(1, "linear"), (2, "linear"), (2, "gated_deltanet,gla")],
+                         ids=["data-parallel", "sequence-parallel", "sequence-parallel-gated-delta-conv"])
+def test_ddp_two_processes_equal_one_process(tmp_path, sequence_parallel, attention):
     """2 processes, as 2 data-parallel replicas or as one sequence split over 2 processes, train
-    exactly like one process with the same global batch."""
+    exactly like one process with the same global batch; also a Gated DeltaNet + GLA model with
+    short convolutions (kernel 4 by default for gated_deltanet, 3 set for all here)."""
     from safetensors.torch import load_file
 
     from linattn.parallel import free_port
 
-    mp.start_processes(_ddp_worker, args=(2, free_port(), str(tmp_path), sequence_parallel), nprocs=2, join=True,
-                       start_method="spawn")
-    single = train(_ddp_config(distributed="off"), progress=False)
+    model = dict(TINY_MODEL, attention=attention, **({} if attention == "linear" else {"short_conv": 3}))
+    mp.start_processes(_ddp_worker, args=(2, free_port(), str(tmp_path), sequence_parallel, model), nprocs=2,
+                       join=True, start_method="spawn")
+    single = train(_ddp_config(distributed="off", model=model), progress=False)
     ref = {k: v for k, v in single.model.state_dict().items() if k != "lm_head.weight"}
     for rank in range(2):
         got = json.loads((tmp_path / f"rank{rank}.json").read_text())
@@ -75,7 +79,7 @@ def test_stop_accuracy_stops_every_process_at_rank_0s_validation(tmp_path):
     from linattn.parallel import free_port
 
     extra = {"steps": 6, "eval_interval": 2, "stop_accuracy": 1e-6, "eval_samples": 32}
-    mp.start_processes(_ddp_worker, args=(2, free_port(), str(tmp_path), 1, extra), nprocs=2, join=True,
+    mp.start_processes(_ddp_worker, args=(2, free_port(), str(tmp_path), 1, None, extra), nprocs=2, join=True,
                        start_method="spawn")
     single = train(_ddp_config(distributed="off", **extra), progress=False)
     assert single.stopped_early and single.step == 2

@@ -41,8 +41,15 @@ def strong_bmm(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return torch.where(hit > 0, torch.bmm(x, y), clean)
 
 
+def strong_mul(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """x ⊙ y (broadcast) with 0·NaN = 0·Inf = 0; a non-finite factor times a nonzero one stays
+    non-finite."""
+    return torch.where((x == 0) | (y == 0), torch.zeros((), dtype=torch.result_type(x, y), device=x.device), x * y)
+
+
 class Products:
-    """The batched products of one pass: `torch.bmm` (exact=False), or `strong_bmm` (exact=True)."""
+    """The products of one pass: `torch.bmm` and `*` (exact=False), or `strong_bmm` and `strong_mul`
+    (exact=True)."""
 
     def __init__(self, exact: bool):
         self.exact = exact
@@ -57,3 +64,7 @@ class Products:
     def addmm_(self, acc: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """acc += x @ y, in place."""
         return acc.add_(strong_bmm(x, y)) if self.exact else acc.baddbmm_(x, y)
+
+    def mul(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """x ⊙ y (broadcast), a new tensor."""
+        return strong_mul(x, y) if self.exact else x * y

@@ -16,7 +16,7 @@ from .._checks import FLOAT_DTYPES, check_int, check_positive_int, check_tensor
 from ..ops.chunked import state_dtype
 from .groups import ShardGroup
 
-_META_LEN = 7  # [ok, n_local, B, H, F (or D), E, dtype code]
+_META_LEN = 7  # at least [ok, n_local, B, H, F (or D), E, dtype code]
 
 # --------------------------------------------------------------------------------------------
 # shards
@@ -168,15 +168,25 @@ def dtype_code(dtype: torch.dtype) -> int:
 
 def agree(shard: ShardGroup, error: Exception | None, row: list[int], names: tuple[str, ...], *,
           min_tokens: int = 1) -> list[int]:
-    """One all-gather of [ok, *row] (7 int64) so that every rank sees every rank's shard length and
-    shape; a rank whose local checks failed (error) makes all ranks raise, instead of leaving the
-    others waiting in the next collective. row = [n_local, *shape]; the shape entries must be
-    equal on all ranks (names[i] names entry i + 1 in the message). Returns the shard lengths."""
+    """One all-gather of [ok, *row] (at least 7 int64) so that every rank sees every rank's shard
+    length and shape; a rank whose local checks failed (error) makes all ranks raise, instead of
+    leaving the others waiting in the next collective. row = [n_local, *shape]; the shape entries
+    named in `names` must be equal on all ranks (names[i] names entry i + 1 in the message). Returns
+    the shard lengths."""
+    return [r[0] for r in agree_rows(shard, error, row, names, min_tokens=min_tokens)]
+
+
+def agree_rows(shard: ShardGroup, error: Exception | None, row: list[int], names: tuple[str, ...], *,
+               min_tokens: int = 1) -> list[list[int]]:
+    """`agree`, returning every rank's row (rows[s] = rank s's [n_local, *shape]); entries after the
+    named ones are only exchanged (e.g. a flag the caller combines over the ranks). Every rank must
+    pass a row of the same length."""
+    width = max(_META_LEN, len(row) + 1)
     row = [0 if error is None else 1, *row]
-    row += [-1] * (_META_LEN - len(row))
+    row += [-1] * (width - len(row))
     t = torch.tensor(row, dtype=torch.int64, device=_meta_device(shard.group))
     rows = all_gather(t, shard.group, shard.world, "metadata all-gather (shard lengths, shapes)").tolist()
-    comm_stats.add("meta", shard.world * _META_LEN * 8)
+    comm_stats.add("meta", shard.world * width * 8)
     if error is not None:
         raise error
     bad = [s for s, r in enumerate(rows) if r[0]]
@@ -186,9 +196,9 @@ def agree(shard: ShardGroup, error: Exception | None, row: list[int], names: tup
     rows = [r[1:] for r in rows]
     for i, name in enumerate(names, start=1):
         vals = [r[i] for r in rows]
-        if len(set(vals)) > 1:
+        if name and len(set(vals)) > 1:
             raise ValueError(f"{name} must be equal on all ranks of the group, got {vals} (by rank)")
     lengths = [r[0] for r in rows]
     if min(lengths) < min_tokens:
         raise ValueError(f"q: every rank needs at least one token of the sequence, got shard lengths {lengths}")
-    return lengths
+    return rows

@@ -3,6 +3,8 @@
 A shard pass walks this rank's tokens in blocks of `block` tokens (features recomputed block by
 block, so nothing of size n·F is kept): `key_state` sums the shard's keys into a state,
 `query_state_gradient` computes what the shard's outputs send back into their initial state.
+`PrefixStates` is the exchange of the gated and delta-rule operators: every shard's affine
+transition (A_r, ΔS_r) in, the state entering this shard out.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..ops.affine import apply_transition, transition_grad
 from ..ops.chunked import state_dtype
 from .comm import all_gather, comm_stats, sum_after_rank, sum_over_ranks, sum_scatter
 from .groups import ShardGroup
@@ -232,6 +235,55 @@ class AllReduceStates(torch.autograd.Function):
         gz = torch.zeros(shz, dtype=ctx.dtype, device=ctx.device) if gz is None else gz
         flat = flatten(gS.to(ctx.dtype), gz.to(ctx.dtype))
         return (None, *unflatten(sum_over_ranks(flat, ctx.shard, "state_backward"), ctx.shapes))
+
+
+class PrefixStates(torch.autograd.Function):
+    """apply(shard, A, dS, anchor) -> S_in,r (B, H, F, E'), the state entering this rank's shard when
+    shard s maps its entering state S to A_s S + ΔS_s (linattn.ops.affine):
+
+        S_in,0 = 0,     S_in,s+1 = A_s S_in,s + ΔS_s        (rank r combines the ranks s < r)
+
+    A: (B, H), (B, H, F) or (B, H, F, F) (see ops.affine.apply_transition); dS: (B, H, F, E'); both
+    in the state dtype. Forward: one all-gather of every rank's (A_s, ΔS_s). Backward, from
+    Λ_r = ∂L/∂S_in,r: one all-gather of the Λ's, then every rank runs the recurrence backwards over
+    the ranks after it with the A's it kept,
+
+        Λ̄_P = 0,   Λ̄_s = Λ_s + A_sᵀ Λ̄_{s+1},
+        ∂ΔS_r = Λ̄_{r+1},   ∂A_r = ∂⟨Λ̄_{r+1}, A_r S_in,r⟩/∂A_r
+
+    (Λ̄_{r+1} is what every later shard's outputs send back into this shard's final state).
+    `anchor`, an empty tensor, only makes the output require a gradient on a rank whose own inputs
+    do not, so that every rank takes part in the backward's collective when any rank needs it.
+    """
+
+    @staticmethod
+    def forward(ctx, shard: ShardGroup, A, dS, anchor):
+        r, world = shard.rank, shard.world
+        flat = torch.cat((A.reshape(-1), dS.reshape(-1)))
+        rows = all_gather(flat, shard.group, world, "state all-gather (state_forward)")
+        comm_stats.add("state_forward", rows.numel() * rows.element_size())
+        As = rows[:, :A.numel()].view(world, *A.shape)
+        dSs = rows[:, A.numel():].view(world, *dS.shape)
+        S = torch.zeros_like(dS)
+        for s in range(r):
+            S = apply_transition(As[s], S) + dSs[s]
+        ctx.shard = shard
+        ctx.save_for_backward(As[r:].clone(), S)  # this rank's transition and the later ranks'
+        return S
+
+    @staticmethod
+    def backward(ctx, lam):
+        As, S_in = ctx.saved_tensors  # As[0] is this rank's A, As[i] rank r + i's
+        r, world = ctx.shard.rank, ctx.shard.world
+        # every rank takes part, with zeros when no gradient reached its entering state
+        lam = torch.zeros_like(S_in) if lam is None else lam.to(S_in.dtype)
+        lams = all_gather(lam, ctx.shard.group, world, "state-gradient all-gather (state_backward)")
+        comm_stats.add("state_backward", lams.numel() * lams.element_size())
+        after = torch.zeros_like(S_in)  # Λ̄_{s+1} while s walks down from the last rank to r + 1
+        for s in range(world - 1, r, -1):
+            after = lams[s] + apply_transition(As[s - r], after, transpose=True)
+        dA = transition_grad(As[0], S_in, after) if ctx.needs_input_grad[1] else None
+        return None, dA, after if ctx.needs_input_grad[2] else None, None
 
 
 class GatherSequence(torch.autograd.Function):

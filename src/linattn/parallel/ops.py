@@ -229,3 +229,33 @@ def gather_sequence(x: torch.Tensor, *, group=None, dim: int = 2) -> torch.Tenso
     lengths = agree(shard, error, row, ("", "", "x's size in the other dims", "", "x dtype"), min_tokens=0)
     full = GatherSequence.apply(shard, lengths, "seq", x4)
     return full.reshape(full.shape[2], *rest).movedim(0, dim)
+
+
+def sequence_halo(x: torch.Tensor, width: int, *, group=None) -> torch.Tensor:
+    """The `width` tokens of the sequence just before this rank's shard: x (B, n_r, C) -> (B, width, C),
+    zeros before the sequence's start (all zeros on rank 0). What a causal convolution of kernel
+    width + 1 needs from the earlier shards (the `tail` of linattn.convolution.ShortConvolution).
+    A shard shorter than `width` is bridged: the tokens come from as many earlier ranks as needed.
+
+    With autograd: a halo token's gradient returns to the rank that holds the token. Each rank sends
+    its last min(n_r, width) tokens: one all-gather of P·B·width·C elements (x's dtype) at most, one
+    all-reduce (gloo) or reduce-scatter (NCCL) of as many backward, plus the metadata all-gather;
+    independent of N.
+    """
+    shard = resolve_group(group)
+    error, row = None, [-1] * 6
+    try:
+        check_tensor("x", x)
+        if x.dim() != 3:
+            raise ValueError(f"x must have shape (B, n, C) (this rank's shard), got {tuple(x.shape)}")
+        check_positive_int("width", width)
+        row = [min(x.shape[1], width), x.shape[0], 1, x.shape[2], 0, dtype_code(x.dtype)]
+    except (ValueError, TypeError) as exc:
+        error = exc
+    lengths = agree(shard, error, row, ("x's batch size B", "", "x's channels C", "", "x dtype"), min_tokens=0)
+    tail = x[:, x.shape[1] - lengths[shard.rank]:]
+    tails = GatherSequence.apply(shard, lengths, "halo", tail.unsqueeze(1))[:, 0]  # (B, Σ_s m_s, C)
+    before = tails[:, : sum(lengths[:shard.rank])]  # the earlier ranks' tails, in order
+    if before.shape[1] < width:
+        before = torch.nn.functional.pad(before, (0, 0, width - before.shape[1], 0))
+    return before[:, before.shape[1] - width:]

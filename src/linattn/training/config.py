@@ -125,9 +125,6 @@ class TrainConfig:
                              "whole sequence")
         self._task = TASK_CLASSES[self.task].from_config(self)
         self._model_config = self._task.model_config(self.model, self.seed)
-        obstacle = self._model_config.sequence_parallel_obstacle() if self.sequence_parallel > 1 else None
-        if obstacle is not None:
-            raise ValueError(f"sequence_parallel > 1: {obstacle}")
 
     # ---- derived
     def model_config(self) -> ModelConfig:

@@ -16,10 +16,13 @@ from __future__ import annotations
 import torch
 
 from ..._checks import check_positive_int
+from ..affine import AffineForm
 from ..chunked import state_dtype
+from ..nonfinite import all_finite
 from . import fused
 from .checks import check_arguments, check_values
 from .chunked import ChunkedDeltaRule, normalize_rows
+from .exact import exact_delta_rule
 
 
 def delta_rule(
@@ -51,6 +54,9 @@ def delta_rule(
     Gradients reach q, k, v, beta, g and initial_state. On the CPU, fp32, fp64 and bf16 inputs run
     as fused operators forward and backward (csrc/delta.cpp); other devices and dtypes (and
     LINATTN_NATIVE=0) run the torch-op path of `linattn.ops.delta.chunked` (same numbers up to rounding).
+
+    NaN and Inf respect causality: one at token j changes no output before j and no gradient of a loss
+    over those outputs (such a call runs an exact, slower pass: `linattn.ops.delta.exact`).
     """
     check_positive_int("chunk_size", chunk_size)
     check_arguments(q, k, v, beta, g, scale, qk_l2norm, initial_state)
@@ -59,12 +65,46 @@ def delta_rule(
     b, h, _, d = q.shape
     S0 = torch.zeros(b, h, d, v.shape[-1], dtype=sdt, device=q.device) if initial_state is None else initial_state
     scale = None if scale is None else float(scale)
-    if fused.usable(q):
-        o, S = fused.chunked(q, k, v, beta.to(sdt), None if g is None else g.to(sdt), S0, scale=scale,
-                             l2norm=qk_l2norm, chunk=chunk_size)
-    else:
-        o, S = ChunkedDeltaRule.apply(chunk_size, scale, qk_l2norm, q, k, v, beta, g, S0)
+
+    def run(q, k, v, beta, g, S0):
+        if fused.usable(q):
+            return fused.chunked(q, k, v, beta.to(sdt), None if g is None else g.to(sdt), S0, scale=scale,
+                                 l2norm=qk_l2norm, chunk=chunk_size)
+        return ChunkedDeltaRule.apply(chunk_size, scale, qk_l2norm, q, k, v, beta, g, S0)
+
+    o, S = run(q, k, v, beta, g, S0)
+    grads = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, beta, g, S0))
+    if not all_finite(S) or (grads and not all_finite(q)):  # a NaN or Inf: the exact pass (ops.delta.exact)
+        o, S = exact_delta_rule(run, q, k, v, beta, g, S0)
     return (o, S) if return_state else o
+
+
+def delta_rule_affine_form(q, k, v, beta, *, g=None, scale: float | None = None, qk_l2norm: bool = False,
+                           chunk_size: int = 64) -> AffineForm:
+    """`delta_rule` on a span as an affine function of its initial state (`linattn.ops.affine`):
+
+        o_t = o⁰_t + S_0ᵀ P_tᵀ q̂_t,     S_n = A S_0 + ΔS,     A = P_n,
+        P_t = T_t ⋯ T_1,   T_t = α_t (I − β_t k̂_t k̂_tᵀ),
+
+    all from one run of the op on D + E value columns, [0 | v], from the initial state [I | 0]
+    (D×(D+E) per head): by linearity its state after token t is [P_t | S⁰_t] and its output
+    [P_tᵀ q̂_t | o⁰_t]. The op's chunk update S ← (e^{b_C} I − K_lᵀ W) S + K_lᵀ U (design §13.3) gives
+    the identity columns the chunk transition e^{b_C} I − K_lᵀ W with W = L⁻¹ diag(β e^b) K̂,
+    K_l = diag(e^{b_C − b}) K̂, so A is the product of the chunks' WY transitions, in the fused
+    kernels where they run, at about the cost of the op on D + E columns. Arguments as for
+    delta_rule. Returns the AffineForm (out0 o⁰, query P_tᵀ q̂_t (B, H, n, D) in q's dtype,
+    transition A (B, H, D, D) and state ΔS (B, H, D, E) in the state dtype); gradients flow to q, k,
+    v, beta and g through every term.
+    """
+    check_arguments(q, k, v, beta, g, scale, qk_l2norm, None)
+    b, h, n, d = q.shape
+    sdt = state_dtype(q.dtype)
+    S0 = torch.zeros(b, h, d, d + v.shape[-1], dtype=sdt, device=q.device)
+    S0[..., :d] = torch.eye(d, dtype=sdt, device=q.device)
+    values = torch.cat((v.new_zeros(b, h, n, d), v), -1)
+    o, S = delta_rule(q, k, values, beta, g=g, scale=scale, qk_l2norm=qk_l2norm, initial_state=S0, return_state=True,
+                      chunk_size=chunk_size)
+    return AffineForm(o[..., d:], o[..., :d], S[..., :d], S[..., d:])
 
 
 def delta_rule_step(

@@ -12,8 +12,10 @@ import torch
 
 from ..._checks import check_bool, check_eps, check_positive_int
 from .. import native
+from ..affine import AffineForm
 from ..chunked import DEFAULT_CHUNK_SIZE, state_dtype
 from ..linear import advance_schedule, check_arguments, make_featurizer
+from ..nonfinite import all_finite
 from . import fused
 from .checks import check_gate, check_gate_values, check_gated_state
 from .chunked import ChunkedGatedLinearAttention
@@ -54,6 +56,10 @@ def gated_linear_attention(
     without scale or mask and fp32/fp64/bf16 inputs run as fused operators, forward and backward
     (`linattn.ops.gated.fused`); elsewhere torch ops (`ChunkedGatedLinearAttention`), same numbers
     up to rounding.
+
+    NaN and Inf respect causality: one at token j changes no output before j and no gradient of a loss
+    over those outputs (such a call runs an exact, slower pass: linattn.ops.gated.chunked), and a
+    masked key slot changes nothing whatever it holds.
     """
     advance_schedule(feature_map)
     check_positive_int("chunk_size", chunk_size)
@@ -74,8 +80,12 @@ def gated_linear_attention(
     if phi is not None and fused.ready(q.dtype):
         o, kv, z = fused.chunked(q, k, v, g, kv0, z0, phi=phi, eps=float(eps), chunk=chunk_size)
     else:
-        o, kv, *rest = ChunkedGatedLinearAttention.apply(fz, chunk_size, normalize, float(eps), q, k, v, g, kv0, z0,
-                                                         *fz.parameters)
+        o, kv, *rest = ChunkedGatedLinearAttention.apply(fz, chunk_size, normalize, float(eps), False, q, k, v, g, kv0,
+                                                         z0, *fz.parameters)
+        z = rest[0] if normalize else None
+    if not all_finite(kv, *(() if z is None else (z,))):  # a NaN or Inf reached the state: the exact pass
+        o, kv, *rest = ChunkedGatedLinearAttention.apply(fz, chunk_size, normalize, float(eps), True, q, k, v, g, kv0,
+                                                         z0, *fz.parameters)
         z = rest[0] if normalize else None
     if not return_state:
         return o
@@ -121,6 +131,42 @@ def gated_linear_attention_step(
     return o, ((kv, z) if normalize else kv)
 
 
+def gated_affine_form(q, k, v, g, *, feature_map=None, normalize: bool = False, eps: float = 1e-6,
+                      scale: float | None = None, chunk_size: int = DEFAULT_CHUNK_SIZE,
+                      key_padding_mask: torch.Tensor | None = None) -> AffineForm:
+    """`gated_linear_attention` on a span as an affine function of its initial state
+    (`linattn.ops.affine`), per (batch, head), with b_t = Σ_{s≤t} g_s (masked keys' g taken as 0):
+
+        q̄_t = e^{b_t} ⊙ φ(scale·q_t)        A = e^{b_n}: (B, H) for g (B, H, N), (B, H, F) for g (B, H, N, F)
+
+    and o⁰, ΔS the outputs and final state of the op run from zeros, with normalize=False on the
+    values [v | 1] when normalize (the normalizer z is the state's last column, the denominators
+    o⁰'s). The b_t are summed in float64 (a float32 prefix sum over a long span would drift), so
+    e^{b_t} has the rounding of one exponential. Arguments and checks as for gated_linear_attention;
+    a position-dependent feature map (cosFormer) is refused: the op would give it the span's local
+    positions. Gradients flow to q, k, v, g and φ's parameters through every term.
+    """
+    if getattr(feature_map, "needs_positions", False):
+        raise ValueError(f"feature_map: a position-dependent map ({type(feature_map).__name__}) cannot run on a "
+                         "span of a longer sequence (the gated operators take no positions)")
+    check_bool("normalize", normalize, error=TypeError)
+    check_eps("eps", eps)
+    check_gated_arguments(q, k, v, g, feature_map=feature_map, scale=scale, key_padding_mask=key_padding_mask)
+    values = torch.cat((v, v.new_ones(*v.shape[:-1], 1)), -1) if normalize else v
+    out0, dS = gated_linear_attention(q, k, values, g, feature_map=feature_map, scale=scale, return_state=True,
+                                      chunk_size=chunk_size, key_padding_mask=key_padding_mask)
+    sdt = dS.dtype
+    if key_padding_mask is not None:
+        keep = key_padding_mask[:, None, :] if g.dim() == 3 else key_padding_mask[:, None, :, None]
+        g = g.masked_fill(~keep, 0.0)
+    b = g.to(torch.float64).cumsum(2).to(sdt)  # (B, H, n) or (B, H, n, F)
+    decay = b.exp()
+    fz = make_featurizer(k, feature_map=feature_map, scale=scale, key_padding_mask=None, positions=None, rope=None)
+    qf = fz(q, 0, q.shape[2], True)[0].to(sdt)  # after the op: a random φ's ω as the op drew it
+    query = qf * (decay[..., None] if g.dim() == 3 else decay)
+    return AffineForm(out0, query, decay[:, :, -1], dS, normalize, float(eps))
+
+
 def step_from_features(kv, z, qf, kf, v, g, *, eps: float, out_dtype):
     """One step in torch ops from the features qf, kf (B, H, 1, F): kv (B, H, F, E) and z (B, H, F) or
     None in the state dtype. Returns (o (B, H, 1, E) in out_dtype, kv', z' or None)."""
@@ -138,19 +184,27 @@ def step_from_features(kv, z, qf, kf, v, g, *, eps: float, out_dtype):
     return num.view(b, h, 1, e).to(out_dtype), kv_new, z_new
 
 
+def check_gated_arguments(q, k, v, g, *, feature_map, scale, key_padding_mask) -> int:
+    """The checks of gated_linear_attention on q, k, v, g and the feature options (shapes, dtypes,
+    devices; g's values are `check_gate_values`'s); returns the feature dim F."""
+    feat = check_arguments(q, k, v, feature_map=feature_map, scale=scale, key_padding_mask=key_padding_mask,
+                           initial_state=None, positions=None, rope=None)
+    b, h, n, _ = q.shape
+    if k.shape[2] != n:
+        raise ValueError(f"causal gated linear attention needs q and k of equal length, got {n} and {k.shape[2]}")
+    check_gate(g, b, h, n, feat, q.device)
+    return feat
+
+
 def _prepare(q, k, v, g, *, feature_map, scale, key_padding_mask, state, normalize: bool, name: str):
     """Checks every argument; returns (featurizer, kv0, z0): the given state, or zeros (z0 None
     without normalize)."""
     if state is not None and getattr(feature_map, "needs_positions", False):
         raise ValueError(f"the gated operators take no positions, so a position-dependent feature map "
                          f"({type(feature_map).__name__}) cannot continue from {name}")
-    feat = check_arguments(q, k, v, feature_map=feature_map, scale=scale, key_padding_mask=key_padding_mask,
-                           initial_state=None, positions=None, rope=None)
+    feat = check_gated_arguments(q, k, v, g, feature_map=feature_map, scale=scale, key_padding_mask=key_padding_mask)
     b, h, n, _ = q.shape
-    if k.shape[2] != n:
-        raise ValueError(f"causal gated linear attention needs q and k of equal length, got {n} and {k.shape[2]}")
     e = v.shape[-1]
-    check_gate(g, b, h, n, feat, q.device)
     fz = make_featurizer(k, feature_map=feature_map, scale=scale, key_padding_mask=key_padding_mask, positions=None,
                          rope=None)
     if state is None:

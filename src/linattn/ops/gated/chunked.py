@@ -40,6 +40,14 @@ state's add up to) but sums c terms instead of N, which keeps it accurate where 
 the long sum cancel: at N = 65,536, g = −5, fp32, 1e-7 instead of 2e-4 relative error. Saved: q, k,
 v, g, o, the denominators and the state entering each block; features and chunk states are
 recomputed block by block (nothing of size N·F·E, nothing N·C beyond a block).
+
+NaN and Inf respect causality as in `linattn.ops.chunked`: a pass whose final state (forward) or
+initial-state gradient (backward) comes out non-finite runs again exact. The exact pass takes the
+products where a structural zero meets a factor (a masked score, a zero cotangent, a masked key) with
+0·NaN = 0 (`nonfinite.Products`), masks the scores and P by selection, and carries the chunk states
+one chunk at a time instead of through the triangular matmul, whose zero weights would meet a later
+chunk's NaN; with zero feature gradients from zero cotangents, the gate-gradient identity's terms of
+unused tokens are then exactly 0 too.
 """
 
 from __future__ import annotations
@@ -55,12 +63,14 @@ from ..chunked import (
     BLOCK_ELEMENTS,
     _blocks,
     _chunks,
+    _output_grads,
     _store,
     _target,
     chain_feature_grads,
     compute_dtype,
     state_dtype,
 )
+from ..nonfinite import Products, all_finite
 
 #: Largest log-decay of a vector-gated chunk over its rows 2…c (any feature): e^{β−λ} ≤ e^40 ≈ 2e17.
 SPAN_LIMIT = 40.0
@@ -109,16 +119,20 @@ def split_block(g: torch.Tensor | None, s: int, t: int, c: int) -> list[tuple[in
     return segments + ([(s + main, t, m - main)] if main < m else [])
 
 
-def decay_scan(init: torch.Tensor, parts: torch.Tensor, lam: torch.Tensor, reverse: bool = False):
+def decay_scan(init: torch.Tensor, parts: torch.Tensor, lam: torch.Tensor, reverse: bool = False,
+               exact: bool = False):
     """The decayed prefix sum over the chunks of a segment, in init's dtype.
 
     init (BH, F, E) or (BH, F); parts (BH·nc, F, E) or (BH·nc, F); lam (BH·nc, 1) or (BH·nc, 1, F)
     float64, each chunk's total log-decay. Forward, S_{n+1} = e^{λ_n} ⊙ S_n + parts_n from S_0 = init:
     returns (S_n for every chunk n, S_nc). Reverse, R_{n−1} = parts_n + e^{λ_n} ⊙ R_n from
     R_{nc−1} = init: returns (R_n for every n, R_{−1}). With Λ = the cumulative sum of λ and
-    Λ⁻ = Λ − λ, weights e^{Λ⁻_n − Λ_m} (m < n; reverse: the transpose), masked before exp."""
+    Λ⁻ = Λ − λ, weights e^{Λ⁻_n − Λ_m} (m < n; reverse: the transpose), masked before exp.
+    exact: that recurrence chunk by chunk (no zero weight meets a later part's NaN or Inf)."""
     bh, dt = init.shape[0], init.dtype
     lam = lam.reshape(bh, -1, lam.shape[-1])  # (BH, nc, 1 or F)
+    if exact:
+        return _decay_steps(init, parts, lam, reverse)
     nc = lam.shape[1]
     big = lam.cumsum(1)
     ex, last = big - lam, big[:, -1:]
@@ -142,6 +156,19 @@ def decay_scan(init: torch.Tensor, parts: torch.Tensor, lam: torch.Tensor, rever
     return per.reshape(parts.shape), total
 
 
+def _decay_steps(init: torch.Tensor, parts: torch.Tensor, lam: torch.Tensor, reverse: bool):
+    """`decay_scan`'s recurrence one chunk at a time; lam (BH, nc, 1 or F)."""
+    bh, nc, dt = init.shape[0], lam.shape[1], init.dtype
+    p = parts.reshape(bh, nc, *init.shape[1:]).to(dt)
+    decay = lam.exp().to(dt).view(bh, nc, -1, *(1,) * (init.dim() - 2))
+    per = torch.empty_like(p)
+    state = init
+    for n in (reversed(range(nc)) if reverse else range(nc)):
+        per[:, n] = state
+        state = decay[:, n] * state + p[:, n]
+    return per.reshape(parts.shape), state
+
+
 class ChunkTerms(NamedTuple):
     """What one segment's chunks need beyond their features (X = BH·nc chunks of c rows)."""
 
@@ -156,8 +183,9 @@ class ChunkTerms(NamedTuple):
     lam: torch.Tensor  # λ (X, 1) or (X, 1, F), float64
 
 
-def chunk_terms(Q: torch.Tensor, K: torch.Tensor, gs: torch.Tensor) -> ChunkTerms:
-    """Q, K (X, c, F) features in the compute dtype; gs (X, c) or (X, c, F) log-decays in float64."""
+def chunk_terms(Q: torch.Tensor, K: torch.Tensor, gs: torch.Tensor, exact: bool = False) -> ChunkTerms:
+    """Q, K (X, c, F) features in the compute dtype; gs (X, c) or (X, c, F) log-decays in float64.
+    exact: A's upper triangle is 0 by selection also where Q Kᵀ is not finite there."""
     cdt = Q.dtype
     beta = gs.cumsum(1)
     lam = beta[:, -1:]
@@ -176,7 +204,8 @@ def chunk_terms(Q: torch.Tensor, K: torch.Tensor, gs: torch.Tensor) -> ChunkTerm
     c = Q.shape[1]
     diff = beta - beta.mT  # (X, c, c): β_i − β_j
     D = diff.masked_fill_(_strict_lower_mask(c, Q.device).mT, float("-inf")).exp_().to(cdt)
-    return ChunkTerms(torch.bmm(Q, K.mT).mul_(D), D, Qe, Kw, None, eb, w, None, lam)
+    A = torch.bmm(Q, K.mT).mul_(D)
+    return ChunkTerms(A.tril_() if exact else A, D, Qe, Kw, None, eb, w, None, lam)
 
 
 def _gates(g: torch.Tensor, s: int, t: int, c: int) -> torch.Tensor:
@@ -186,12 +215,16 @@ def _gates(g: torch.Tensor, s: int, t: int, c: int) -> torch.Tensor:
 
 
 class ChunkedGatedLinearAttention(torch.autograd.Function):
-    """apply(featurize, chunk, normalize, eps, q, k, v, g, kv0, z0, *params) -> (o, kv[, z]).
+    """apply(featurize, chunk, normalize, eps, exact, q, k, v, g, kv0, z0, *params) -> (o, kv[, z]).
 
-    g (B, H, N) or (B, H, N, F) ≤ 0; z0 None unless normalize; (kv, z) float32 (float64 for float64)."""
+    g (B, H, N) or (B, H, N, F) ≤ 0; z0 None unless normalize; (kv, z) float32 (float64 for float64).
+    exact=False is the fast pass; exact=True the exact pass for inputs where a NaN or Inf reached the
+    final state (the module doc; `gated_linear_attention` checks and reruns). The backward of a fast
+    pass reruns exact when the initial state's gradient comes out non-finite."""
 
     @staticmethod
-    def forward(ctx, featurize: Featurizer, chunk: int, normalize: bool, eps: float, q, k, v, g, kv0, z0, *params):
+    def forward(ctx, featurize: Featurizer, chunk: int, normalize: bool, eps: float, exact: bool, q, k, v, g, kv0, z0,
+                *params):
         b, h, n, _ = q.shape
         e = v.shape[-1]
         bh, feat = b * h, kv0.shape[2]
@@ -201,6 +234,7 @@ class ChunkedGatedLinearAttention(torch.autograd.Function):
         z = z0.to(sdt).reshape(bh, feat) if normalize else None
         o = torch.empty(b, h, n, e, dtype=q.dtype, device=q.device)
         segments, dens, S_in, z_in = [], [], [], []
+        mm = Products(exact)
         with torch.no_grad():
             for s0, t0, c0 in gated_blocks(n, chunk, bh, feat, e, vector):
                 gv = g[:, :, s0:t0].to(torch.float64).reshape(bh, t0 - s0, feat) if vector else None
@@ -211,13 +245,13 @@ class ChunkedGatedLinearAttention(torch.autograd.Function):
                     Q = _chunks(featurize(q[:, :, s:t], s, t, True)[0], c, cdt)
                     K = _chunks(featurize(k[:, :, s:t], s, t, False)[0], c, cdt)
                     V = _chunks(v[:, :, s:t], c, cdt)
-                    terms = chunk_terms(Q, K, _gates(g, s, t, c))
-                    S_before, S = decay_scan(S, torch.bmm(terms.Kw.mT, V), terms.lam)
+                    terms = chunk_terms(Q, K, _gates(g, s, t, c), exact)
+                    S_before, S = decay_scan(S, mm.mm(terms.Kw.mT, V), terms.lam, exact=exact)
                     o_blk = o[:, :, s:t]
                     U = _target(o_blk, c, cdt)
-                    torch.bmm(terms.Qe, S_before.to(cdt), out=U).baddbmm_(terms.A, V)
+                    mm.addmm_(torch.bmm(terms.Qe, S_before.to(cdt), out=U), terms.A, V)
                     if normalize:
-                        z_before, z = decay_scan(z, terms.Kw.sum(1, dtype=sdt), terms.lam)
+                        z_before, z = decay_scan(z, terms.Kw.sum(1, dtype=sdt), terms.lam, exact=exact)
                         den = terms.A.sum(-1, keepdim=True, dtype=sdt)
                         den += torch.bmm(terms.Qe.to(sdt), z_before.unsqueeze(-1)).add_(eps)
                         dens.append(den)
@@ -229,7 +263,7 @@ class ChunkedGatedLinearAttention(torch.autograd.Function):
                         _store(o_blk, U)
         kv = S.reshape(b, h, feat, e)
         z_out = z.reshape(b, h, feat) if normalize else None
-        ctx.featurize, ctx.normalize, ctx.segments = featurize, normalize, segments
+        ctx.featurize, ctx.normalize, ctx.segments, ctx.exact = featurize, normalize, segments, exact
         ctx.state_dtypes = (kv0.dtype, None if z0 is None else z0.dtype)
         ctx.n_seg = len(segments)
         ctx.save_for_backward(q, k, v, g, o, *dens, *S_in, *(z_in if normalize else ()), *params)
@@ -238,85 +272,122 @@ class ChunkedGatedLinearAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do, dkv, dz=None):
-        q, k, v, g, o, *rest = ctx.saved_tensors
-        ns, normalize = ctx.n_seg, ctx.normalize
-        nd = ns if normalize else 0
-        dens, S_in = rest[:nd], rest[nd:nd + ns]
-        z_in = rest[nd + ns:nd + 2 * ns] if normalize else (None,) * ns
-        params = rest[nd + 2 * ns:] if normalize else rest[nd + ns:]
-        featurize = ctx.featurize
-        b, h, n, _ = q.shape
-        e, feat = v.shape[-1], S_in[0].shape[-2]
-        bh, vector = b * h, g.dim() == 4
-        cdt, sdt = compute_dtype(q.dtype), state_dtype(q.dtype)
-        R = torch.zeros(bh, feat, e, dtype=sdt, device=q.device) if dkv is None else dkv.to(sdt).reshape(bh, feat, e)
-        r = None
-        if normalize:
-            r = torch.zeros(bh, feat, dtype=sdt, device=q.device) if dz is None else dz.to(sdt).reshape(bh, feat)
-        want_q, want_k = ctx.needs_input_grad[4], ctx.needs_input_grad[5]
-        dq = torch.empty_like(q) if want_q else None
-        dk = torch.empty_like(k) if want_k else None
-        dv = torch.empty_like(v)
-        dg = torch.empty(g.shape, dtype=torch.float64, device=g.device).view(bh, n, -1)
-        dparams = [torch.zeros_like(p) for p in params]
-        local = featurize.local_grad
-        for i in reversed(range(ns)):
-            s, t, c = ctx.segments[i]
-            m = t - s
-            with torch.enable_grad():
-                qb = q[:, :, s:t].detach().requires_grad_(want_q and not local)
-                kb = k[:, :, s:t].detach().requires_grad_(want_k and not local)
-                feats = (*featurize(qb, s, t, True), *featurize(kb, s, t, False))
-            Q, K = (_chunks(f.detach(), c, cdt) for f in (feats[0], feats[2]))
-            V = _chunks(v[:, :, s:t], c, cdt)
-            tm = chunk_terms(Q, K, _gates(g, s, t, c))
-            S_before, S_after = decay_scan(S_in[i], torch.bmm(tm.Kw.mT, V), tm.lam)
-            do_blk = do[:, :, s:t] if do is not None else torch.zeros(b, h, m, e, dtype=q.dtype, device=q.device)
-            gam = None
-            if normalize:
-                den = dens[i].view(b, h, m, 1)
-                G = torch.div(do_blk, den).to(cdt).view(-1, c, e)
-                gam = (do_blk.to(sdt) * o[:, :, s:t].to(sdt)).sum(-1, keepdim=True).div_(den).neg_().view(-1, c, 1)
-                z_before, z_after = decay_scan(z_in[i], tm.Kw.sum(1, dtype=sdt), tm.lam)
-            else:
-                G = _chunks(do_blk, c, cdt)
-            R_after, R = decay_scan(R, torch.bmm(tm.Qe.mT, G), tm.lam, reverse=True)
-            # each chunk's final-state term of the identity: Σ_e S_out ⊙ R_out (+ z_out ⊙ r_out)
-            S_out = torch.cat([S_before.view(bh, -1, feat, e)[:, 1:], S_after[:, None]], 1).view(S_before.shape)
-            ends = torch.mul(S_out.double(), R_after).sum(-1)  # (X, F)
-            R_after = R_after.to(cdt)
-            # ∂V = Aᵀ G + (K ⊙ e^{λ−β}) R
-            dV = _target(dv[:, :, s:t], c, cdt)
-            torch.bmm(tm.A.mT, G, out=dV).baddbmm_(tm.Kw, R_after)
-            _store(dv[:, :, s:t], dV)
-            P = torch.bmm(G, V.mT)
-            inter_q = torch.bmm(G, S_before.to(cdt).mT)  # G Sᵀ (+ γ zᵀ)
-            inter_k = torch.bmm(V, R_after.mT)  # V Rᵀ (+ 1 rᵀ)
-            if normalize:
-                r_after, r = decay_scan(r, torch.bmm(tm.Qe.mT.to(sdt), gam).squeeze(-1), tm.lam, reverse=True)
-                P += gam.to(cdt)
-                inter_q.baddbmm_(gam.to(cdt), z_before.to(cdt).unsqueeze(1))
-                inter_k += r_after.to(cdt).unsqueeze(1)
-                z_out = torch.cat([z_before.view(bh, -1, feat)[:, 1:], z_after[:, None]], 1).view(z_before.shape)
-                ends += torch.mul(z_out.double(), r_after)
-            if vector:
-                P.tril_()
-                dQ = torch.bmm(P, tm.Kw).mul_(tm.wq).addcmul_(inter_q, tm.eb)
-                dK = torch.bmm(P.mT, tm.Qc).add_(inter_k).mul_(tm.w)
-            else:
-                P.mul_(tm.D)
-                dQ = torch.bmm(P, K).addcmul_(inter_q, tm.eb)
-                dK = torch.bmm(P.mT, Q).addcmul_(inter_k, tm.w)
-            del P, inter_q, inter_k
-            # ∂L/∂B = q ⊙ ∂q − k ⊙ ∂k per token, summed over t ≥ s inside the chunk, plus the chunk's end
-            dB = torch.mul(Q.double(), dQ).sub_(torch.mul(K.double(), dK))  # Q, K may be views of q, k
-            if not vector:
-                dB, ends = dB.sum(-1, keepdim=True), ends.sum(-1, keepdim=True)
-            dg[:, s:t] = dB.flip(1).cumsum_(1).flip(1).add_(ends[:, None]).view(bh, m, -1)
-            grads = (dQ, None, dK, None)
-            chain_feature_grads(featurize, (b, h, s, t), None if local else (qb, kb), (Q, K) if local else feats, grads,
-                                (dq, dk), params, dparams)
-        dg = dg.view(g.shape).to(g.dtype)
-        dkv0 = R.reshape(b, h, feat, e).to(ctx.state_dtypes[0])
-        dz0 = r.reshape(b, h, feat).to(ctx.state_dtypes[1]) if normalize else None
-        return (None, None, None, None, dq, dk, dv, dg, dkv0, dz0, *dparams)
+        saved = ctx.saved_tensors  # unpacked once (activation checkpointing allows no more)
+        grads, R, r = _backward(ctx, saved, do, dkv, dz, ctx.exact)
+        if not ctx.exact and not all_finite(R, *(() if r is None else (r,))):  # a NaN or Inf: the exact pass
+            grads, R, r = _backward(ctx, saved, do, dkv, dz, True)
+        dq, dk, dv, dg, dparams = grads
+        b, h, _, _ = saved[0].shape
+        dkv0 = R.reshape(b, h, *R.shape[1:]).to(ctx.state_dtypes[0])
+        dz0 = r.reshape(b, h, -1).to(ctx.state_dtypes[1]) if r is not None else None
+        return (None, None, None, None, None, dq, dk, dv, dg, dkv0, dz0, *dparams)
+
+
+class _Outputs(NamedTuple):
+    """Where the backward writes the gradients of q, k (None when not wanted), v and g (float64,
+    (BH, N, 1 or F)), and φ's parameters (added to)."""
+
+    dq: torch.Tensor | None
+    dk: torch.Tensor | None
+    dv: torch.Tensor
+    dg: torch.Tensor
+    dparams: list
+
+
+def _backward(ctx, saved, do, dkv, dz, exact: bool):
+    """The backward pass (fast or exact) of ChunkedGatedLinearAttention from its saved tensors: returns
+    ((dq, dk, dv, dg, [d of each parameter]), R (BH, F, E), r (BH, F) or None), R, r the gradients of the
+    initial state."""
+    q, k, v, g, o, *rest = saved
+    ns, normalize = ctx.n_seg, ctx.normalize
+    nd = ns if normalize else 0
+    dens, S_in = rest[:nd], rest[nd:nd + ns]
+    z_in = rest[nd + ns:nd + 2 * ns] if normalize else (None,) * ns
+    params = rest[nd + 2 * ns:] if normalize else rest[nd + ns:]
+    b, h, n, _ = q.shape
+    e, feat = v.shape[-1], S_in[0].shape[-2]
+    bh, sdt = b * h, state_dtype(q.dtype)
+    R = torch.zeros(bh, feat, e, dtype=sdt, device=q.device) if dkv is None else dkv.to(sdt).reshape(bh, feat, e)
+    r = None
+    if normalize:
+        r = torch.zeros(bh, feat, dtype=sdt, device=q.device) if dz is None else dz.to(sdt).reshape(bh, feat)
+    want_q, want_k = ctx.needs_input_grad[5], ctx.needs_input_grad[6]
+    out = _Outputs(torch.empty_like(q) if want_q else None, torch.empty_like(k) if want_k else None,
+                   torch.empty_like(v), torch.empty(g.shape, dtype=torch.float64, device=g.device).view(bh, n, -1),
+                   [torch.zeros_like(p) for p in params])
+    for i in reversed(range(ns)):
+        s, t = ctx.segments[i][:2]
+        den = dens[i] if normalize else None
+        do_blk = do[:, :, s:t] if do is not None else torch.zeros(b, h, t - s, e, dtype=q.dtype, device=q.device)
+        R, r = _segment_backward(ctx, ctx.segments[i], (q, k, v, g, o), do_blk, den, S_in[i], z_in[i], R, r, params,
+                                 out, exact)
+    dg = out.dg.view(g.shape).to(g.dtype)
+    return (out.dq, out.dk, out.dv, dg, out.dparams), R, r
+
+
+def _segment_backward(ctx, segment, inputs, do_blk, den, S0, z0, R, r, params, out: _Outputs, exact: bool):
+    """One segment's share of the backward (the module doc's formulas), written into `out`; R, r the
+    gradients flowing into the state after the segment, returned as those entering it."""
+    s, t, c = segment
+    q, k, v, g, o = inputs
+    featurize, normalize = ctx.featurize, ctx.normalize
+    b, h, m, e = do_blk.shape
+    bh, feat, vector = b * h, S0.shape[-2], g.dim() == 4
+    cdt, sdt = compute_dtype(q.dtype), state_dtype(q.dtype)
+    mm = Products(exact)
+    local = featurize.local_grad
+    with torch.enable_grad():
+        qb = q[:, :, s:t].detach().requires_grad_(out.dq is not None and not local)
+        kb = k[:, :, s:t].detach().requires_grad_(out.dk is not None and not local)
+        feats = (*featurize(qb, s, t, True), *featurize(kb, s, t, False))
+    Q, K = (_chunks(f.detach(), c, cdt) for f in (feats[0], feats[2]))
+    V = _chunks(v[:, :, s:t], c, cdt)
+    tm = chunk_terms(Q, K, _gates(g, s, t, c), exact)
+    S_before, S_after = decay_scan(S0, mm.mm(tm.Kw.mT, V), tm.lam, exact=exact)
+    gam = None
+    if normalize:
+        G, gam = _output_grads(do_blk, o[:, :, s:t], den.view(b, h, m, 1), c, cdt, sdt, exact)
+        z_before, z_after = decay_scan(z0, tm.Kw.sum(1, dtype=sdt), tm.lam, exact=exact)
+    else:
+        G = _chunks(do_blk, c, cdt)
+    R_after, R = decay_scan(R, mm.mm(tm.Qe.mT, G), tm.lam, reverse=True, exact=exact)
+    # each chunk's final-state term of the identity: Σ_e S_out ⊙ R_out (+ z_out ⊙ r_out)
+    S_out = torch.cat([S_before.view(bh, -1, feat, e)[:, 1:], S_after[:, None]], 1).view(S_before.shape)
+    ends = mm.mul(S_out.double(), R_after).sum(-1)  # (X, F)
+    R_after = R_after.to(cdt)
+    # ∂V = Aᵀ G + (K ⊙ e^{λ−β}) R
+    dV = _target(out.dv[:, :, s:t], c, cdt)
+    mm.addmm_(mm.mm(tm.A.mT, G, out=dV), tm.Kw, R_after)
+    _store(out.dv[:, :, s:t], dV)
+    P = mm.mm(G, V.mT)
+    inter_q = mm.mm(G, S_before.to(cdt).mT)  # G Sᵀ (+ γ zᵀ)
+    inter_k = mm.mm(V, R_after.mT)  # V Rᵀ (+ 1 rᵀ)
+    if normalize:
+        r_after, r = decay_scan(r, mm.mm(tm.Qe.mT.to(sdt), gam).squeeze(-1), tm.lam, reverse=True, exact=exact)
+        P += gam.to(cdt)
+        mm.addmm_(inter_q, gam.to(cdt), z_before.to(cdt).unsqueeze(1))
+        inter_k += r_after.to(cdt).unsqueeze(1)
+        z_out = torch.cat([z_before.view(bh, -1, feat)[:, 1:], z_after[:, None]], 1).view(z_before.shape)
+        ends += mm.mul(z_out.double(), r_after)
+    if vector:
+        P.tril_()
+        dQ = mm.mm(P, tm.Kw).mul_(tm.wq).addcmul_(inter_q, tm.eb)
+        dK = mm.mm(P.mT, tm.Qc).add_(inter_k).mul_(tm.w)
+    else:
+        P.mul_(tm.D)
+        if exact:
+            P.tril_()
+        dQ = mm.mm(P, K).addcmul_(inter_q, tm.eb)
+        dK = mm.mm(P.mT, Q).addcmul_(inter_k, tm.w)
+    del P, inter_q, inter_k
+    if exact and featurize.key_padding_mask is not None:
+        # a masked key's features are the constant 0: their gradient is 0 (a NaN v there made it NaN)
+        dK.masked_fill_(~featurize.key_padding_mask[:, None, s:t].expand(b, h, m).reshape(-1, c, 1), 0)
+    # ∂L/∂B = q ⊙ ∂q − k ⊙ ∂k per token, summed over t ≥ s inside the chunk, plus the chunk's end
+    dB = mm.mul(Q.double(), dQ).sub_(mm.mul(K.double(), dK))  # Q, K may be views of q, k
+    if not vector:
+        dB, ends = dB.sum(-1, keepdim=True), ends.sum(-1, keepdim=True)
+    out.dg[:, s:t] = dB.flip(1).cumsum_(1).flip(1).add_(ends[:, None]).view(bh, m, -1)
+    chain_feature_grads(featurize, (b, h, s, t), None if local else (qb, kb), (Q, K) if local else feats,
+                        (dQ, None, dK, None), (out.dq, out.dk), params, out.dparams, exact)
+    return R, r

@@ -9,14 +9,20 @@ linattn_cpu extension that `linattn.ops.native` builds), wired into Python and a
     linattn_cpu::gated_step              one recurrent step (checks g ≤ 0 and finite itself)
 
 The state is kv, or (kv, z) when a z is given (normalize=True); g (B, H, N) or (B, H, N, F) in the
-state's dtype (converted here). φ is elu+1 (phi=1) or the identity (phi=0).
+state's dtype (converted here). φ is elu+1 (phi=1) or the identity (phi=0). A backward whose initial
+state's gradient comes out non-finite (a NaN or Inf among its factors) is run again by the torch ops'
+exact pass, as the ungated kernels' is (linattn.ops.native).
 """
 
 from __future__ import annotations
 
 import torch
 
+from ...feature_maps import EluPlusOne
 from .. import native
+from .._features import Featurizer
+from ..nonfinite import all_finite
+from .chunked import ChunkedGatedLinearAttention
 
 
 def ready(dtype: torch.dtype) -> bool:
@@ -47,22 +53,39 @@ class FusedGatedChunked(torch.autograd.Function):
         o, kv, z, den, S_blocks, z_blocks = torch.ops.linattn_cpu.gated_chunked.default(q, k, v, gk, kv0, z0, phi, eps,
                                                                                        chunk, True)
         normalize = z0 is not None
-        ctx.save_for_backward(q, k, v, gk, o, den, S_blocks, z_blocks, kv, z if normalize else None)
-        ctx.phi, ctx.chunk, ctx.dtypes = phi, chunk, (g.dtype, kv0.dtype, None if z0 is None else z0.dtype)
+        ctx.save_for_backward(q, k, v, gk, o, den, S_blocks, z_blocks, kv, z if normalize else None, kv0, z0)
+        ctx.phi, ctx.eps, ctx.chunk = phi, eps, chunk
+        ctx.dtypes = (g.dtype, kv0.dtype, None if z0 is None else z0.dtype)
         ctx.set_materialize_grads(False)
         return (o, kv, z) if normalize else (o, kv)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, do, dkv, dz=None):
-        q, k, v, gk, o, den, S_blocks, z_blocks, kv, z = ctx.saved_tensors
-        if do is None:
-            do = torch.zeros_like(o)
+        q, k, v, gk, o, den, S_blocks, z_blocks, kv, z, kv0, z0 = ctx.saved_tensors
         dq, dk, dv, dg, dkv0, dz0 = torch.ops.linattn_cpu.gated_chunked_backward.default(
-            q, k, v, gk, o, do, den, S_blocks, z_blocks, kv, z, dkv, dz, ctx.phi, ctx.chunk)
+            q, k, v, gk, o, torch.zeros_like(o) if do is None else do, den, S_blocks, z_blocks, kv, z, dkv, dz,
+            ctx.phi, ctx.chunk)
+        if not all_finite(dkv0, dz0):  # a NaN or Inf among the factors: the torch ops' exact pass
+            dq, dk, dv, dg, dkv0, dz0 = _exact_backward(ctx, (q, k, v, gk, kv0, z0), (do, dkv, dz))
         g_dtype, kv_dtype, z_dtype = ctx.dtypes
         return (dq, dk, dv, dg.to(g_dtype), dkv0.to(kv_dtype), None if z is None else dz0.to(z_dtype), None, None,
                 None)
+
+
+def _exact_backward(ctx, inputs, grads):
+    """Gradients of (q, k, v, g, kv0, z0) from the torch-op Function's exact pass (run again here), for a
+    backward whose products met a NaN or Inf (linattn.ops.gated.chunked)."""
+    fz = Featurizer(EluPlusOne(inputs[0].shape[-1]) if ctx.phi == 1 else None)
+    normalize = inputs[-1] is not None
+    with torch.enable_grad():
+        xs = [None if x is None else x.detach().requires_grad_() for x in inputs]
+        outs = ChunkedGatedLinearAttention.apply(fz, ctx.chunk, normalize, ctx.eps, True, *xs)
+        used = [(out, gr) for out, gr in zip(outs, grads) if gr is not None]
+        wrt = [x for x in xs if x is not None]
+        res = torch.autograd.grad([u[0] for u in used], wrt, [u[1] for u in used], allow_unused=True)
+    res = [torch.zeros_like(x) if r is None else r for x, r in zip(wrt, res)]
+    return (*res, None) if not normalize else res
 
 
 def step(kv, z, q, k, v, g, *, phi: int, eps: float):
