@@ -195,7 +195,7 @@ def test_run_recall_writes_the_issue_schema(tmp_path):
     report = recall.run_recall(tiny_preset(), kinds=["softmax", "deltanet"], progress=False)
     assert len(report["records"]) == 2 * 2 and report["wall_s"] > 0
     for r in report["records"]:
-        assert r["steps"] <= 4 and r["curve"] and 0 <= r["accuracy"] <= 1
+        assert r["steps"] <= 4 and r["curve"] and 0 <= r["accuracy"] <= 1 and r["cpu_s"] > 0
     paths = write_recall_report(report, tmp_path)
     data = json.loads(paths["json"].read_text())
     assert set(data) == {"records", "wall_s", "machine"}
@@ -207,7 +207,7 @@ def test_run_recall_writes_the_issue_schema(tmp_path):
     assert data["machine"]["cpu"] and data == json.loads(json.dumps(recall_json(report)))
     assert paths["png"].stat().st_size > 10_000
     md = paths["markdown"].read_text()
-    assert "| DeltaNet |" in md and "state (floats/layer)" in md and "Wall time" in md
+    assert "| DeltaNet |" in md and "state (floats/layer)" in md and "Wall time" in md and "CPU s in total" in md
     assert render_recall_markdown(report) == md
 
 

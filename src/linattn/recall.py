@@ -148,7 +148,7 @@ def state_size(model, seq_len: int) -> int:
 
 def _run(kind: str, seq_len: int, n_pairs: int, lr: float, cfg: TrainConfig) -> dict:
     """Trains one run; its record (the keys of recall.json's records, then the details)."""
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     res = train(cfg, progress=False)
     curve = [(v["step"], v["accuracy"]) for v in res.validation]
     reached = [s for s, a in curve if cfg.stop_accuracy is not None and a >= cfg.stop_accuracy]
@@ -156,7 +156,7 @@ def _run(kind: str, seq_len: int, n_pairs: int, lr: float, cfg: TrainConfig) -> 
             "state_size": state_size(res.model, seq_len),
             "accuracy": res.final["accuracy"] if res.final else None,
             "status": res.status, "steps": res.step, "steps_to_stop": reached[0] if reached else None,
-            "curve": curve, "elapsed_s": time.perf_counter() - t0,
+            "curve": curve, "elapsed_s": time.perf_counter() - t0, "cpu_s": time.process_time() - c0,
             "parameters": sum(q.numel() for q in res.model.parameters()),
             "message": res.message if res.status != "completed" else ""}
 

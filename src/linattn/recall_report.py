@@ -42,6 +42,16 @@ def _acc(x) -> str:
     return "—" if x is None else f"{x:.3f}"
 
 
+def _cpu_line(report: dict) -> str:
+    """The runs' CPU time and what it means for two quiet cores (records of older runs lack it)."""
+    cpu = [r.get("cpu_s") for r in report["records"]]
+    if not cpu or any(c is None for c in cpu):
+        return ""
+    total = sum(cpu)
+    return (f" The runs took {total:.0f} CPU s in total: about {total / 120:.0f} min of wall time on two quiet "
+            f"cores with --jobs 2.")
+
+
 def recall_table_rows(report: dict) -> tuple[list[str], list[list[str]]]:
     """Header and rows: per kind, per setting the best accuracy, its lr and its steps to 99% (— if
     never), and the state size (floats per layer)."""
@@ -71,7 +81,7 @@ def render_recall_markdown(report: dict) -> str:
              f"{report['description']}.", "",
              f"Wall time {report['wall_s']:.0f} s ({report['wall_s'] / 60:.1f} min) with {m.get('jobs')} process(es) "
              f"× {m.get('threads_per_job')} thread(s) on {m.get('cpu')} ({m.get('cores')} cores; torch {m.get('torch')}, "
-             f"device {m.get('device')}); {report['timestamp']}.", "",
+             f"device {m.get('device')}); {report['timestamp']}." + _cpu_line(report), "",
              "Best run per kind over the lr sweep (accuracy at the query positions on fixed validation examples; "
              "steps to 99%: the validation that stopped the run).", "",
              "| " + " | ".join(header) + " |", "|" + "|".join(["---"] + ["---:"] * (len(header) - 1)) + "|"]
