@@ -119,10 +119,11 @@ def plot_recall(report: dict, path) -> Path:
 
     settings = _settings(report) or [(0, 0)]
     kinds = _kinds(report)
-    fig = Figure(figsize=(12, 4.6 * len(settings)), layout="constrained")
+    fig = Figure(figsize=(13.5, 4.6 * len(settings)), layout="constrained")
     FigureCanvasAgg(fig)
     axes = fig.subplots(len(settings), 2, squeeze=False)
-    colours = {k: f"C{i % 10}" for i, k in enumerate(kinds)}
+    palette = [f"C{i}" for i in range(10)] + ["black", "olive"]  # 12 distinct colours for the 12 kinds
+    colours = {k: palette[i % len(palette)] for i, k in enumerate(kinds)}
     markers = {k: "os^vD<>ph*Xd"[i % 12] for i, k in enumerate(kinds)}
     for (ax_s, ax_c), s in zip(axes, settings):
         for k in kinds:
@@ -147,7 +148,7 @@ def plot_recall(report: dict, path) -> Path:
         ax_c.set_ylim(-0.02, 1.02)
         ax_c.set_title(f"MQAR {s}: training curves (best lr per kind)", fontsize=10)
         ax_c.grid(True, alpha=0.3)
-        ax_c.legend(fontsize=7, loc="best")
+        ax_c.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.suptitle(f"linattn eval --preset {report['preset']} ({report['wall_s'] / 60:.0f} min, "
                  f"{report['machine'].get('cpu')})", fontsize=10)
     path = Path(path)
