@@ -50,6 +50,15 @@ def test_every_kind_and_task_of_the_presets_makes_a_valid_config(preset):
     assert kind_model("taylor", p.model, p.kind_options)["qk_dim"] == {"quick": 16, "paper": 8}[preset]
 
 
+def test_paper_preset_keeps_copy_listops_bytes_and_points_to_the_recall_preset(capsys):
+    """Issue 16: its MQAR columns did not separate the kinds; recall is --preset recall."""
+    paper = PRESETS["paper"]
+    assert [t.name for t in paper.tasks] == ["copy", "listops", "bytes"]
+    assert "--preset recall" in paper.description
+    assert cli_main(["eval", "--preset", "paper", "--tasks", "mqar"]) == 2
+    assert "unknown task 'mqar'" in capsys.readouterr().err
+
+
 def test_kind_model_hybrid_pattern_and_errors():
     assert kind_model("hybrid", {"n_layers": 8})["attention"] == ["linear", "linear", "linear", "softmax"]
     assert kind_model("hybrid", {"n_layers": 2})["attention"] == ["linear", "softmax"]

@@ -21,8 +21,9 @@ deviation over the seeds. The notes compare the results with the literature's ex
 and say plainly where our numbers disagree.
 
 Presets: "quick" (tiny models, a minute or a few for the whole grid on a laptop CPU; used by the
-tests with a subset) and "paper" (sizes chosen to show the literature's orderings on a CPU in one
-to two hours; see PRESETS for the exact sizes).
+tests with a subset) and "paper" (copy, ListOps and byte-LM at sizes for an hour on a CPU; see
+PRESETS for the exact sizes). Associative recall by the literature's recipe is `--preset recall`
+(linattn.recall): the paper preset has no MQAR columns.
 """
 
 from __future__ import annotations
@@ -126,42 +127,22 @@ PRESETS: dict[str, Preset] = {
         kind_options=_kind_options(32),
     ),
     # Sizes: d_model 64, 2 layers, 4 heads (head dim 16, so elu+1/relu/Hedgehog/cosFormer states are 16-32 wide
-    # per head while Taylor's is 273). MQAR: Zoology's pattern (pairs, then the keys again as queries) with a
-    # 64-token vocabulary and zeros between the queries (random_non_queries=False) instead of Zoology's 8192
-    # tokens and random fillers: the output layer stays cheap on a CPU, the keys are seen often enough to be
-    # learned in ~1000 steps, and no filler repeats a key. lr 1e-3: at 3e-3 softmax stayed on the ln(n_pairs)
-    # plateau (~25% at 4 pairs) for 3000 steps; at 1e-3 it solved (32, 4) in ~600 steps. With a 256-token
-    # vocabulary none of softmax / elu+1 / Taylor left the plateau at (64, 4) within 1000 steps.
-    # Measured (seed 0, 1000 steps, `--tasks mqar-32 --kinds softmax,elu,taylor`): softmax 0.999, elu+1 0.28,
-    # Taylor 0.29, still on the ln 4 plateau, as it was after 1750 steps at lr 1e-3 and 3e-3 (0.30, 0.28): unlike
-    # the literature, our Taylor-only model does not learn MQAR at this budget (see the notes of a run).
-    # Cost (measured, 1 thread, 50 steps of MQAR (64, 8)): 6-13 s for most kinds, 31 s for Taylor at F = 273, so the
-    # first version of this preset (Taylor qk_dim 16, 1000 MQAR steps, 600-800 for the others) needed ~3.7
-    # CPU-hours. To fit about an hour on 2 cores (`--jobs 2 --threads 1`), Taylor uses qk_dim 8 (F = 73; Based
-    # uses 16) and the step counts below are 20-25% lower. Result of `--preset paper --jobs 2 --threads 1` (4240 s,
-    # docs/results/eval-paper.md): softmax 0.85 ± 0.09 on MQAR (32, 4), every linear kind 0.27-0.55; at (64, 8) and
-    # (128, 16) no kind, softmax included, left the plateau in 800 steps, so those two columns do not separate
-    # the kinds: they need more steps than this budget.
+    # per head); Taylor with qk_dim 8 (F = 73; Based uses 16) to fit about an hour on 2 cores
+    # (`--jobs 2 --threads 1`). Associative recall is measured by `--preset recall` (linattn.recall, the
+    # Zoology/Based recipe): this preset's MQAR columns (a 64-token vocabulary, no sweep, 800 steps) left softmax
+    # itself on the guessing plateau at (64, 8) and (128, 16) and did not separate the kinds (issue 16), so they
+    # were dropped.
     "paper": Preset(
         name="paper",
-        description="d_model 64, 2 layers, 4 heads (head dim 16); MQAR (32, 4), (64, 8), (128, 16) with a 64-token "
-                    "vocabulary; copy of up to 32 symbols; ListOps up to 96 tokens; byte LM on 1 MB of the standard "
-                    "library; Taylor with qk_dim 8 (F = 73); 2 seeds. About an hour on 2 cores with --jobs 2 --threads 1",
+        description="d_model 64, 2 layers, 4 heads (head dim 16); copy of up to 32 symbols; ListOps up to 96 "
+                    "tokens; byte LM on 1 MB of the standard library; Taylor with qk_dim 8 (F = 73); 2 seeds; "
+                    "associative recall (MQAR) is --preset recall. For 2 cores: --jobs 2 --threads 1 (its last run, which "
+                    "still had three MQAR columns, took 71 min)",
         model={"d_model": 64, "n_layers": 2, "n_heads": 4},
         tasks=(
             EvalTask("copy", "copy", {"max_len": 32, "n_symbols": 10},
                      {"steps": 600, "batch_size": 32, "lr": 1e-3, "warmup_steps": 50, "eval_samples": 512},
                      ("loss", "accuracy"), label="copy"),
-            EvalTask("mqar-32", "mqar", {"seq_len": 32, "n_pairs": 4, "vocab_size": 64, "random_non_queries": False},
-                     {**_MQAR_TRAIN, "steps": 800, "batch_size": 64, "eval_samples": 1000},
-                     ("accuracy",), label="MQAR (32, 4)"),
-            EvalTask("mqar-64", "mqar", {"seq_len": 64, "n_pairs": 8, "vocab_size": 64, "random_non_queries": False},
-                     {**_MQAR_TRAIN, "steps": 800, "batch_size": 64, "eval_samples": 1000},
-                     ("accuracy",), label="MQAR (64, 8)"),
-            EvalTask("mqar-128", "mqar", {"seq_len": 128, "n_pairs": 16, "vocab_size": 64,
-                                          "random_non_queries": False},
-                     {**_MQAR_TRAIN, "steps": 800, "batch_size": 32, "eval_samples": 500},
-                     ("accuracy",), label="MQAR (128, 16)"),
             EvalTask("listops", "listops", {"max_depth": 5, "max_args": 5, "min_len": 16, "max_len": 96},
                      {"steps": 500, "batch_size": 32, "lr": 1e-3, "warmup_steps": 50, "eval_samples": 500},
                      ("accuracy",), label="ListOps"),
@@ -325,31 +306,46 @@ def run_eval(preset: str | Preset = "quick", *, kinds=None, tasks=None, seeds=No
 
 def _run_pool(plan, report, jobs, threads_per_job, bar, bar_task) -> None:
     """Runs `plan` in `jobs` spawned processes; appends the runs to report["runs"] in plan order."""
-    import multiprocessing
-    from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
-
     import torch
 
     threads = threads_per_job or max(1, torch.get_num_threads() // jobs)
+    if bar is not None:
+        bar.update(bar_task, description=f"{len(plan)} runs on {jobs} processes × {threads} threads")
+    try:
+        done = run_in_processes(_run_one, plan, jobs, threads,
+                                on_done=None if bar is None else (lambda i, r: bar.advance(bar_task)))
+    except KeyboardInterrupt as exc:
+        done = exc.args[0]
+        report["runs"].extend(done[i] for i in sorted(done))
+        raise KeyboardInterrupt(report) from None
+    report["runs"].extend(done[i] for i in sorted(done))
+
+
+def run_in_processes(fn, items, jobs: int, threads: int, on_done=None) -> dict:
+    """{i: fn(*items[i])} for every item, computed in `jobs` spawned processes with `threads` torch
+    threads each (fn must be importable: a module-level function). on_done(i, result) runs in this
+    process as each finishes. Ctrl-C cancels what has not started, waits for the runs in flight and
+    raises KeyboardInterrupt({i: result} of the finished ones)."""
+    import multiprocessing
+    from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+
     done: dict = {}
     pool = ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn"),
                                initializer=_init_worker, initargs=(threads,))
     try:
-        pending = {pool.submit(_run_one, *item): i for i, item in enumerate(plan)}
-        if bar is not None:
-            bar.update(bar_task, description=f"{len(plan)} runs on {jobs} processes × {threads} threads")
+        pending = {pool.submit(fn, *item): i for i, item in enumerate(items)}
         while pending:
             finished, _ = wait(pending, return_when=FIRST_COMPLETED)
             for fut in finished:
-                done[pending.pop(fut)] = fut.result()
-                if bar is not None:
-                    bar.advance(bar_task)
+                i = pending.pop(fut)
+                done[i] = fut.result()
+                if on_done is not None:
+                    on_done(i, done[i])
     except KeyboardInterrupt:
         pool.shutdown(wait=True, cancel_futures=True)
-        report["runs"].extend(done[i] for i in sorted(done))
-        raise KeyboardInterrupt(report) from None
+        raise KeyboardInterrupt(done) from None
     pool.shutdown(wait=True)
-    report["runs"].extend(done[i] for i in sorted(done))
+    return done
 
 
 def _stats(values: list) -> dict:

@@ -569,7 +569,7 @@ class ConvMixerCache:
 
 class ConvMixerBlock(nn.Module):
     """A block without feed-forward network that alternates a gated short convolution with the
-    attention layer (the layout of Zoology's and Based's MQAR models; design §15):
+    attention layer (the layout of Zoology's and Based's MQAR models; design §14, §16):
 
         x ← x + GatedConv(Norm₁(x)),   x ← x + Attn(Norm₂(x)).
 

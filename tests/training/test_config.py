@@ -35,6 +35,9 @@ def test_config_from_toml_and_json(tmp_path):
     ({"task_options": {"n_pairs": 100}}, "task_options for 'mqar'"),
     ({"sequence_parallel": 2, "task": "listops", "task_options": {}}, "needs an LM task"),
     ({"model": {"d_model": 16, "n_heads": 2, "positions": "learned", "max_len": 8}}, "raise model.max_len"),
+    ({"stop_accuracy": 0.0}, r"stop_accuracy must be None or a number in \(0, 1\], got 0.0"),
+    ({"stop_accuracy": 1.5}, "stop_accuracy must be None or a number in"),
+    ({"stop_accuracy": 0.99, "eval_interval": 0}, "stop_accuracy=0.99 needs validations during the run"),
 ])
 def test_config_errors(change, match):
     d = mqar_config().to_dict()

@@ -108,3 +108,32 @@ def test_sigint_stops_after_the_step_and_saves(tmp_path):
 def test_interrupt_without_out_dir_returns_interrupted():
     res = train(mqar_config(), progress=False, callback=stop_at(2))
     assert res.status == "interrupted" and res.step == 2 and res.checkpoint is None
+
+
+def _copy_config(**kw) -> TrainConfig:
+    base = dict(task="copy", task_options={"max_len": 6, "n_symbols": 5}, model=dict(TINY_MODEL), batch_size=8,
+                steps=12, warmup_steps=2, lr=3e-3, eval_interval=2, eval_samples=32, log_interval=1)
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def test_stop_accuracy_ends_the_run_at_the_first_validation_that_reaches_it():
+    full = train(_copy_config(), progress=False)
+    accs = [v["accuracy"] for v in full.validation]
+    assert len(accs) == 6 and not full.stopped_early and full.step == 12
+    # a threshold the 2nd..5th validation reaches first (strictly above the earlier ones)
+    k = next(i for i in range(1, 5) if accs[i] > max(accs[:i]))
+    target = accs[k]
+    res = train(_copy_config(stop_accuracy=target), progress=False)
+    assert res.status == "completed" and res.stopped_early and res.step == 2 * (k + 1)
+    assert "stopped early after" in res.message and f"stop_accuracy {target:g}" in res.message
+    assert [v["step"] for v in res.validation] == [2 * (i + 1) for i in range(k + 1)]
+    assert res.final == res.validation[-1] and res.final["accuracy"] >= target
+    assert res.losses == full.losses[:res.step]  # the same trajectory up to the stop: the schedule is not changed
+
+
+def test_stop_accuracy_never_reached_runs_every_step():
+    res = train(_copy_config(steps=4, stop_accuracy=1.0, eval_samples=64, task_options={"max_len": 12,
+                                                                                          "n_symbols": 9}),
+                progress=False)
+    assert res.status == "completed" and not res.stopped_early and res.step == 4

@@ -24,11 +24,12 @@ def _ddp_config(**kw) -> TrainConfig:
 
 
 def _ddp_worker(rank: int, world: int, port: int, out: str, sequence_parallel: int = 1,
-                model: dict | None = None) -> None:
+                model: dict | None = None, extra: dict | None = None) -> None:
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
                        "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank)})
     torch.set_num_threads(1)
-    res = train(_ddp_config(dist_timeout_s=60.0, sequence_parallel=sequence_parallel, model=model or dict(TINY_MODEL)),
+    res = train(_ddp_config(dist_timeout_s=60.0, sequence_parallel=sequence_parallel, model=model or dict(TINY_MODEL),
+                            **(extra or {})),
                 progress=False)
     assert res.world_size == world and res.rank == rank
     from safetensors.torch import save_file
@@ -36,7 +37,8 @@ def _ddp_worker(rank: int, world: int, port: int, out: str, sequence_parallel: i
     save_file({k: v.contiguous() for k, v in res.model.state_dict().items() if k != "lm_head.weight"},
               os.path.join(out, f"rank{rank}.safetensors"))
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
-        json.dump({"losses": res.losses, "status": res.status}, f)
+        json.dump({"losses": res.losses, "status": res.status, "step": res.step, "stopped_early": res.stopped_early},
+                  f)
 
 
 @pytest.mark.parametrize("sequence_parallel, attention", [(1, "linear"), (2, "linear"), (2, "gated_deltanet,gla")],
@@ -69,3 +71,18 @@ def test_sequence_parallel_needs_processes_and_an_lm_task():
         train(_ddp_config(sequence_parallel=2, distributed="off"), progress=False)
     with pytest.raises(ValueError, match="sequence_parallel > 1 needs an LM task"):
         _ddp_config(task="listops", task_options={}, sequence_parallel=2)
+
+
+def test_stop_accuracy_stops_every_process_at_rank_0s_validation(tmp_path):
+    """Only rank 0 validates; the other process must stop at the same step (else it would wait in the
+    next step's all-reduce for a partner that has left)."""
+    from linattn.parallel import free_port
+
+    extra = {"steps": 6, "eval_interval": 2, "stop_accuracy": 1e-6, "eval_samples": 32}
+    mp.start_processes(_ddp_worker, args=(2, free_port(), str(tmp_path), 1, None, extra), nprocs=2, join=True,
+                       start_method="spawn")
+    single = train(_ddp_config(distributed="off", **extra), progress=False)
+    assert single.stopped_early and single.step == 2
+    for rank in range(2):
+        got = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert got["status"] == "completed" and got["stopped_early"] and got["step"] == 2

@@ -28,6 +28,7 @@ def _seeds(value: str) -> list[int]:
 
 def add_parser(subparsers) -> None:
     from ..evaluation import ATTENTION_KINDS, PRESETS
+    from ..recall import RECALL_PRESET
 
     tasks = "; ".join(f"{name}: {','.join(t.name for t in pr.tasks)}" for name, pr in PRESETS.items())
     p = subparsers.add_parser(
@@ -36,9 +37,11 @@ def add_parser(subparsers) -> None:
                     "mean ± sd over seeds, with notes comparing the results to the literature (MQAR: softmax and "
                     "Taylor solve it, elu+1 / FAVOR+ / cosFormer do not; copy: linear attention reaches softmax's "
                     "loss). Writes eval.md, eval.json and eval.png to --out.",
-        epilog="presets: " + "; ".join(f"{n}: {pr.description}" for n, pr in PRESETS.items()))
-    p.add_argument("--preset", choices=sorted(PRESETS), default="quick",
-                   help="sizes and budgets (default: %(default)s)")
+        epilog="presets: " + "; ".join(f"{n}: {pr.description}" for n, pr in PRESETS.items())
+               + f"; recall: {RECALL_PRESET.description}")
+    p.add_argument("--preset", choices=sorted(PRESETS) + ["recall"], default="quick",
+                   help="sizes and budgets (default: %(default)s); recall: associative recall (MQAR) by the "
+                        "Zoology/Based recipe, every recall kind at every lr of its sweep (linattn.recall)")
     p.add_argument("--kinds", type=_names, default=None, metavar="K[,K...]",
                    help="attention kinds (default: all): " + ",".join(ATTENTION_KINDS))
     p.add_argument("--tasks", type=_names, default=None, metavar="T[,T...]",
@@ -66,6 +69,8 @@ def run_eval_command(args) -> int:
 
     if args.threads and args.jobs == 1:
         torch.set_num_threads(args.threads)
+    if args.preset == "recall":
+        return run_recall_command(args)
     console = make_console()
     status = 0
     try:
@@ -99,4 +104,69 @@ def run_eval_command(args) -> int:
     (out / "eval.txt").write_text(text.export_text(), encoding="utf-8")
     write_report(report, out)
     console.print(f"report: {out.resolve()} (eval.md, eval.json, eval.png, eval.txt)")
+    return status
+
+
+def run_recall_command(args) -> int:
+    """--preset recall: linattn.recall.run_recall, the table and the criteria, recall.{json,md,png}."""
+    import dataclasses
+    import json
+
+    from rich.console import Console
+
+    from .. import recall
+    from ..recall_report import recall_table_rows, write_recall_report
+    from ..report import make_console, make_table, output_dir
+
+    if args.tasks is not None or args.seeds is not None:
+        print("linattn eval: error: --preset recall takes no --tasks or --seeds (its MQAR settings and seed are "
+              "fixed; see linattn.recall.RECALL_PRESET)", file=sys.stderr)
+        return 2
+    preset = recall.RECALL_PRESET  # looked up now: tests shrink it
+    if args.steps is not None:
+        preset = dataclasses.replace(preset, steps=args.steps, warmup_steps=min(preset.warmup_steps,
+                                                                                max(1, args.steps // 10)))
+    console = make_console()
+    status = 0
+    out = output_dir("recall", args.out)
+    partial = out / "recall-runs.jsonl"  # one line per finished run, as they finish: survives a crash
+    partial.write_text("", encoding="utf-8")
+
+    def keep(record):
+        with partial.open("a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
+
+    try:
+        report = recall.run_recall(preset, kinds=args.kinds, jobs=args.jobs, threads_per_job=args.threads or 1,
+                                   device=args.device, progress=not args.quiet, console=console, on_record=keep)
+    except ValueError as exc:
+        print(f"linattn eval: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt as exc:
+        report = exc.args[0] if exc.args and isinstance(exc.args[0], dict) else None
+        if report is None:
+            print("linattn eval: interrupted", file=sys.stderr)
+            return 130
+        console.print("[yellow]interrupted: writing the partial report[/]")
+        status = 130
+    header, rows = recall_table_rows(report)
+    table = make_table(f"linattn eval (recall): {report['description']}", header, rows,
+                       caption=f"best of lr {report['lrs']} per kind; {report['wall_s']:.0f} s")
+
+    def show(con):
+        con.print(table)
+        for c in report["criteria"]:
+            colour = {True: "green", False: "red"}.get(c["holds"], "dim")
+            verdict = {True: "holds", False: "does not hold", None: "not run"}[c["holds"]]
+            con.print(f"[{colour}]MQAR {tuple(c['setting'])}: {c['check']}: {verdict}[/] ({c['detail']})")
+        for line in report["skipped"]:
+            con.print(f"[dim]{line}[/]")
+
+    show(console)
+    text = Console(file=io.StringIO(), width=200, record=True)
+    show(text)
+    (out / "recall.txt").write_text(text.export_text(), encoding="utf-8")
+    write_recall_report(report, out)
+    console.print(f"report: {out.resolve()} (recall.json, recall-runs.json, recall-runs.jsonl, recall.md, recall.png, "
+                  "recall.txt)")
     return status

@@ -36,7 +36,7 @@ DISTRIBUTED = ("auto", "on", "off")
 # Fields that may differ between a checkpoint's config and the config that resumes it: they do not
 # change the trajectory (grad_accum and the process count keep the global batch) or only extend it.
 RESUMABLE_CHANGES = frozenset({
-    "steps", "grad_accum", "device", "eval_interval", "eval_batches", "eval_samples", "eval_batch_size",
+    "steps", "stop_accuracy", "grad_accum", "device", "eval_interval", "eval_batches", "eval_samples", "eval_batch_size",
     "log_interval", "out_dir", "checkpoint_interval", "keep_checkpoints", "resume", "distributed", "backend",
     "dist_timeout_s", "activation_checkpointing",
 })
@@ -63,6 +63,10 @@ class TrainConfig:
     eval_interval: validate every that many steps (0: only at the end); eval_batches (bytes task:
         number of validation batches) / eval_samples (synthetic tasks: size of the fixed
         validation set) / eval_batch_size (default batch_size).
+    stop_accuracy: stop early after the first validation (every eval_interval steps) whose accuracy
+        reaches it, in (0, 1] (None: run all `steps`); the run completes there with
+        TrainResult.stopped_early set. Needs eval_interval > 0. The schedule is not stretched: the
+        run stops where the full run would be at that step.
     out_dir: where metrics.jsonl, loss.png, train_config.json and checkpoints/ go (None: write
         nothing). checkpoint_interval: save every that many steps (0: only at the end and on
         interrupt); keep_checkpoints: how many step-* folders to keep.
@@ -102,6 +106,7 @@ class TrainConfig:
     eval_batches: int = 8
     eval_samples: int = 512
     eval_batch_size: int | None = None
+    stop_accuracy: float | None = None
     log_interval: int = 10
     out_dir: str | None = None
     checkpoint_interval: int = 0
@@ -201,6 +206,10 @@ def _check_fields(cfg: TrainConfig) -> None:
     check_number("min_lr_ratio", cfg.min_lr_ratio, minimum=0, maximum=1)
     check_number("val_fraction", cfg.val_fraction, minimum=0, maximum=1, low_open=True, high_open=True)
     check_number("weight_decay", cfg.weight_decay, minimum=0)
+    check_number("stop_accuracy", cfg.stop_accuracy, minimum=0, maximum=1, low_open=True, allow_none=True)
+    if cfg.stop_accuracy is not None and cfg.eval_interval == 0:
+        raise ValueError(f"stop_accuracy={cfg.stop_accuracy} needs validations during the run: set eval_interval > 0 "
+                         "(it is 0: only a final validation)")
     if not (isinstance(cfg.betas, (list, tuple)) and len(cfg.betas) == 2
             and all(is_number(b) and 0 <= b < 1 for b in cfg.betas)):
         raise ValueError(f"betas must be two numbers in [0, 1), got {cfg.betas!r}")

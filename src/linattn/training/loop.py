@@ -26,6 +26,8 @@ Stopping: Ctrl-C (SIGINT) sets a flag checked after each step (all processes agr
 per-step all-reduce); the run saves a checkpoint and returns status "interrupted" (CLI exit 130). A
 second Ctrl-C interrupts at once (inside the optimizer update: no checkpoint, the state would be
 half-updated). A KeyboardInterrupt raised elsewhere (e.g. from `callback`) is handled the same way.
+With `stop_accuracy`, the run also ends, as "completed" with `stopped_early`, after the first
+validation whose accuracy reaches it (rank 0 validates; every process learns the answer).
 A non-finite loss or gradient stops the run before the update, writes no checkpoint for that step,
 and returns status "diverged" (CLI exit 3) with a message naming the step.
 
@@ -86,6 +88,8 @@ class TrainResult:
     step run by this call, in order (losses[i] belongs to step start_step + i + 1).
     validation: [{"step", "loss", "accuracy", ("bpb")}, ...]; final: the last one (metrics of the
     returned model at the end of a completed run). model: the trained model (unwrapped).
+    stopped_early: the run completed before `steps` because a validation reached stop_accuracy
+    (status "completed", step < config.steps).
     """
 
     status: str
@@ -103,6 +107,7 @@ class TrainResult:
     tokens: int
     world_size: int = 1
     rank: int = 0
+    stopped_early: bool = False
 
     @property
     def tokens_per_s(self) -> float:
@@ -242,6 +247,15 @@ class _Validation:
         return metrics
 
 
+def _reached(metrics: dict | None, target: float | None, procs: Processes, device) -> bool:
+    """Whether the validation `metrics` (rank 0's; None elsewhere) reached accuracy `target`: every
+    process gets rank 0's answer (one all-reduce with DDP). False when target is None."""
+    if target is None:
+        return False
+    reached = metrics is not None and metrics["accuracy"] >= target
+    return procs.sum([1.0 if reached else 0.0], device)[0] > 0
+
+
 def _interrupted(step: int, ckpts: Checkpointer, during_update: bool) -> str:
     if during_update:
         return (f"interrupted during the update of step {step + 1}; the state is inconsistent so no checkpoint was "
@@ -303,6 +317,7 @@ def train(config: TrainConfig, *, progress: bool = True, callback: Callable[[Ste
         reporter.start(_run_info(cfg, model, task, procs, device, resumed_from, start_step))
         validate = _Validation(model, task, procs, device, cfg.dtype, log, reporter)
         step, losses, tokens, train_time = start_step, [], 0, 0.0
+        stopped_early = False
         status, message = "completed", ""
         t_start = time.perf_counter()
         with _StopFlag() as stop:  # installed through the final validation and save
@@ -336,12 +351,15 @@ def train(config: TrainConfig, *, progress: bool = True, callback: Callable[[Ste
                         reporter.step(info)
                         if cfg.eval_interval and step % cfg.eval_interval == 0 and step != cfg.steps:
                             info.validation = validate(step)
+                            stopped_early = _reached(info.validation, cfg.stop_accuracy, procs, device)
                         if cfg.checkpoint_interval and step % cfg.checkpoint_interval == 0:
                             ckpts.save(step, model, opt, sched, task, cfg)
                         if stop_all:
                             raise KeyboardInterrupt
                         if callback is not None:
                             callback(info)
+                        if stopped_early:
+                            break
             except _Diverged as exc:
                 opt.zero_grad(set_to_none=True)
                 status, message = "diverged", exc.message(step, ckpts.last)
@@ -360,6 +378,11 @@ def train(config: TrainConfig, *, progress: bool = True, callback: Callable[[Ste
                 final = validate(step) if (not done or done[-1]["step"] != step) else done[-1]
                 ckpts.save(step, model, opt, sched, task, cfg)
                 message = f"completed {step} steps" + (f"; checkpoint {ckpts.last}" if ckpts.last is not None else "")
+                if stopped_early:
+                    reached = f" {final['accuracy']:.4f}" if final is not None else ""  # rank 0 validated
+                    message = (f"stopped early after {step} of {cfg.steps} steps: validation accuracy{reached} >= "
+                               f"stop_accuracy {cfg.stop_accuracy:g}"
+                               + (f"; checkpoint {ckpts.last}" if ckpts.last is not None else ""))
             elif status == "diverged":
                 log.write({"step": step + 1, "split": "train", "loss": float("nan"), "event": "diverged"})
             if writes:
@@ -372,4 +395,4 @@ def train(config: TrainConfig, *, progress: bool = True, callback: Callable[[Ste
             return TrainResult(status=status, step=step, start_step=start_step, losses=losses,
                                validation=validate.records, final=final, model=model, config=cfg, out_dir=out_dir,
                                checkpoint=ckpts.last, message=message, elapsed_s=train_time, tokens=tokens,
-                               world_size=procs.world, rank=procs.rank)
+                               world_size=procs.world, rank=procs.rank, stopped_early=stopped_early)

@@ -306,6 +306,22 @@ class MqarTask(_GeneratedTask, LMTask):
         self.vocab_size = self.options["vocab_size"]
         self.seq_len = self.options["seq_len"]
 
+    def loss_stats(self, model, batch, positions=None):
+        """As LMTask's, with logits computed only at the query positions (Zoology's cheap logits: P =
+        n_pairs rows of (B, P, V) instead of (B, N, V)). Every MQAR row has exactly n_pairs scored
+        targets, so their indices form a (B, P) tensor for model(..., logits_at=); a sequence-parallel
+        shard whose rows hold different numbers of them takes LMTask's full-logits path."""
+        keep = batch.targets != D.IGNORE_INDEX
+        per_row = keep.sum(dim=1)
+        if per_row.numel() == 0 or bool((per_row != per_row[0]).any()):
+            return super().loss_stats(model, batch, positions)
+        index = keep.nonzero()[:, 1].view(keep.shape[0], -1)  # nonzero is row-major: each row's in order
+        logits, _ = model(batch.inputs, positions=positions, logits_at=index)
+        logits = logits.float().flatten(0, 1)
+        targets = batch.targets.gather(1, index).flatten()
+        loss = F.cross_entropy(logits, targets, reduction="sum")
+        return loss, (logits.detach().argmax(-1) == targets).sum()
+
 
 class ListOpsTask(_GeneratedTask, Task):
     """ListOps: the value (0-9) of a nested expression, by an encoder with a pooled head;
