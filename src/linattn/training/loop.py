@@ -272,6 +272,25 @@ def _run_info(cfg: TrainConfig, model, task, procs: Processes, device, resumed_f
                    cfg.steps)
 
 
+def _completed(step: int, cfg: TrainConfig, final: dict | None, checkpoint, stopped_early: bool) -> str:
+    """The message of a completed run (stopped early at stop_accuracy or not)."""
+    where = f"; checkpoint {checkpoint}" if checkpoint is not None else ""
+    if not stopped_early:
+        return f"completed {step} steps{where}"
+    reached = f" {final['accuracy']:.4f}" if final is not None else ""  # rank 0 validated
+    return (f"stopped early after {step} of {cfg.steps} steps: validation accuracy{reached} >= "
+            f"stop_accuracy {cfg.stop_accuracy:g}{where}")
+
+
+def _plot(out_dir: Path, task, reporter) -> None:
+    """The loss curves of the metrics log, drawn next to it; a failure is a note, never a lost run."""
+    try:
+        plot_metrics(read_metrics(out_dir / METRICS), out_dir / LOSS_PNG, bits=task.bits,
+                     title=f"linattn train: {task.name}")
+    except Exception as exc:
+        reporter.note(f"could not draw {LOSS_PNG}: {exc}")
+
+
 def train(config: TrainConfig, *, progress: bool = True, callback: Callable[[StepInfo], Any] | None = None,
           console=None) -> TrainResult:
     """Runs (or resumes) the training described by `config`; see the module docstring.
@@ -377,20 +396,11 @@ def train(config: TrainConfig, *, progress: bool = True, callback: Callable[[Ste
                 done = validate.records
                 final = validate(step) if (not done or done[-1]["step"] != step) else done[-1]
                 ckpts.save(step, model, opt, sched, task, cfg)
-                message = f"completed {step} steps" + (f"; checkpoint {ckpts.last}" if ckpts.last is not None else "")
-                if stopped_early:
-                    reached = f" {final['accuracy']:.4f}" if final is not None else ""  # rank 0 validated
-                    message = (f"stopped early after {step} of {cfg.steps} steps: validation accuracy{reached} >= "
-                               f"stop_accuracy {cfg.stop_accuracy:g}"
-                               + (f"; checkpoint {ckpts.last}" if ckpts.last is not None else ""))
+                message = _completed(step, cfg, final if stopped_early else None, ckpts.last, stopped_early)
             elif status == "diverged":
                 log.write({"step": step + 1, "split": "train", "loss": float("nan"), "event": "diverged"})
             if writes:
-                try:
-                    plot_metrics(read_metrics(out_dir / METRICS), out_dir / LOSS_PNG, bits=task.bits,
-                                 title=f"linattn train: {task.name}")
-                except Exception as exc:  # a plot must not lose a finished run
-                    reporter.note(f"could not draw {LOSS_PNG}: {exc}")
+                _plot(out_dir, task, reporter)
             reporter.finish(status, message)
             return TrainResult(status=status, step=step, start_step=start_step, losses=losses,
                                validation=validate.records, final=final, model=model, config=cfg, out_dir=out_dir,
