@@ -72,21 +72,11 @@ def run_eval_command(args) -> int:
     if args.preset == "recall":
         return run_recall_command(args)
     console = make_console()
-    status = 0
-    try:
-        report = run_eval(args.preset, kinds=args.kinds, tasks=args.tasks, seeds=args.seeds, steps=args.steps,
-                          device=args.device, progress=not args.quiet, console=console, jobs=args.jobs,
-                          threads_per_job=args.threads)
-    except ValueError as exc:
-        print(f"linattn eval: error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt as exc:
-        report = exc.args[0] if exc.args and isinstance(exc.args[0], dict) else None
-        if report is None:
-            print("linattn eval: interrupted", file=sys.stderr)
-            return 130
-        console.print("[yellow]interrupted: writing the partial report[/]")
-        status = 130
+    report, status = run_or_exit(lambda: run_eval(
+        args.preset, kinds=args.kinds, tasks=args.tasks, seeds=args.seeds, steps=args.steps, device=args.device,
+        progress=not args.quiet, console=console, jobs=args.jobs, threads_per_job=args.threads), console)
+    if report is None:
+        return status
     out = output_dir("eval", args.out)
     header, rows = table_rows(report)
     caption = f"mean ± sd over seeds {report['seeds']}; preset {report['preset']}; {report['elapsed_s']:.0f} s"
@@ -127,7 +117,6 @@ def run_recall_command(args) -> int:
         preset = dataclasses.replace(preset, steps=args.steps, warmup_steps=min(preset.warmup_steps,
                                                                                 max(1, args.steps // 10)))
     console = make_console()
-    status = 0
     out = output_dir("recall", args.out)
     partial = out / "recall-runs.jsonl"  # one line per finished run, as they finish: survives a crash
     partial.write_text("", encoding="utf-8")
@@ -136,19 +125,11 @@ def run_recall_command(args) -> int:
         with partial.open("a", encoding="utf-8") as f:
             f.write(json.dumps(record) + "\n")
 
-    try:
-        report = recall.run_recall(preset, kinds=args.kinds, jobs=args.jobs, threads_per_job=args.threads or 1,
-                                   device=args.device, progress=not args.quiet, console=console, on_record=keep)
-    except ValueError as exc:
-        print(f"linattn eval: error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt as exc:
-        report = exc.args[0] if exc.args and isinstance(exc.args[0], dict) else None
-        if report is None:
-            print("linattn eval: interrupted", file=sys.stderr)
-            return 130
-        console.print("[yellow]interrupted: writing the partial report[/]")
-        status = 130
+    report, status = run_or_exit(lambda: recall.run_recall(
+        preset, kinds=args.kinds, jobs=args.jobs, threads_per_job=args.threads or 1, device=args.device,
+        progress=not args.quiet, console=console, on_record=keep), console)
+    if report is None:
+        return status
     header, rows = recall_table_rows(report)
     table = make_table(f"linattn eval (recall): {report['description']}", header, rows,
                        caption=f"best of lr {report['lrs']} per kind; {report['wall_s']:.0f} s")
@@ -170,3 +151,20 @@ def run_recall_command(args) -> int:
     console.print(f"report: {out.resolve()} (recall.json, recall-runs.json, recall-runs.jsonl, recall.md, recall.png, "
                   "recall.txt)")
     return status
+
+
+def run_or_exit(run, console) -> tuple[dict | None, int]:
+    """(report, exit status) of run(): status 0; a ValueError is one line on stderr and (None, 2);
+    Ctrl-C gives the partial report the run attached to its KeyboardInterrupt and 130, or (None, 130)."""
+    try:
+        return run(), 0
+    except ValueError as exc:
+        print(f"linattn eval: error: {exc}", file=sys.stderr)
+        return None, 2
+    except KeyboardInterrupt as exc:
+        report = exc.args[0] if exc.args and isinstance(exc.args[0], dict) else None
+        if report is None:
+            print("linattn eval: interrupted", file=sys.stderr)
+            return None, 130
+        console.print("[yellow]interrupted: writing the partial report[/]")
+        return report, 130
