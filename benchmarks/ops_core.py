@@ -100,6 +100,19 @@ def measure_round(args, methods, shape, dev, first: bool) -> dict:
     return {"peaks": peaks, "raw": raw, "step": step.as_dict(), "kv_cache": cache.as_dict()}
 
 
+
+def print_criteria(console, title: str, rows: list, results: list, rounds: int, device: str = "cpu") -> int:
+    """The criteria table (criterion, setting, measured, target, result) with its PASS count and the
+    machine in the caption; returns the number of rows that pass."""
+    n_pass = sum(r["pass"] for r in results)
+    console.print(make_table(
+        title, ["criterion", "setting", "measured: median of rounds [min–max]", "target", "result"], rows,
+        caption=f"{n_pass}/{len(results)} PASS on the median of {rounds} interleaved round"
+                f"{'s' if rounds > 1 else ''} — {machine_info(device)['cpu']}, threads: {torch.get_num_threads()}, "
+                f"torch {torch.__version__}; each time a median of torch.utils.benchmark blocked_autorange, "
+                "each ratio formed within a round"))
+    return n_pass
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.threads:
@@ -162,14 +175,9 @@ def main(argv=None) -> int:
     add(f"recurrent step / SDPA 1 query over {args.cache}-token cache", "B=1 H=8 F=E=64", st,
         f"{_spread(st)} (step {fmt_time(step_t)}, SDPA {fmt_time(cache_t)} ms)", "≤ 1/3", lambda x: x <= 1 / 3)
 
-    n_pass = sum(r["pass"] for r in results)
-    console.print(make_table(
-        "linattn operators: core criteria (fp32 unless noted, B=1 H=8 D=F=E=64, causal, normalized elu+1)",
-        ["criterion", "setting", "measured: median of rounds [min–max]", "target", "result"], rows,
-        caption=f"{n_pass}/{len(results)} PASS on the median of {args.rounds} interleaved round"
-                f"{'s' if args.rounds > 1 else ''} — {machine_info(dev)['cpu']}, threads: {torch.get_num_threads()}, "
-                f"torch {torch.__version__}; each time a median of torch.utils.benchmark blocked_autorange, "
-                "each ratio formed within a round"))
+    n_pass = print_criteria(
+        console, "linattn operators: core criteria (fp32 unless noted, B=1 H=8 D=F=E=64, causal, normalized elu+1)",
+        rows, results, args.rounds, dev)
     if args.json:
         write_json(args.json, {"machine": machine_info(dev), "args": vars(args), "rows": results,
                                "rounds": [{**rnd, "raw": {k: list(v.values()) for k, v in rnd["raw"].items()}}

@@ -34,7 +34,7 @@ from linattn.bench.methods import Shape, make_inputs
 from linattn.bench.timing import measure
 from linattn.cli import int_list, positive_float, positive_int
 from linattn.ops import delta_rule, delta_rule_step, linear_attention, linear_attention_step
-from linattn.report import fmt_bytes, fmt_time, machine_info, make_console, make_table, progress, write_json
+from linattn.report import fmt_bytes, fmt_time, machine_info, make_console, progress, write_json
 
 
 def _ops_core():
@@ -163,14 +163,7 @@ def main(argv=None) -> int:
             [mem["extra_x_q"]], f"{mem['extra_x_q']:.2f}× q ({fmt_bytes(mem['extra_bytes'])} MiB)", "≤ 3× q",
             lambda x: x <= 3)
 
-    n_pass = sum(r["pass"] for r in results)
-    console.print(make_table(
-        "linattn delta rule: speed and memory criteria (fp32, B=1 H=8 D=E=64, chunks of 64, qk_l2norm)",
-        ["criterion", "setting", "measured: median of rounds [min–max]", "target", "result"], rows,
-        caption=f"{n_pass}/{len(results)} PASS on the median of {args.rounds} interleaved round"
-                f"{'s' if args.rounds > 1 else ''} — {machine_info('cpu')['cpu']}, threads: {torch.get_num_threads()}, "
-                f"torch {torch.__version__}; each time a median of torch.utils.benchmark blocked_autorange, "
-                "each ratio formed within a round"))
+    n_pass = core.print_criteria(console, "linattn delta rule: speed and memory criteria (fp32, B=1 H=8 D=E=64, chunks of 64, qk_l2norm)", rows, results, args.rounds)
     if args.json:
         write_json(args.json, {"machine": machine_info("cpu"), "args": vars(args), "rows": results, "rounds": [
             {**rnd, "fwd_bwd": {v: list(t.values()) for v, t in rnd["fwd_bwd"].items()}} for rnd in rounds]})

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as Fn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ops_core import _spread, _stats, check  # noqa: E402  (the table helpers of the core benchmark)
+from ops_core import _spread, _stats, check, print_criteria  # noqa: E402  (the table helpers of the core benchmark)
 
 from linattn.bench.flops import chunked_linear_flops, matmul_peak  # noqa: E402
 from linattn.bench.methods import Shape, fwd_bwd_memory, make_inputs  # noqa: E402
@@ -41,7 +41,7 @@ from linattn.cli import int_list, positive_float, positive_int  # noqa: E402
 from linattn.feature_maps import EluPlusOne  # noqa: E402
 from linattn.ops import gated_linear_attention, gated_linear_attention_step, linear_attention  # noqa: E402
 from linattn.ops import linear_attention_step  # noqa: E402
-from linattn.report import fmt_bytes, fmt_time, machine_info, make_console, make_table, progress, write_json  # noqa: E402
+from linattn.report import fmt_bytes, fmt_time, machine_info, make_console, progress, write_json  # noqa: E402
 
 KINDS = ("ungated", "scalar", "vector")
 LIMITS = {"scalar": 1.3, "vector": 2.5}
@@ -182,14 +182,7 @@ def main(argv=None) -> int:
         add(f"fwd+bwd peak memory beyond o, dq, dk, dv, dg: {kind}", f"N={n_max}", [mem["extra_x_q"]],
             f"{mem['extra_x_q']:.2f}× q ({fmt_bytes(mem['extra_bytes'])} MiB)", "≤ 2× q", lambda x: x <= 2)
 
-    n_pass = sum(r["pass"] for r in results)
-    console.print(make_table(
-        "linattn gated operators vs ungated (fp32, B=1 H=8 D=F=E=64, causal, elu+1, normalize=False)",
-        ["criterion", "setting", "measured: median of rounds [min–max]", "target", "result"], rows,
-        caption=f"{n_pass}/{len(results)} PASS on the median of {args.rounds} interleaved round"
-                f"{'s' if args.rounds > 1 else ''} — {machine_info('cpu')['cpu']}, threads: {torch.get_num_threads()}, "
-                f"torch {torch.__version__}; each time a median of torch.utils.benchmark blocked_autorange, "
-                "each ratio formed within a round"))
+    n_pass = print_criteria(console, "linattn gated operators vs ungated (fp32, B=1 H=8 D=F=E=64, causal, elu+1, normalize=False)", rows, results, args.rounds)
     if args.json:
         write_json(args.json, {"machine": machine_info("cpu"), "args": vars(args), "rows": results, "rounds": [
             {**rnd, "fwd_bwd": {k: list(v.values()) for k, v in rnd["fwd_bwd"].items()}} for rnd in rounds]})
