@@ -101,6 +101,17 @@ def measure_round(args, methods, shape, dev, first: bool) -> dict:
 
 
 
+
+def add_criteria_args(p, *, lengths_help: str, rounds: int) -> None:
+    """The options the criteria benchmarks of the gated and delta-rule operators share."""
+    p.add_argument("--lengths", type=int_list, default=[4096, 16384], help=f"{lengths_help} (default: 4096,16384)")
+    p.add_argument("--min-run-time", type=positive_float, default=0.5, help="seconds per timing (default: 0.5)")
+    p.add_argument("--rounds", type=positive_int, default=rounds,
+                   help=f"interleaved rounds; each ratio is formed within a round, PASS judged on the median (default: {rounds})")
+    p.add_argument("--threads", type=positive_int, default=2, help="torch threads (default: 2)")
+    p.add_argument("--json", default=None, metavar="PATH", help="also write the rows and raw measurements as JSON")
+    p.add_argument("--strict", action="store_true", help="exit 1 when any row fails")
+
 def print_criteria(console, title: str, rows: list, results: list, rounds: int, device: str = "cpu") -> int:
     """The criteria table (criterion, setting, measured, target, result) with its PASS count and the
     machine in the caption; returns the number of rows that pass."""

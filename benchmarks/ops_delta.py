@@ -32,7 +32,6 @@ import torch.nn.functional as F
 from linattn.bench.memory import nbytes, peak_memory
 from linattn.bench.methods import Shape, make_inputs
 from linattn.bench.timing import measure
-from linattn.cli import int_list, positive_float, positive_int
 from linattn.ops import delta_rule, delta_rule_step, linear_attention, linear_attention_step
 from linattn.report import fmt_bytes, fmt_time, machine_info, make_console, progress, write_json
 
@@ -52,13 +51,7 @@ TARGETS = {"deltanet": 3.0, "gated": 3.5}
 
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--lengths", type=int_list, default=[4096, 16384], help="N for the fwd+bwd ratios (default: 4096,16384)")
-    p.add_argument("--min-run-time", type=positive_float, default=0.5, help="seconds per timing (default: 0.5)")
-    p.add_argument("--rounds", type=positive_int, default=3,
-                   help="interleaved rounds; each ratio is formed within a round, PASS judged on the median (default: 3)")
-    p.add_argument("--threads", type=positive_int, default=2, help="torch threads (default: 2)")
-    p.add_argument("--json", default=None, metavar="PATH", help="also write the rows and raw measurements as JSON")
-    p.add_argument("--strict", action="store_true", help="exit 1 when any row fails")
+    core.add_criteria_args(p, lengths_help="N for the fwd+bwd ratios", rounds=3)
     return p.parse_args(argv)
 
 

@@ -32,12 +32,11 @@ import torch
 import torch.nn.functional as Fn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ops_core import _spread, _stats, check, print_criteria  # noqa: E402  (the table helpers of the core benchmark)
+from ops_core import _spread, _stats, add_criteria_args, check, print_criteria  # noqa: E402  (the table helpers of the core benchmark)
 
 from linattn.bench.flops import chunked_linear_flops, matmul_peak  # noqa: E402
 from linattn.bench.methods import Shape, fwd_bwd_memory, make_inputs  # noqa: E402
 from linattn.bench.timing import measure  # noqa: E402
-from linattn.cli import int_list, positive_float, positive_int  # noqa: E402
 from linattn.feature_maps import EluPlusOne  # noqa: E402
 from linattn.ops import gated_linear_attention, gated_linear_attention_step, linear_attention  # noqa: E402
 from linattn.ops import linear_attention_step  # noqa: E402
@@ -49,13 +48,7 @@ LIMITS = {"scalar": 1.3, "vector": 2.5}
 
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--lengths", type=int_list, default=[4096, 16384], help="N of the fwd+bwd rows (default: 4096,16384)")
-    p.add_argument("--min-run-time", type=positive_float, default=0.5, help="seconds per timing (default: 0.5)")
-    p.add_argument("--rounds", type=positive_int, default=5,
-                   help="interleaved rounds; each ratio is formed within a round, PASS judged on the median (default: 5)")
-    p.add_argument("--threads", type=positive_int, default=2, help="torch threads (default: 2)")
-    p.add_argument("--json", default=None, metavar="PATH", help="also write the rows and raw measurements as JSON")
-    p.add_argument("--strict", action="store_true", help="exit 1 when any row fails")
+    add_criteria_args(p, lengths_help="N of the fwd+bwd rows", rounds=5)
     return p.parse_args(argv)
 
 

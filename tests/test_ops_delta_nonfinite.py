@@ -11,21 +11,13 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from linattn.ops import delta_rule, native
+from linattn.ops import delta_rule
 from linattn.ops.delta.reference import delta_rule_recurrent
 
-from .test_ops_delta import make_inputs
+from .test_ops_delta import make_inputs, op_path  # noqa: F401  (autouse fixture: both CPU paths)
 
 DT = torch.float64
 NAMES = ("q", "k", "v", "beta", "g", "initial_state")
-
-
-@pytest.fixture(autouse=True, params=["fused", "torch ops"])
-def op_path(request, monkeypatch):
-    if request.param == "fused" and not native.available():
-        pytest.skip("the fused CPU kernels could not be built here")
-    monkeypatch.setenv("LINATTN_NATIVE", "1" if request.param == "fused" else "0")
-    return request.param
 
 
 def _check(n, j, which, value, *, gated, l2norm, chunk, seed, clean_row_loss):

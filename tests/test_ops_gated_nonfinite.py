@@ -11,25 +11,12 @@ import pytest
 import torch
 
 from linattn.feature_maps import EluPlusOne, make_feature_map
-from linattn.ops import gated_linear_attention, native
+from linattn.ops import gated_linear_attention
 
-from .test_ops_gated import oracle
+from .test_ops_gated import _one_thread, op_path, oracle  # noqa: F401  (fixtures: one thread; both CPU paths)
 
 DT = torch.float64
 BAD = [float("nan"), float("inf"), -float("inf")]
-
-
-@pytest.fixture(autouse=True)
-def _one_thread(one_thread):
-    """Small shapes, many ops: one thread (on a shared machine two wait on each other at every op)."""
-
-
-@pytest.fixture(params=["fused", "torch ops"])
-def op_path(request, monkeypatch):
-    if request.param == "fused" and not native.available():
-        pytest.skip("the fused CPU kernels could not be built here")
-    monkeypatch.setenv("LINATTN_NATIVE", "1" if request.param == "fused" else "0")
-    return request.param
 
 
 def _inputs(n, f, e, *, vector, positive, seed, dtype=DT):
