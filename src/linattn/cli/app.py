@@ -91,7 +91,3 @@ def main(argv: list[str] | None = None) -> int:
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         return fail(EXIT_OUT_OF_MEMORY, f"out of memory ({first}); use smaller sizes (batch, lengths, model) "
                                         "or free memory")
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
