@@ -192,11 +192,11 @@ def _packed_linear_attention(q, k, v, cu_seqlens, *, causal, initial_state, retu
     b, h, _, d = q.shape
     feat, e, sdt = _feature_dim(options["feature_map"], d), v.shape[-1], state_dtype(q.dtype)
 
-    def one(s, t, state):
+    def one(spans, state):
         return _linear_attention(
-            q[:, :, s:t], k[:, :, s:t], v[:, :, s:t], causal=True, initial_state=state, return_state=True,
-            key_padding_mask=packed.time_slice(key_padding_mask, s, t, -1),
-            positions=packed.time_slice(positions, s, t, -1), **options)
+            packed.gather(q, spans, 2), packed.gather(k, spans, 2), packed.gather(v, spans, 2), causal=True,
+            initial_state=state, return_state=True, key_padding_mask=packed.gather(key_padding_mask, spans, 1),
+            positions=packed.gather(positions, spans, -1), **options)
 
     def empty(state):
         return state if state is not None else (q.new_zeros(1, h, feat, e, dtype=sdt), q.new_zeros(1, h, feat, dtype=sdt))

@@ -6,9 +6,10 @@ one row (batch 1), described by `cu_seqlens`, the LongTensor [N+1] of cumulative
 
 Every recurrent state starts afresh (or from initial_state[n]) at cu_seqlens[n]; the final states
 come back one per sequence, stacked on a leading dim N where the unpacked operators have B.
-Nothing crosses a boundary: `run` evaluates each sequence by itself (its tokens sliced out of the
-row and given to the operator on their own), so a chunk never holds two sequences and a NaN in one
-cannot reach another. Sequences of length 0 (their final state is their initial state) and 1 are
+Nothing crosses a boundary: `run` evaluates each sequence by itself — its tokens are sliced out of
+the row and given to the unpacked operator, sequences of equal length stacked as the rows of one
+batch (which the operators keep apart row by row) — so a chunk never holds two sequences and a NaN
+in one cannot reach another. Sequences of length 0 (their final state is their initial state) and 1 are
 allowed.
 
 The helpers here know nothing of the operator families: the operators (linattn.ops.linear,
@@ -67,14 +68,18 @@ def check_state_count(state, count: int, name: str = "initial_state") -> None:
                              f"(N={count}), got shape {tuple(x.shape)}")
 
 
-def select_state(state, n: int):
-    """Sequence n's state (leading dim kept, size 1) from a per-sequence state: a tensor, a tuple
-    (of tensors or None) or None."""
+def select_state(state, index):
+    """The states of the sequences `index` (an int n, or a list of them) from a per-sequence state
+    (a tensor, a tuple of tensors or None, or None): leading dim 1, or len(index)."""
     if state is None:
         return None
     if isinstance(state, (tuple, list)):
-        return tuple(None if x is None else x[n:n + 1] for x in state)
-    return state[n:n + 1]
+        return tuple(select_state(x, index) for x in state)
+    if isinstance(index, int):
+        return state[index:index + 1]
+    if len(index) == 1:
+        return state[index[0]:index[0] + 1]
+    return state.index_select(0, torch.tensor(index, device=state.device))
 
 
 def stack_states(states: Sequence):
@@ -86,32 +91,50 @@ def stack_states(states: Sequence):
     return torch.cat(list(states), 0)
 
 
-def run(one: Callable, bounds: list[tuple[int, int]], initial_state, empty_state: Callable, empty_output: Callable):
-    """Evaluates a packed call sequence by sequence and reassembles it.
+def gather(x, spans: list[tuple[int, int]], dim: int):
+    """The tokens of `spans` (sequences of one length L) of x (1, …, T, …) on the time axis `dim`,
+    stacked on the batch axis: (len(spans), …, L, …); a 1-D x (T,) (positions) is read as (1, T).
+    None stays None."""
+    if x is None:
+        return None
+    if x.dim() == 1:
+        x, dim = x[None], 1
+    if len(spans) == 1:
+        return x.narrow(dim, spans[0][0], spans[0][1] - spans[0][0])
+    return torch.cat([x.narrow(dim, s, e - s) for s, e in spans], 0)
 
-    one(start, end, state) -> (o (1, H, end − start, E), final state): the operator on tokens
-        start … end − 1 alone, from `state` (sequence n's initial state, leading dim 1, or None).
+
+def run(one: Callable, bounds: list[tuple[int, int]], initial_state, empty_state: Callable, empty_output: Callable):
+    """Evaluates a packed call: the sequences of each length L run as one batch (the unpacked
+    operator on G rows of L tokens, which never mix), then the row is put back together.
+
+    one(spans, state) -> (o (G, H, L, E), final state (leading dim G)): the operator on the G
+        sequences `spans` [(start, end), …] of one length L, stacked on the batch axis (`gather`),
+        from `state` (their initial states, leading dim G, or None).
     initial_state: the per-sequence states (leading dim N, checked by `check_state_count`) or None.
     empty_state(state) -> the final state of an empty sequence that starts from `state` (state
         itself, or zeros where it is None).
     empty_output() -> the (1, H, 0, E) output of a row with no tokens at all.
     Returns (o (1, H, T, E), final states with leading dim N)."""
-    outs, finals = [], []
+    by_length: dict[int, list[int]] = {}
     for n, (s, e) in enumerate(bounds):
-        state = select_state(initial_state, n)
-        if e == s:
-            finals.append(empty_state(state))
+        by_length.setdefault(e - s, []).append(n)
+    outs: list = [None] * len(bounds)
+    finals: list = [None] * len(bounds)
+    for length, index in by_length.items():
+        state = select_state(initial_state, index)
+        if length == 0:
+            for i, n in enumerate(index):
+                finals[n] = empty_state(select_state(state, i))
             continue
-        o, final = one(s, e, state)
-        outs.append(o)
-        finals.append(final)
+        o, final = one([bounds[n] for n in index], state)
+        pieces = o.split(1, 0) if len(index) > 1 else (o,)
+        for i, n in enumerate(index):
+            outs[n] = pieces[i]
+            finals[n] = final if len(index) == 1 else select_state(final, i)
+    outs = [x for x in outs if x is not None]
     o = empty_output() if not outs else outs[0] if len(outs) == 1 else torch.cat(outs, 2)
     return o, stack_states(finals)
-
-
-def time_slice(x, s: int, e: int, dim: int):
-    """x[..., s:e, ...] on `dim` (None stays None)."""
-    return None if x is None else x.narrow(dim, s, e - s)
 
 
 def positions(cu_seqlens: torch.Tensor, length: int | None = None) -> torch.Tensor:
@@ -145,5 +168,5 @@ def cu_seqlens_from_lengths(lengths: Sequence[int], device=None) -> torch.Tensor
     return torch.tensor(cu, dtype=torch.long, device=device)
 
 
-__all__ = ["boundaries", "check_state_count", "cu_seqlens_from_lengths", "positions", "run", "select_state",
-           "sequence_ids", "stack_states", "time_slice"]
+__all__ = ["boundaries", "check_state_count", "cu_seqlens_from_lengths", "gather", "positions", "run", "select_state",
+           "sequence_ids", "stack_states"]

@@ -98,10 +98,10 @@ def _packed(q, k, v, beta, cu_seqlens, *, g, scale, qk_l2norm, initial_state, re
     b, h, _, d = q.shape
     e = v.shape[-1]
 
-    def one(s, t, state):
-        return delta_rule(q[:, :, s:t], k[:, :, s:t], v[:, :, s:t], beta[:, :, s:t],
-                          g=None if g is None else g[:, :, s:t], scale=scale, qk_l2norm=qk_l2norm,
-                          initial_state=state, return_state=True, chunk_size=chunk_size)
+    def one(spans, state):
+        return delta_rule(*(packed.gather(x, spans, 2) for x in (q, k, v, beta)), g=packed.gather(g, spans, 2),
+                          scale=scale, qk_l2norm=qk_l2norm, initial_state=state, return_state=True,
+                          chunk_size=chunk_size)
 
     def empty(state):
         return state if state is not None else q.new_zeros(1, h, d, e, dtype=state_dtype(q.dtype))

@@ -123,9 +123,9 @@ def _packed(q, k, v, g, cu_seqlens, *, initial_state, return_state, key_padding_
     feat = q.shape[3] if options["feature_map"] is None else options["feature_map"].feature_dim
     e, sdt = v.shape[-1], state_dtype(q.dtype)
 
-    def one(s, t, state):
-        return _gated_linear_attention(q[:, :, s:t], k[:, :, s:t], v[:, :, s:t], g[:, :, s:t], initial_state=state,
-                                       return_state=True, key_padding_mask=packed.time_slice(key_padding_mask, s, t, 1),
+    def one(spans, state):
+        return _gated_linear_attention(*(packed.gather(x, spans, 2) for x in (q, k, v, g)), initial_state=state,
+                                       return_state=True, key_padding_mask=packed.gather(key_padding_mask, spans, 1),
                                        **options)
 
     def empty(state):
