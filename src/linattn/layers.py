@@ -420,15 +420,29 @@ class SoftmaxAttention(_Attention):
 
 def _packed_softmax_attention(q, k, v, cu_seqlens, key_mask, causal: bool, dropout_p: float):
     """softmax attention on packed sequences (q, k, v (1, H, T, ·)): query i sees key j only in its
-    own sequence (a block-diagonal, causal when `causal`, boolean mask for SDPA), and with a key
-    mask (1, T) only real keys; a query that would see no key at all (padding) sees itself."""
+    own sequence. Without a key mask the sequences of each length run as the rows of one SDPA call
+    (O(Σ L²) work, not O(T²)); with one (1, T), a block-diagonal boolean mask of real keys, a query
+    that would see no key at all (padding) seeing itself."""
     n = q.shape[2]
+    if key_mask is None:
+        bounds = packed.boundaries(cu_seqlens, batch=q.shape[0], length=n)
+        by_length: dict[int, list[tuple[int, int]]] = {}
+        for s, e in bounds:
+            if e > s:
+                by_length.setdefault(e - s, []).append((s, e))
+        o = q.new_empty(*q.shape[:3], v.shape[-1])
+        for spans in by_length.values():
+            part = F.scaled_dot_product_attention(*(packed.gather(x, spans, 2) for x in (q, k, v)),
+                                                  is_causal=causal and spans[0][1] - spans[0][0] > 1,
+                                                  dropout_p=dropout_p)
+            for i, (s, e) in enumerate(spans):
+                o[:, :, s:e] = part[i:i + 1]
+        return o
     seq = packed.sequence_ids(cu_seqlens, n).to(q.device)
     allowed = seq[:, None] == seq[None, :]
     if causal:
         allowed = allowed & torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
-    if key_mask is not None:
-        allowed = (allowed & key_mask[0][None, :]) | torch.eye(n, dtype=torch.bool, device=q.device)
+    allowed = (allowed & key_mask[0][None, :]) | torch.eye(n, dtype=torch.bool, device=q.device)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, dropout_p=dropout_p)
 
 
