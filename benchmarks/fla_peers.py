@@ -1,7 +1,7 @@
 """linattn.compat.fla against the peers' own torch code, side by side in one run (issue 24).
 
-    .venv/bin/python benchmarks/fla_peers.py [--lengths 512,2048,8192] [--threads 1,2] [--dtypes fp32,bf16]
-                                             [--min-run-time 0.2] [--skip-others] [--json PATH]
+    .venv/bin/python benchmarks/fla_peers.py [--lengths 512,2048,8192] [--other-lengths 512,2048]
+                  [--threads 1,2] [--dtypes fp32,bf16] [--min-run-time 0.2] [--skip-others] [--json PATH]
 
 B=1, H=16, K=V=128 (Qwen3.5's linear-attention heads), q/k L2-normalized in the op where the peer
 does it. Rows (ratio = peer's time / linattn's time; higher means linattn is faster):
@@ -43,7 +43,10 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--lengths", type=int_list, default=[512, 2048, 8192], help="T (default: 512,2048,8192)")
+    p.add_argument("--lengths", type=int_list, default=[512, 2048, 8192],
+                   help="T of the gated delta rule rows (default: 512,2048,8192)")
+    p.add_argument("--other-lengths", type=int_list, default=[512, 2048],
+                   help="T of the other families' rows (default: 512,2048; FLA's naive references are slow)")
     p.add_argument("--threads", type=int_list, default=[1, 2], help="torch threads (default: 1,2)")
     p.add_argument("--dtypes", default="fp32,bf16", help="fp32 and/or bf16 (default: both)")
     p.add_argument("--min-run-time", type=positive_float, default=0.2, help="seconds per timing (default: 0.2)")
@@ -168,9 +171,9 @@ def run(args, console) -> list[dict]:
                 x = inputs(t, dtype)
                 cases.append(("Gated DeltaNet fwd", t, "torch_chunk_gated_delta_rule", gdn_pairs(P, x, False), 5.0))
                 cases.append(("Gated DeltaNet fwd+bwd", t, "torch_chunk_gated_delta_rule", gdn_pairs(P, x, True), 5.0))
-                if not args.skip_others:
-                    for fam, pair in other_pairs(P, x).items():
-                        cases.append((f"{fam} fwd", t, "FLA naive", pair, 5.0))
+            for t in [] if args.skip_others else args.other_lengths:
+                for fam, pair in other_pairs(P, inputs(t, dtype)).items():
+                    cases.append((f"{fam} fwd", t, "FLA naive", pair, 5.0))
             cases.append(("Gated DeltaNet step", 1, "torch_recurrent_gated_delta_rule", step_pair(P, dtype), 10.0))
             for what, t, peer, (fp, fo), target in cases:
                 grad = "fwd+bwd" in what
