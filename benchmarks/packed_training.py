@@ -29,7 +29,7 @@ import statistics
 import torch
 import torch.utils.benchmark as tb
 
-from linattn import data as D
+from linattn.training import data as D
 from linattn.models import LinearTransformerLM, ModelConfig
 from linattn.ops import native
 from linattn.training import packing as P

@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from linattn.convolution import ShortConvolution
+from linattn.nn.convolution import ShortConvolution
 from linattn.models import ATTENTION_KINDS, LinearTransformerLM
 from linattn.ops import packed
 
@@ -145,7 +145,7 @@ def test_model_packed_hybrid_with_favor():
 def test_softmax_layer_packed_with_key_mask(causal):
     """A key mask on the packed axis: the block-diagonal masked path equals the separate masked calls at
     the real tokens."""
-    from linattn.layers import SoftmaxAttention
+    from linattn.nn.attention import SoftmaxAttention
 
     layer = spread(SoftmaxAttention(16, 2, causal=causal, rope=True)).double().eval()
     cu, spans = _spans([6, 4, 6])
