@@ -9,12 +9,14 @@ document, on the same B random windows of T + 1 bytes each way:
 
   packed    the windows as they are: B·T real tokens, documents kept apart by cu_seqlens
             (linattn.training.packing, what `linattn train` does for the byte corpus)
-  padded    one document per row: each window cut at the end of its document, the rest padding
-            (a key-padding mask; the loss skips it)
+  padded    one document per row, as a trainer without packing feeds them: B rows that begin at
+            random document starts, each cut at the end of its document, the rest padding (a
+            key-padding mask; the loss skips it)
   leaky     the windows without cu_seqlens (linattn train before packing: states and predictions
             run across documents), for reference
 
-tokens/s counts real (non-padding) input tokens per second of a step (torch.utils.benchmark,
+The packed and leaky rows are the same random windows; the padded rows other ones (documents from
+their start). tokens/s counts real (non-padding) input tokens per second of a step (torch.utils.benchmark,
 median of blocked_autorange); every mode is timed in each of R interleaved rounds and the ratio
 packed / padded is formed within a round (median and range over rounds).
 """
@@ -57,7 +59,9 @@ def run(kind: str, seq_len: int, batch_size: int, rounds: int, min_run_time: flo
     g = torch.Generator().manual_seed(0)
     windows = torch.randint(corpus.train.numel() - seq_len, (batch_size,), generator=g)
     packed = P.pack_windows(corpus.train, windows, seq_len, starts)
-    padded, mask = P.padded_document_batch(corpus.train, windows, seq_len, starts)
+    usable = starts[starts < corpus.train.numel() - seq_len]
+    doc_rows = usable[torch.randint(usable.numel(), (batch_size,), generator=g)]
+    padded, mask = P.padded_document_batch(corpus.train, doc_rows, seq_len, starts)
     leaky = D.TaskBatch(packed.inputs, corpus.train[windows[:, None] + torch.arange(1, seq_len + 1)].long(), 256)
     config = ModelConfig(vocab_size=256, d_model=128, n_layers=2, n_heads=4, max_len=seq_len, attention=[kind])
     model = LinearTransformerLM(config)

@@ -83,8 +83,11 @@ def test_conv_nan_stays_in_its_sequence():
     cu = torch.tensor([0, 5, 9])
     x = torch.randn(1, 9, 3, dtype=DT)
     x[0, 4] = math.nan  # the last token of sequence 0
+    x.requires_grad_()
     y = conv(x, cu_seqlens=cu)
     assert torch.isfinite(y[0, 5:]).all() and torch.isnan(y[0, 4]).all()
+    y[0, 5:].sum().backward()  # a loss over sequence 1: its inputs' gradients stay finite, sequence 0's are 0
+    assert torch.isfinite(x.grad[0, 5:]).all() and not x.grad[0, :5].any()
 
 
 # ---------------------------------------------------------------------------------------------------------

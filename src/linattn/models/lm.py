@@ -194,20 +194,21 @@ class _Transformer(nn.Module):
 
     def _packed_trunk(self, ids, mask, cache, positions, cu_seqlens):
         """_trunk on N documents packed in one row (ids (1, T)): every layer keeps them apart and
-        positions (default) restart at 0 at each document (linattn.ops.packed)."""
+        positions (default) restart at 0 at each document (linattn.ops.packed; the layers derive
+        them where they need them, so that a linear layer's operator can share one arange(L) among
+        the sequences of one length)."""
         if cache is not None or self.sequence_parallel_group is not None:
             raise ValueError("cu_seqlens (packed sequences) takes neither a cache nor sequence parallelism")
         n = ids.shape[1]
         packed.boundaries(cu_seqlens, batch=ids.shape[0], length=n)
-        if positions is None:
-            positions = packed.positions(cu_seqlens, n).to(ids.device)
-        else:
+        if positions is not None:
             check_positions(positions, ids.shape[0], n, ids.device)
         x = self.tok_emb(ids)
         if self.pos_emb is not None:
-            if not torch.compiler.is_compiling() and int(positions.max()) >= self.config.max_len:
-                raise ValueError(f"position {int(positions.max())} is beyond max_len={self.config.max_len}")
-            x = x + self.pos_emb(positions)
+            pos = packed.positions(cu_seqlens, n).to(ids.device) if positions is None else positions
+            if not torch.compiler.is_compiling() and int(pos.max()) >= self.config.max_len:
+                raise ValueError(f"position {int(pos.max())} is beyond max_len={self.config.max_len}")
+            x = x + self.pos_emb(pos)
         if self.drop.p and self.training:
             x = self.drop(x)
         for block in self.blocks:

@@ -100,10 +100,11 @@ class ShortConvolution(nn.Module):
         return y, xp[:, xp.shape[1] - (k - 1):].clone()  # a copy: the cache must not keep xp alive
 
     def _packed(self, x, mask, tail, return_tail: bool, cu_seqlens):
-        """forward on N packed sequences. Without tails: one pass over shifted views in which a tap
-        reaching before its token's sequence reads zeros (chosen with `where`, so a NaN in one
-        sequence reaches no other); the sums are the ones of separate calls, bit for bit. With a
-        tail or return_tail: sequence by sequence."""
+        """forward on N packed sequences. Without tails: the convolution of the whole row, then the
+        first K−1 tokens of every sequence (whose taps reached into the sequence before) replaced by
+        their sums with zeros before the sequence (chosen with `where`; the replaced values get no
+        gradient, so a NaN in one sequence reaches no other); the sums are the ones of separate
+        calls, bit for bit. With a tail or return_tail: sequence by sequence."""
         bounds = packed.boundaries(cu_seqlens, batch=x.shape[0], length=x.shape[1])
         k = self.kernel_size
         if tail is not None or return_tail:
@@ -124,18 +125,21 @@ class ShortConvolution(nn.Module):
         if mask is not None:
             x = x.masked_fill(~mask[..., None], 0.0)
         n = x.shape[1]
-        pos = packed.positions(cu_seqlens, n)[None, :, None]  # index of each token in its sequence
         xp = F.pad(x, (0, 0, k - 1, 0))
         w = self.weight if self.weight.dtype == x.dtype else self.weight.to(x.dtype)
-        zero = x.new_zeros(())
-
-        def tap(j):  # inputs j − (K − 1) tokens back, zero before the sequence's first token
-            shift = k - 1 - j
-            return xp[:, j:j + n] if shift == 0 else torch.where(pos >= shift, xp[:, j:j + n], zero)
-
-        y = tap(0) * w[:, 0]
+        y = xp[:, :n] * w[:, 0]
         for j in range(1, k):
-            y = torch.addcmul(y, tap(j), w[:, j])
+            y = torch.addcmul(y, xp[:, j:j + n], w[:, j])
+        pos = packed.positions(cu_seqlens, n).to(x.device)  # index of each token in its sequence
+        fix = (pos < k - 1).nonzero().reshape(-1)  # the tokens whose taps reach before their sequence
+        if k > 1 and fix.numel():  # their sums again, taps before the sequence reading zeros
+            taps = xp[:, fix[:, None] + torch.arange(k, device=x.device)]  # (1, M, K, C)
+            inside = (k - 1 - torch.arange(k, device=x.device))[None, :] <= pos[fix][:, None]
+            taps = torch.where(inside[None, :, :, None], taps, x.new_zeros(()))
+            y_fix = taps[:, :, 0] * w[:, 0]
+            for j in range(1, k):
+                y_fix = torch.addcmul(y_fix, taps[:, :, j], w[:, j])
+            y = y.index_put((torch.zeros_like(fix), fix), y_fix[0])  # replaces (its gradient there is 0)
         if self.bias is not None:
             y = y + self.bias.to(x.dtype)
         return y
