@@ -1,4 +1,4 @@
-"""flash-linear-attention's API on linattn's kernels (design §17).
+"""flash-linear-attention's API on linattn's kernels (design §18).
 
 The names, signatures, defaults and [B, T, H, D] layout of FLA's `fla.ops` functions, returning
 (o, final_state) as FLA does, so that code written against FLA runs on a CPU (FLA needs Triton and

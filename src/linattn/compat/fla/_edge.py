@@ -1,4 +1,4 @@
-"""The edge between flash-linear-attention's conventions and linattn's operators (design §17), shared
+"""The edge between flash-linear-attention's conventions and linattn's operators (design §18), shared
 by every family module of `linattn.compat.fla`.
 
 FLA passes [B, T, H, D] (sequence before heads); linattn's operators take (B, H, N, D). Each tensor
