@@ -14,12 +14,13 @@ value), the recurrence unrolls to S_t = Diag(e^{b_t}) S + Σ_{j≤t} Diag(e^{b_t
 
 Every factor of the last three lines is e^{x} with x ≤ 0. A and P need e^{b_i − b_j} per channel,
 which FLA's and transformers' chunk forms write as (K ⊙ e^b)(K ⊙ e^{−b})ᵀ: e^{−b} overflows after
-a strong gate (NaN gradients at g = −1e4). Here the chunk is cut into sub-chunks of s rows; for i
-in sub-chunk I and j in an earlier one, e^{b_i − b_j} = e^{b_i − b_r} · e^{b_r − b_j} with r the
-row just before I (both exponents ≤ 0, so nothing overflows and a factor that underflows stands for
-a product that is smaller still), and inside a sub-chunk the s×s×D factors e^{b_i − b_j} (j ≤ i) are
-formed one by one. The cumulative sums b are taken in float64 from g clamped at FLOOR = −100 (e^{−100}
-≈ 4e-44 underflows anyway): after one g = −1e30 the differences of a float64 b without the floor
+a strong gate (NaN gradients at g = −1e4). Here the chunk is cut into sub-chunks of s = 8 rows
+(`pair_products`): for i and j in different sub-chunks e^{b_i − b_j} is a product of three factors
+e^{x ≤ 0} split at the sub-chunks' boundaries (nothing overflows, and a factor that underflows stands
+for a product smaller still); inside one, e^{b_i − b_f} · e^{b_f − b_j} about its first row f, in
+float64, where the floor keeps e^{b_f − b_j} ≤ e^{7·80} finite. The cumulative sums b are taken in
+float64 from g clamped at FLOOR = −80 (e^{−80} ≈ 2e-35 underflows anyway in float32 and is far below
+rounding in float64): after one g = −1e30 the differences of a float64 b without the floor
 lose the small gates (design §13).
 
 Autograd: `ChunkedKDA` runs the blocks of whole chunks (`linattn.ops.chunked._blocks`) without a graph
@@ -39,19 +40,18 @@ import torch.nn.functional as F
 from ..chunked import _blocks, state_dtype
 from ..delta.chunked import normalize_rows
 
-#: g is clamped at this floor before the cumulative sums (e^{−100} ≈ 4e-44: below every rounding).
-FLOOR = -100.0
-#: Rows per sub-chunk: pairs inside one are formed channel by channel (s·D factors per row).
-SUB_CHUNK = 16
+#: g is clamped at this floor before the cumulative sums (e^{−80} ≈ 2e-35: below every rounding).
+FLOOR = -80.0
+#: Rows per sub-chunk: (SUB_CHUNK − 1)·|FLOOR| must stay below 709 (e^x finite in float64).
+SUB_CHUNK = 8
 
 
 @functools.lru_cache(maxsize=16)
 def _masks(n: int, s: int, device: torch.device):
-    """(before (n, n·s): column j lies in a sub-chunk before I; above (s, s): j > i), cached."""
-    c = n * s
-    before = torch.arange(c, device=device)[None, :] < (torch.arange(n, device=device)[:, None] * s)
+    """(later (n, n): sub-chunk J is not before I; above (s, s): j > i), cached."""
+    later = torch.ones(n, n, dtype=torch.bool, device=device).triu_()
     above = torch.ones(s, s, dtype=torch.bool, device=device).triu_(1)
-    return before, above
+    return later, above
 
 
 @functools.lru_cache(maxsize=16)
@@ -61,26 +61,32 @@ def _eye(c: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
 
 def pair_products(Q: torch.Tensor, K: torch.Tensor, b: torch.Tensor, s: int):
     """(KK, QK), each (M, c, c): X_ij = Σ_d x_id k_jd e^{b_id − b_jd} for j ≤ i, 0 above the diagonal.
-    Q, K (M, c, D) in the compute dtype, b (M, c, D) the in-chunk cumulative log-decays in float64,
-    s a divisor of c (module doc: sub-chunk references below the diagonal blocks, channel-wise factors
-    inside them)."""
+    Q, K (M, c, D) in the compute dtype, b (M, c, D) the in-chunk cumulative log-decays in float64 (of
+    g ≥ FLOOR), s a divisor of c.
+
+    Sub-chunk I, rows [Is, Is + s), has b_f (its first row), b_< (the row before it; 0 for I = 0) and
+    b_> (its last row). Below the diagonal blocks, i in I and j in J < I:
+    e^{b_i − b_j} = e^{b_i − b_<(I)} · e^{b_<(I) − b_>(J)} · e^{b_>(J) − b_j}, three factors ≤ 1. Inside a
+    block, in float64: e^{b_i − b_f} ≤ 1 times e^{b_f − b_j} ≤ e^{(s−1)·|FLOOR|} (finite), the entries
+    above the diagonal masked before they are rounded to the compute dtype."""
     m, c, d = K.shape
-    n, dt = c // s, K.dtype
-    before, above = _masks(n, s, K.device)
+    n, dt, f64 = c // s, K.dtype, torch.float64
+    later, above = _masks(n, s, K.device)
     bs = b.view(m, n, s, d)
-    ref = torch.cat((torch.zeros_like(bs[:, :1, 0]), bs[:, :-1, -1]), 1)  # b at the row before each sub-chunk
-    rel = (bs - ref[:, :, None]).to(dt).exp()  # e^{b_i − b_r(I)} ≤ 1 (M, n, s, D)
-    Ks, Qs = K.view(m, n, s, d) * rel, Q.view(m, n, s, d) * rel
-    expo = (ref[:, :, None, :] - b[:, None, :, :]).masked_fill_(~before[None, :, :, None], float("-inf"))
-    Kp = K[:, None] * expo.to(dt).exp()  # k_j e^{b_r(I) − b_j} for j before sub-chunk I, else 0 (M, n, c, D)
-    KK, QK = Ks @ Kp.mT, Qs @ Kp.mT  # (M, n, s, c): the blocks below the diagonal
-    diff = (bs[:, :, :, None, :] - bs[:, :, None, :, :]).masked_fill_(above[None, None, :, :, None], float("-inf"))
-    EK = diff.to(dt).exp() * K.view(m, n, 1, s, d)  # e^{b_i − b_j} k_j for j ≤ i in the sub-chunk (M, n, s, s, D)
-    KKd = (EK @ K.view(m, n, s, d, 1)).squeeze(-1)  # (M, n, s, s): Σ_d e^{…} k_jd k_id
-    QKd = (EK @ Q.view(m, n, s, d, 1)).squeeze(-1)
+    Kv, Qv = K.view(m, n, s, d), Q.view(m, n, s, d)
+    lo, hi = (bs - bs[:, :, :1]).exp(), (bs[:, :, :1] - bs).exp()
+    Kh = Kv.to(f64) * hi
+    KKd = ((Kv.to(f64) * lo) @ Kh.mT).masked_fill_(above, 0).to(dt)  # (M, n, s, s)
+    QKd = ((Qv.to(f64) * lo) @ Kh.mT).masked_fill_(above, 0).to(dt)
+    before = torch.cat((torch.zeros_like(bs[:, :1, 0]), bs[:, :-1, -1]), 1)  # b_<(I) (M, n, D)
+    left = (bs - before[:, :, None]).to(dt).exp()
+    Kr = Kv * (bs[:, :, -1:] - bs).to(dt).exp()  # k_j e^{b_>(J) − b_j}
+    G = (before[:, :, None] - bs[:, None, :, -1]).masked_fill_(later[..., None], float("-inf")).to(dt).exp()
+    KKo = ((Kv * left)[:, :, None] * G[:, :, :, None]) @ Kr[:, None].mT  # (M, I, J, s, s)
+    QKo = ((Qv * left)[:, :, None] * G[:, :, :, None]) @ Kr[:, None].mT
     diag = _eye(n, dt, K.device)[None, :, None, :, None]  # places (M, n, s, s) on the diagonal blocks
-    KK = KK.view(m, n, s, n, s) + KKd[:, :, :, None, :] * diag
-    QK = QK.view(m, n, s, n, s) + QKd[:, :, :, None, :] * diag
+    KK = KKo.transpose(2, 3) + KKd[:, :, :, None, :] * diag
+    QK = QKo.transpose(2, 3) + QKd[:, :, :, None, :] * diag
     return KK.reshape(m, c, c), QK.reshape(m, c, c)
 
 
