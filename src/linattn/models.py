@@ -58,6 +58,7 @@ from .layers import (
     make_norm,
     token_positions,
 )
+from .nn.kda import KimiDeltaAttention
 from .ops.chunked import DEFAULT_CHUNK_SIZE
 from .positional import RotaryEmbedding
 
@@ -70,12 +71,13 @@ ATTENTION_LAYERS = {
     "gla": GLAAttention,
     "deltanet": DeltaNetAttention,
     "gated_deltanet": GatedDeltaNetAttention,
+    "kda": KimiDeltaAttention,
 }
 ATTENTION_KINDS = tuple(ATTENTION_LAYERS)
 #: the kinds with a decaying or corrected state (linattn.gated_layers): causal only, output gate on by default
-RECURRENT_KINDS = ("retnet", "simple_gla", "gla", "deltanet", "gated_deltanet")
+RECURRENT_KINDS = ("retnet", "simple_gla", "gla", "deltanet", "gated_deltanet", "kda")
 #: short convolution kernel on q, k, v when ModelConfig.short_conv is None (DeltaNet and Gated DeltaNet use 4)
-DEFAULT_SHORT_CONV = {"deltanet": 4, "gated_deltanet": 4}
+DEFAULT_SHORT_CONV = {"deltanet": 4, "gated_deltanet": 4, "kda": 4}
 POSITIONS = ("rope", "learned", "none")
 POOLINGS = ("mean", "first")
 BLOCKS = ("transformer", "conv_mixer")
