@@ -57,7 +57,7 @@ def test_decoding_equals_the_parallel_forward_in_hybrids_fp64(kind, block):
         assert isinstance(first, ConvMixerCache) and first.conv.shape == (2, 2, 32)
         first, second = first.attn, second.attn
     assert isinstance(first, RecurrentCache) and isinstance(second, KVCache)
-    if kind in ("deltanet", "gated_deltanet"):  # their default short convolution, K = 4
+    if kind in ("deltanet", "gated_deltanet", "kda"):  # their default short convolution, K = 4
         assert first.conv.shape == (2, 3, 3 * 32)
     else:  # RetNet and GLA have none
         assert first.conv is None and model.blocks[0].attn.conv is None

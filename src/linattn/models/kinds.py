@@ -20,6 +20,7 @@ from torch import nn
 
 from ..nn.attention import LinearAttention, SoftmaxAttention
 from ..nn.feature_maps import FEATURE_MAPS
+from ..nn.kda import KimiDeltaAttention
 from ..nn.recurrent import (
     DeltaNetAttention,
     GatedDeltaNetAttention,
@@ -94,6 +95,8 @@ _ROWS = (
          positions="none", fused="delta"),
     Kind("gated_deltanet", GatedDeltaNetAttention, "Gated DeltaNet", "delta", rnn=True, causal_only=True, short_conv=4,
          output_gate=True, positions="none", fused="delta"),
+    Kind("kda", KimiDeltaAttention, "KDA", "delta", rnn=True, causal_only=True, short_conv=4, output_gate=True,
+         positions="none"),
 )
 
 #: kind name -> Kind, in table order

@@ -40,6 +40,7 @@ from .delta import (
     fused_recurrent_gated_delta_rule,
 )
 from .gla import chunk_gla, chunk_simple_gla, fused_recurrent_gla, fused_recurrent_simple_gla
+from .kda import chunk_kda, fused_recurrent_kda
 from .linear import chunk_linear_attn, fused_recurrent_linear_attn
 from .retention import chunk_retention, fused_recurrent_retention
 
@@ -49,12 +50,14 @@ __all__ = [
     "chunk_delta_rule",
     "chunk_gated_delta_rule",
     "chunk_gla",
+    "chunk_kda",
     "chunk_linear_attn",
     "chunk_retention",
     "chunk_simple_gla",
     "fused_recurrent_delta_rule",
     "fused_recurrent_gated_delta_rule",
     "fused_recurrent_gla",
+    "fused_recurrent_kda",
     "fused_recurrent_linear_attn",
     "fused_recurrent_retention",
     "fused_recurrent_simple_gla",

@@ -1,0 +1,137 @@
+"""The `kda` attention kind: Kimi Delta Attention (Kimi Linear, Moonshot AI 2025; design §18), the
+layer of transformers' `KimiLinearDeltaAttention` on linattn's recurrent-layer base.
+
+Per head, with x (B, N, d) the layer's input, D the q/k head dim, E the value head dim:
+
+    q, k, v   = SiLU(conv(W_qkv x))                 (short causal convolution, kernel 4 by default)
+    g_t       = −e^{A_log_h} · softplus(F_b F_a x_t + dt_bias)   ∈ (−∞, 0]^D per head (rank-D F_a → F_b)
+    β_t       = sigmoid(W_β x_t)
+    S_t       = (I − β_t k̂_t k̂_tᵀ) Diag(e^{g_t}) S_{t−1} + β_t k̂_t v_tᵀ,   o_t = S_tᵀ q̂_t · D^{−1/2}
+    y_t       = W_o [RMSNorm(o_t) ⊙ w ⊙ sigmoid(G_b G_a x_t)]   (rank-E output gate, per head)
+
+q̂, k̂ L2-normalized inside the operator (linattn.ops.kda). Initialization as Kimi Linear's (after
+Mamba2's): A = e^{A_log} ~ U[1, 16] per head, softplus(dt_bias) log-uniform in [1e-3, 1e-1] per
+channel (at least 1e-4), through the inverse softplus. Decoding: the cache holds S (B, H, D, E) in
+the state dtype and the convolution's tail; one token runs `linattn.ops.kda.kda_step`. Padding: a
+masked token has k = 0 and g = 0 (the state stays as it was) and enters the convolution as zeros.
+With output_gate=False the output skips the norm and gate (y = W_o o).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .decay import A_INIT_RANGE, DT_INIT_FLOOR, DT_INIT_RANGE
+from .recurrent import _RecurrentAttention
+from .attention import RMSNorm, column_major
+from ..ops.linear.chunked import state_dtype
+from ..ops.kda import kda, kda_gate, kda_step
+
+
+class KDAForgetGate(nn.Module):
+    """g = −e^{A_log} · softplus(F_b F_a x + dt_bias) (linattn.ops.kda.kda_gate): F_a d -> rank,
+    F_b rank -> H·D (no biases), A_log (H,), dt_bias (H·D,). forward(x (B, N, d)) -> g (B, H, N, D)
+    in the state dtype."""
+
+    def __init__(self, d_model: int, n_heads: int, key_dim: int, rank: int | None = None):
+        super().__init__()
+        self.n_heads, self.key_dim = n_heads, key_dim
+        rank = key_dim if rank is None else rank
+        self.f_a = column_major(nn.Linear(d_model, rank, bias=False))
+        self.f_b = column_major(nn.Linear(rank, n_heads * key_dim, bias=False))
+        self.A_log = nn.Parameter(torch.empty(n_heads))
+        self.dt_bias = nn.Parameter(torch.empty(n_heads * key_dim))
+        self.init_parameters()
+
+    @torch.no_grad()
+    def init_parameters(self, generator: torch.Generator | None = None) -> None:
+        """A_log and dt_bias drawn from `generator` (the projections are initialized by the model)."""
+        lo, hi = A_INIT_RANGE
+        a = torch.rand(self.n_heads, generator=generator, dtype=torch.float64) * (hi - lo) + lo
+        u = torch.rand(self.dt_bias.shape, generator=generator, dtype=torch.float64)
+        log_lo, log_hi = math.log(DT_INIT_RANGE[0]), math.log(DT_INIT_RANGE[1])
+        dt = torch.exp(u * (log_hi - log_lo) + log_lo).clamp_min(DT_INIT_FLOOR)
+        self.A_log.copy_(a.log())
+        self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # softplus⁻¹(Δ)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raw = self.f_b(self.f_a(x)).unflatten(-1, (self.n_heads, self.key_dim))  # (B, N, H, D)
+        return kda_gate(raw, self.A_log, self.dt_bias).transpose(1, 2)
+
+
+class KDAOutputGate(nn.Module):
+    """o_h ← RMSNorm(o_h) ⊙ sigmoid(G_b G_a x)_h with G_a d -> rank, G_b rank -> H·E (Kimi Linear's
+    low-rank gate and sigmoid-gated RMSNorm; the norm's gain (E) is shared by the heads).
+    forward(o (B, N, H, E), x (B, N, d)) -> (B, N, H, E)."""
+
+    def __init__(self, d_model: int, n_heads: int, head_dim: int, eps: float = 1e-5, rank: int | None = None,
+                 bias: bool = False):
+        super().__init__()
+        self.n_heads, self.head_dim = n_heads, head_dim
+        rank = head_dim if rank is None else rank
+        self.norm = RMSNorm(head_dim, eps)
+        self.g_a = column_major(nn.Linear(d_model, rank, bias=False))
+        self.g_b = column_major(nn.Linear(rank, n_heads * head_dim, bias=bias))
+
+    def forward(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        gate = torch.sigmoid(self.g_b(self.g_a(x))).unflatten(-1, (self.n_heads, self.head_dim))
+        return self.norm(o) * gate
+
+
+class KimiDeltaAttention(_RecurrentAttention):
+    """Kimi Delta Attention (module doc): the delta rule with a per-channel forget gate. Arguments as
+    the other recurrent kinds' (linattn.nn.recurrent): short_conv 4 and output_gate on in the models'
+    defaults; output_gate selects Kimi Linear's low-rank sigmoid gate with its RMSNorm."""
+
+    kind = "kda"
+
+    def __init__(self, d_model: int, n_heads: int, *, output_gate: bool = True, norm_eps: float = 1e-5,
+                 bias: bool = False, **kw):
+        super().__init__(d_model, n_heads, output_gate=False, norm_eps=norm_eps, bias=bias, **kw)
+        self.beta_proj = column_major(nn.Linear(d_model, n_heads, bias=False))
+        self.forget_gate = KDAForgetGate(d_model, n_heads, self.qk_dim)
+        self.kda_gate = KDAOutputGate(d_model, n_heads, self.head_dim, norm_eps, bias=bias) if output_gate else None
+
+    def _activate(self, q, k, v):
+        return F.silu(q), F.silu(k), F.silu(v)
+
+    def _mix(self, x, q, k, v, mask, state, stateful: bool):
+        sdt = state_dtype(x.dtype)
+        # β in the state dtype, kept above the smallest normal number (a sigmoid that underflows to 0 would
+        # fail the operator's (0, 1] check; β that small writes nothing either way)
+        beta = torch.sigmoid(self.beta_proj(x).to(sdt)).clamp_min(torch.finfo(sdt).tiny).transpose(1, 2)
+        g = self.forget_gate(x)
+        if mask is not None:  # a padded token writes nothing (k = 0) and does not decay the state (g = 0)
+            keep = mask[:, None, :]
+            k = k * keep[..., None].to(k.dtype)
+            g = g.masked_fill(~keep[..., None], 0.0)
+        opts = dict(scale=self.scale, qk_l2norm=True)
+        if not stateful and self.sequence_parallel_group is not None:
+            from ..parallel.kda import sequence_parallel_kda
+            return sequence_parallel_kda(q, k, v, beta, g, group=self.sequence_parallel_group,
+                                         chunk_size=self.chunk_size, **opts), None
+        if not stateful:
+            return kda(q, k, v, beta, g, chunk_size=self.chunk_size, **opts), None
+        if q.shape[2] == 1:
+            return kda_step(state, q, k, v, beta, g, **opts)
+        return kda(q, k, v, beta, g, initial_state=state, return_state=True, chunk_size=self.chunk_size, **opts)
+
+    def _merge(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        b, _, n, _ = o.shape
+        o = o.transpose(1, 2)
+        if self.kda_gate is not None:
+            o = self.kda_gate(o, x)
+        y = self.out(o.reshape(b, n, self.n_heads * self.head_dim))
+        return self.dropout(y) if self.dropout_p and self.training else y
+
+    def extra_repr(self) -> str:
+        return (f"d_model={self.d_model}, n_heads={self.n_heads}, qk_dim={self.qk_dim}, "
+                f"short_conv={0 if self.conv is None else self.conv.kernel_size}, "
+                f"output_gate={self.kda_gate is not None}, rope={self.rope is not None}")
+
+
+__all__ = ["KDAForgetGate", "KDAOutputGate", "KimiDeltaAttention"]

@@ -1,0 +1,99 @@
+"""linattn.compat.fla.kda (chunk_kda, fused_recurrent_kda in FLA's layout) against FLA's own
+naive_recurrent_kda and gate functions (skipped without `fla`) and against linattn's float64
+recurrence: grouped value heads, the gate inside the op, beta logits, packed sequences, refusals."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from linattn.compat.fla.kda import chunk_kda, fused_recurrent_kda
+from linattn.ops.kda import kda_gate
+from linattn.ops.kda.reference import kda_recurrent
+
+B, T, H, HV, K, V = 2, 21, 2, 4, 6, 5
+
+
+def _inputs(seed=0, dtype=torch.float64):
+    gen = torch.Generator().manual_seed(seed)
+    q, k = (torch.randn(B, T, H, K, generator=gen, dtype=dtype) for _ in range(2))
+    v = torch.randn(B, T, HV, V, generator=gen, dtype=dtype)
+    graw = torch.randn(B, T, HV, K, generator=gen, dtype=dtype)
+    beta = torch.rand(B, T, HV, generator=gen, dtype=dtype) * 0.98 + 0.01
+    S0 = torch.randn(B, HV, K, V, generator=gen, dtype=dtype)
+    A_log = torch.rand(HV, generator=gen, dtype=dtype)
+    dt_bias = torch.randn(HV * K, generator=gen, dtype=dtype)
+    return q, k, v, graw, beta, S0, A_log, dt_bias
+
+
+def _reference(q, k, v, g, beta, S0, l2norm=True):
+    """linattn's float64 recurrence with FLA's conventions written out: GVA by repeat_interleave, scale K^−1/2."""
+    t = lambda x: x.transpose(1, 2)  # noqa: E731
+    rep = lambda x: t(x.repeat_interleave(HV // H, dim=2))  # noqa: E731
+    o, S = kda_recurrent(rep(q), rep(k), t(v), beta.transpose(1, 2), t(g), scale=K ** -0.5, qk_l2norm=l2norm,
+                         initial_state=S0)
+    return o.transpose(1, 2), S
+
+
+@pytest.mark.parametrize("fn", [chunk_kda, fused_recurrent_kda])
+def test_gva_gate_in_kernel_against_the_recurrence(fn):
+    q, k, v, graw, beta, S0, A_log, dt_bias = _inputs()
+    g = kda_gate(graw, A_log, dt_bias)
+    o, S = fn(q, k, v, graw, beta, A_log=A_log, dt_bias=dt_bias, initial_state=S0, output_final_state=True,
+              use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True)
+    ro, rS = _reference(q, k, v, g, beta, S0)
+    torch.testing.assert_close(o, ro, atol=1e-10, rtol=1e-10)
+    torch.testing.assert_close(S, rS, atol=1e-10, rtol=1e-10)
+    o2, none = fn(q, k, v, g, torch.logit(beta), use_beta_sigmoid_in_kernel=True, initial_state=S0,
+                  use_qk_l2norm_in_kernel=True)
+    assert none is None
+    torch.testing.assert_close(o2, ro, atol=1e-10, rtol=1e-10)
+
+
+def test_against_fla_naive_recurrent():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        naive = pytest.importorskip("fla.ops.kda.naive")
+        gate = pytest.importorskip("fla.ops.kda.gate")
+    q, k, v, graw, beta, S0, A_log, dt_bias = (x.float() for x in _inputs(seed=1))
+    k = torch.nn.functional.normalize(k, dim=-1)
+    g = gate.naive_kda_gate(graw, A_log, dt_bias)
+    ro, rS = naive.naive_recurrent_kda(q, k, v, g, beta, initial_state=S0, output_final_state=True)
+    for fn in (chunk_kda, fused_recurrent_kda):
+        o, S = fn(q, k, v, graw, beta, A_log=A_log, dt_bias=dt_bias, use_gate_in_kernel=True, initial_state=S0,
+                  output_final_state=True)
+        torch.testing.assert_close(o, ro, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(S, rS, atol=1e-4, rtol=1e-4)
+    g = gate.naive_kda_lowerbound_gate(graw, A_log, dt_bias, lower_bound=-5.0)
+    ro, _ = naive.naive_recurrent_kda(q, k, v, g, beta, initial_state=S0)
+    o, _ = chunk_kda(q, k, v, graw, beta, A_log=A_log, dt_bias=dt_bias, use_gate_in_kernel=True, safe_gate=True,
+                     lower_bound=-5.0, initial_state=S0)
+    torch.testing.assert_close(o, ro, atol=1e-4, rtol=1e-4)
+
+
+def test_packed_sequences():
+    q, k, v, graw, beta, S0, A_log, dt_bias = _inputs(seed=2)
+    g = kda_gate(graw, A_log, dt_bias)
+    flat = lambda x: x.reshape(1, B * T, *x.shape[2:])  # noqa: E731
+    cu = torch.tensor([0, T, 2 * T])
+    o, S = chunk_kda(flat(q), flat(k), flat(v), flat(g), flat(beta), initial_state=S0, output_final_state=True,
+                     use_qk_l2norm_in_kernel=True, cu_seqlens=cu)
+    ro, rS = _reference(q, k, v, g, beta, S0)
+    torch.testing.assert_close(o, flat(ro), atol=1e-10, rtol=1e-10)
+    torch.testing.assert_close(S, rS, atol=1e-10, rtol=1e-10)
+
+
+def test_refusals_name_the_option():
+    q, k, v, graw, beta, S0, A_log, dt_bias = _inputs()
+    g = kda_gate(graw, A_log, dt_bias)
+    for kw in (dict(allow_neg_eigval=True), dict(state_v_first=True), dict(return_intermediate_states=True)):
+        with pytest.raises(ValueError, match=next(iter(kw))):
+            chunk_kda(q, k, v, g, beta, **kw)
+    with pytest.raises(TypeError, match="unexpected"):
+        chunk_kda(q, k, v, g, beta, bogus=1)
+    with pytest.raises(ValueError, match="A_log"):
+        fused_recurrent_kda(q, k, v, graw, beta, use_gate_in_kernel=True)
+    with pytest.raises(ValueError, match="multiple"):
+        chunk_kda(q, k, v[:, :, :3], g[:, :, :3], beta[:, :, :3])
