@@ -62,16 +62,15 @@ class WindowState(NamedTuple):
         t = (self.k, self.v) + (() if self.valid is None else (self.valid,))
         return sum(x.numel() * x.element_size() for x in t)
 
-    def ordered(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(k, v, real) of the W slots in time order, oldest first: the tokens length − W … length − 1
-        (real (B, W) bool, False for an empty or padded slot)."""
+    def ordered(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The filled slots in time order, oldest first (the tokens max(0, length − W) … length − 1):
+        (slots (c,), k (B, H, c, D), v (B, H, c, E), real (B, c) bool, False for a padded key)."""
         w = self.window
-        order = (torch.arange(w, device=self.k.device) + self.length) % w
-        real = torch.arange(w, device=self.k.device) >= w - min(self.length, w)
-        real = real[None].expand(self.k.shape[0], w)
-        if self.valid is not None:
-            real = real & self.valid[:, order]
-        return self.k[:, :, order], self.v[:, :, order], real
+        c = min(self.length, w)
+        slots = torch.arange(self.length - c, self.length, device=self.k.device) % w
+        real = (torch.ones(self.k.shape[0], c, dtype=torch.bool, device=self.k.device) if self.valid is None
+                else self.valid[:, slots])
+        return slots, self.k[:, :, slots], self.v[:, :, slots], real
 
 
 def empty_window_state(q: torch.Tensor, v: torch.Tensor, window: int) -> WindowState:
@@ -121,7 +120,7 @@ def sliding_window_attention_step(state: WindowState | None, q: torch.Tensor, k:
 
     One token (n = 1): write k, v into slot t mod W, then o = softmax over the filled slots, through
     torch's scaled_dot_product_attention: O(W·D) time, W·(D + E) memory whatever the context.
-    Several: the W buffered tokens (in time order) and the new ones run through the chunked operator,
+    Several: the (up to W) buffered tokens in time order and the new ones run through the chunked operator,
     whose outputs for the new queries are kept. Returns (o (B, H, n, E), state).
     """
     chunk = check_common(q, k, v, window, scale, chunk_size, key_padding_mask)
@@ -140,18 +139,14 @@ def sliding_window_attention_step(state: WindowState | None, q: torch.Tensor, k:
         mask = window_mask(state, key_padding_mask)
         o = F.scaled_dot_product_attention(q, state.k, state.v, attn_mask=mask, scale=scale)
         return o, state
-    if state.length == 0:
-        o = sliding_window_chunked(q, k, v, window=window, scale=scale, chunk=chunk,
-                                   key_padding_mask=key_padding_mask)
-        return o, write_window(state, k, v, key_padding_mask)
-    kc, vc, real = state.ordered()
+    slots, kc, vc, real = state.ordered()
+    c = slots.numel()
     new = (torch.ones(q.shape[0], n, dtype=torch.bool, device=q.device) if key_padding_mask is None
            else key_padding_mask)
-    qa = torch.cat((q.new_zeros(q.shape[0], q.shape[1], window, q.shape[-1]), q), 2)
+    mask = None if key_padding_mask is None and state.valid is None else torch.cat((real, new), 1)
+    qa = torch.cat((q.new_zeros(q.shape[0], q.shape[1], c, q.shape[-1]), q), 2)
     o = sliding_window_chunked(qa, torch.cat((kc, k), 2), torch.cat((vc, v), 2), window=window, scale=scale,
-                               chunk=chunk, key_padding_mask=torch.cat((real, new), 1))
-    return o[:, :, window:], write_window(state, k, v, key_padding_mask)
-
-
+                               chunk=chunk, key_padding_mask=mask)
+    return o[:, :, c:], write_window(state, k, v, key_padding_mask)
 def default_scale(q: torch.Tensor, scale: float | None) -> float:
     return 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)

@@ -35,6 +35,9 @@ import math
 
 import torch
 
+#: Whether CPU tensors take torch's fused flash-attention kernel (linattn.ops.swa.cpu) rather than
+#: the torch-op path below (same numbers up to rounding; tests set it to check both).
+FUSED_CPU = True
 #: Target number of score entries (C·S per block) of one group of blocks.
 BLOCK_ELEMENTS = 1 << 18
 
@@ -185,5 +188,8 @@ class SlidingWindowAttentionFunction(torch.autograd.Function):
 def sliding_window_chunked(q, k, v, *, window: int, scale: float | None, chunk: int, cu_seqlens=None,
                            key_padding_mask=None) -> torch.Tensor:
     """The chunked operator on checked arguments (see linattn.ops.swa.sliding_window_attention)."""
+    from . import cpu  # the fused CPU kernel's path builds on this module's layout
+
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    return SlidingWindowAttentionFunction.apply(q, k, v, window, scale, chunk, cu_seqlens, key_padding_mask)
+    fn = cpu.FusedSlidingWindowAttention if cpu.available(q, v) and FUSED_CPU else SlidingWindowAttentionFunction
+    return fn.apply(q, k, v, window, scale, chunk, cu_seqlens, key_padding_mask)

@@ -160,7 +160,7 @@ def lolcats_attention_step(state: HybridState | None, q, k, qf, kf, v, *, window
 
     One token: the key in slot t mod W (token t − W) leaves the window into (kv, z); the new token
     takes its slot; o = (Σ_slots γ e^{s − m} v + λ φ_q(q)ᵀkv) / (Σ_slots γ e^{s − m} + λ φ_q(q)ᵀz).
-    O(W·D + F·E) per token, memory W·(D + F + E) + F·E whatever the context. Several tokens: the W
+    O(W·D + F·E) per token, memory W·(D + F + E) + F·E whatever the context. Several tokens: the
     buffered ones and the new ones run through the chunked form from (kv, z). Returns (o, state)."""
     chunk = check_common(q, k, v, window, scale, chunk_size, key_padding_mask)
     _check_features(qf, kf, q, v)
@@ -210,22 +210,22 @@ def _one_step(state, q, k, qf, kf, v, gamma, lam, scale, key_padding_mask):
 
 
 def _several(state, q, k, qf, kf, v, window, gamma, lam, scale, chunk, key_padding_mask):
-    """n > 1 new tokens: [the W buffered tokens; the new ones] through the chunked form, starting
-    from (kv, z); then the oldest n of those W + n tokens enter (kv, z) and the newest W stay."""
-    kc, vc, real = state.window.ordered()
-    order = (torch.arange(window, device=q.device) + state.window.length) % window
-    kfc = torch.where(real[:, None, :, None], state.kf[:, :, order], 0.0)
-    vc = torch.where(real[:, None, :, None], vc, 0.0)
+    """n > 1 new tokens: [the c ≤ W buffered tokens; the new ones] through the chunked form, starting
+    from (kv, z); then all but the newest W of those c + n tokens enter (kv, z)."""
+    slots, kc, vc, real = state.window.ordered()
+    c = slots.numel()
+    kfc = state.kf[:, :, slots]  # zero for padded keys already
     b, h, n, _ = q.shape
     new = torch.ones(b, n, dtype=torch.bool, device=q.device) if key_padding_mask is None else key_padding_mask
     ka, va, kfa = torch.cat((kc, k), 2), torch.cat((vc, v), 2), torch.cat((kfc, kf), 2)
-    qa = torch.cat((q.new_zeros(b, h, window, q.shape[-1]), q), 2)
-    qfa = torch.cat((qf.new_zeros(b, h, window, qf.shape[-1]), qf), 2)
-    o = _hybrid_chunked(qa, ka, qfa, kfa, va, window, gamma, lam, scale, chunk, torch.cat((real, new), 1),
-                        (state.kv, state.z))[:, :, window:]
-    old_kf, old_v = kfa[:, :, :n].to(state.kv.dtype), va[:, :, :n].to(state.kv.dtype)
-    if key_padding_mask is not None:
-        old_v = torch.where(torch.cat((real, new), 1)[:, None, :n, None], old_v, 0.0)
+    qa = torch.cat((q.new_zeros(b, h, c, q.shape[-1]), q), 2)
+    qfa = torch.cat((qf.new_zeros(b, h, c, qf.shape[-1]), qf), 2)
+    keys = None if key_padding_mask is None and state.window.valid is None else torch.cat((real, new), 1)
+    o = _hybrid_chunked(qa, ka, qfa, kfa, va, window, gamma, lam, scale, chunk, keys, (state.kv, state.z))[:, :, c:]
+    gone = max(0, c + n - window)  # the oldest tokens of [buffer; new] leave the window into (kv, z)
+    old_kf, old_v = kfa[:, :, :gone].to(state.kv.dtype), va[:, :, :gone].to(state.kv.dtype)
+    if keys is not None:
+        old_v = torch.where(keys[:, None, :gone, None], old_v, 0.0)
     state.kv.add_(old_kf.transpose(-1, -2) @ old_v)
     state.z.add_(old_kf.sum(2))
     win = write_window(state.window, k, v, key_padding_mask, (state.kf, kf))
