@@ -10,13 +10,14 @@ from hypothesis import strategies as st
 from linattn.ops.swa import (
     HybridState,
     WindowState,
+    chunked,
+    cpu,
     lolcats_attention,
     lolcats_attention_step,
     reference,
     sliding_window_attention,
     sliding_window_attention_step,
 )
-from linattn.ops.swa import chunked, cpu
 
 
 @pytest.fixture(autouse=True)

@@ -50,7 +50,8 @@ class SlidingWindowAttention(_Attention):
     """Multi-head causal sliding-window softmax attention (Mistral, Longformer's causal band).
 
     window: W, the tokens each query sees (itself and the W − 1 before). chunk_size: the query block
-    of the chunked operator. The other arguments are SoftmaxAttention's; causal must stay True.
+    of the chunked operator. The other arguments are SoftmaxAttention's; causal must stay True, and
+    dropout applies to the output projection only (the operator has no attention-weight dropout).
     """
 
     kind = "swa"

@@ -17,8 +17,18 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from . import chunked, cpu
 from .checks import check_common, check_cu_seqlens
-from .chunked import sliding_window_chunked
+
+
+def sliding_window_chunked(q, k, v, *, window: int, scale: float | None, chunk: int, cu_seqlens=None,
+                           key_padding_mask=None) -> torch.Tensor:
+    """The chunked operator on checked arguments: on the CPU (q, k, v of one head dim) through torch's
+    fused flash kernel (linattn.ops.swa.cpu), elsewhere the torch-op Function (linattn.ops.swa.chunked)."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    fused = cpu.available(q, v) and chunked.FUSED_CPU
+    fn = cpu.FusedSlidingWindowAttention if fused else chunked.SlidingWindowAttentionFunction
+    return fn.apply(q, k, v, window, scale, chunk, cu_seqlens, key_padding_mask)
 
 
 def sliding_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, window: int,
@@ -148,5 +158,3 @@ def sliding_window_attention_step(state: WindowState | None, q: torch.Tensor, k:
     o = sliding_window_chunked(qa, torch.cat((kc, k), 2), torch.cat((vc, v), 2), window=window, scale=scale,
                                chunk=chunk, key_padding_mask=mask)
     return o[:, :, c:], write_window(state, k, v, key_padding_mask)
-def default_scale(q: torch.Tensor, scale: float | None) -> float:
-    return 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)

@@ -31,8 +31,6 @@ q, k, v, the output and lse (N floats per head): O(N·D), no score matrix.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 #: Whether CPU tensors take torch's fused flash-attention kernel (linattn.ops.swa.cpu) rather than
@@ -67,9 +65,11 @@ class Layout:
 
     def pad(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """(B, H, N, D) -> flat (B·H·L, C, D) in dtype: p zero blocks, x, zeros to whole blocks."""
-        d = x.shape[-1]
-        out = x.new_zeros(self.b * self.h, self.rows * self.c, d, dtype=dtype)
-        out[:, self.p * self.c:self.p * self.c + self.n] = x.reshape(self.b * self.h, self.n, d)
+        d, start = x.shape[-1], self.p * self.c
+        out = x.new_empty(self.b * self.h, self.rows * self.c, d, dtype=dtype)
+        out[:, :start] = 0
+        out[:, start:start + self.n] = x.reshape(self.b * self.h, self.n, d)
+        out[:, start + self.n:] = 0
         return out.view(-1, self.c, d)
 
     def unpad(self, flat: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -183,13 +183,3 @@ class SlidingWindowAttentionFunction(torch.autograd.Function):
                 dv[u0 + t:u1 + t].add_(dv_span[:, t * c:(t + 1) * c])
         return (lay.unpad(dq, ctx.dtype), lay.unpad(dk, ctx.dtype), lay.unpad(dv, ctx.dtype),
                 None, None, None, None, None)
-
-
-def sliding_window_chunked(q, k, v, *, window: int, scale: float | None, chunk: int, cu_seqlens=None,
-                           key_padding_mask=None) -> torch.Tensor:
-    """The chunked operator on checked arguments (see linattn.ops.swa.sliding_window_attention)."""
-    from . import cpu  # the fused CPU kernel's path builds on this module's layout
-
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    fn = cpu.FusedSlidingWindowAttention if cpu.available(q, v) and FUSED_CPU else SlidingWindowAttentionFunction
-    return fn.apply(q, k, v, window, scale, chunk, cu_seqlens, key_padding_mask)

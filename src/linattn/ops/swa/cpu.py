@@ -3,13 +3,14 @@
 their key spans of linattn.ops.swa.chunked, one call per batch row.
 
 Per batch row b the H·nb blocks are the kernel's (batch, heads) = (H, nb): queries (H, nb, C, D)
-are a view of q (a padded copy when N is not a multiple of C), key and value spans (H, nb, S, D) an overlapping strided view of the
-padded k, v (span n = blocks n … n + p of the row, no copy), and the additive mask (1, nb, C, S)
-(0 where j ∈ window(i), −∞ elsewhere, from MaskTable) is shared by the heads. The kernel keeps
-scores in cache block by block (never the C×S matrices of all blocks) and returns the log-sum-exp
-that its backward needs; the span gradients it returns are folded onto the key blocks (p + 1
-shifted adds), as in the torch-op path. Same numbers as that path up to rounding, about twice as
-fast here (benchmarks/swa.py).
+are a view of q (a copy padded to whole blocks when C does not divide N); key and value spans
+(H, nb, S, D) are an overlapping strided view of the padded k, v (span n = blocks n … n + p of the
+row, no copy); the additive mask (1, nb, C, S) (0 where j ∈ window(i), −∞ elsewhere, from MaskTable)
+is shared by the heads. The kernel keeps scores in cache block by block (never the C×S matrices of
+all blocks) and returns the log-sum-exp that its backward needs; the span gradients it returns are
+folded onto the key blocks (p + 1 shifted adds), as in the torch-op path. Same numbers as that path
+up to rounding; it needs D = E (the kernel's rule), else the torch-op path runs. About twice as fast
+here as the torch-op path for the forward (benchmarks/swa.py).
 """
 
 from __future__ import annotations
