@@ -28,8 +28,10 @@ def _one_thread(one_thread):
 @pytest.fixture(params=["fused", "torch"])
 def swa_path(request, monkeypatch):
     """Runs a test on each CPU path: torch's fused flash kernel on blocks (linattn.ops.swa.cpu) and
-    the torch-op Function (linattn.ops.swa.chunked, the path of other devices)."""
+    the torch-op Function (linattn.ops.swa.chunked, the path of other devices); fused, with a few
+    query blocks per kernel call so that the calls' seams are crossed."""
     monkeypatch.setattr(chunked, "FUSED_CPU", request.param == "fused")
+    monkeypatch.setattr(cpu, "GROUP_TOKENS", 24)
     return request.param
 
 
@@ -225,6 +227,20 @@ def test_lolcats_is_window_softmax_plus_linear_attention_in_the_limits():
     a = torch.tril(qf @ kf.transpose(-1, -2), -1)
     lin = (a @ v) / a.sum(-1, keepdim=True)
     torch.testing.assert_close(out[:, :, 1:], lin[:, :, 1:], rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-6), (torch.bfloat16, 3e-2)])
+def test_lolcats_fp32_and_bf16_within_rounding_of_the_oracle(dtype, tol):
+    q, k, qf, kf, v, gamma, _ = (x.detach() for x in hybrid_inputs(1, 2, 40, 8, 8, 6))
+    args = [x.to(dtype) for x in (q, k, qf, kf, v)]
+    out = lolcats_attention(*args, window=6, window_factor=gamma.to(dtype), chunk_size=8)
+    assert out.dtype == dtype
+    ref = reference.lolcats_attention(*args, window=6, window_factor=gamma.to(dtype))
+    torch.testing.assert_close(out.double(), ref, rtol=0, atol=tol)
+    o1, state = lolcats_attention_step(None, *(x[:, :, :39] for x in args), window=6, window_factor=gamma.to(dtype))
+    o2, state = lolcats_attention_step(state, *(x[:, :, 39:] for x in args), window=6, window_factor=gamma.to(dtype))
+    assert state.kv.dtype == torch.float32 and o2.dtype == dtype
+    torch.testing.assert_close(o2.double(), ref[:, :, 39:], rtol=0, atol=tol)
 
 
 @pytest.mark.parametrize("cu", PACKS[:2])

@@ -127,12 +127,14 @@ def test_layer_arguments_are_checked():
         LoLCATsAttention(16, 2, feature_map=3)
 
 
-def test_a_model_with_swa_layers_decodes_like_its_parallel_forward(monkeypatch):
-    """Until the kinds table has its `swa` row: registered here, default window (64), so the test
-    runs past it with 70 tokens."""
-    monkeypatch.setitem(models.ATTENTION_LAYERS, "swa", SlidingWindowAttention)
-    monkeypatch.setattr(models, "ATTENTION_KINDS", (*models.ATTENTION_KINDS, "swa"))
-    model = spread(models.LinearTransformerLM(tiny_config(attention=["swa", "linear"], max_len=80))).double().eval()
+@pytest.mark.parametrize("kind,cls,cache_cls", [("swa", SlidingWindowAttention, SlidingWindowCache),
+                                                 ("lolcats", LoLCATsAttention, LoLCATsCache)])
+def test_a_model_with_these_layers_decodes_like_its_parallel_forward(monkeypatch, kind, cls, cache_cls):
+    """Until the kinds table has their rows: registered here, default window (64), so the test runs
+    past it with 70 tokens; greedy generation (the eager path) repeats the parallel argmax."""
+    monkeypatch.setitem(models.ATTENTION_LAYERS, kind, cls)
+    monkeypatch.setattr(models, "ATTENTION_KINDS", (*models.ATTENTION_KINDS, kind))
+    model = spread(models.LinearTransformerLM(tiny_config(attention=[kind, "linear"], max_len=80))).double().eval()
     ids = torch.randint(0, 40, (2, 70), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         full, _ = model(ids)
@@ -141,4 +143,10 @@ def test_a_model_with_swa_layers_decodes_like_its_parallel_forward(monkeypatch):
             logits, cache = model(ids[:, lo:hi], cache=cache)
             outs.append(logits)
     torch.testing.assert_close(torch.cat(outs, 1), full, rtol=1e-9, atol=1e-9)
-    assert isinstance(cache.layers[0], SlidingWindowCache) and cache.layers[0].window.k.shape[2] == 64
+    assert isinstance(cache.layers[0], cache_cls) and cache.layers[0].nbytes > 0
+    model = model.float()
+    seq = ids[0, :60].tolist()
+    with torch.no_grad():
+        for _ in range(8):
+            seq.append(int(model(torch.tensor([seq]))[0][0, -1].argmax()))
+    assert model.generate(ids[0, :60].tolist(), 8, temperature=0) == [seq[60:]]

@@ -132,6 +132,14 @@ def lolcats_attention(q: torch.Tensor, k: torch.Tensor, qf: torch.Tensor, kf: to
     h = q.shape[1]
     gamma, lam = check_factor("window_factor", window_factor, h, q), check_factor("linear_factor", linear_factor, h, q)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    if initial_state is not None:
+        b, _, _, e = v.shape
+        f = qf.shape[-1]
+        ok = (isinstance(initial_state, (tuple, list)) and len(initial_state) == 2
+              and all(isinstance(x, torch.Tensor) for x in initial_state)
+              and tuple(initial_state[0].shape) == (b, h, f, e) and tuple(initial_state[1].shape) == (b, h, f))
+        if not ok:
+            raise ValueError(f"initial_state must be (kv (B, H, F, E) = {(b, h, f, e)}, z (B, H, F) = {(b, h, f)})")
     if cu_seqlens is not None:
         if initial_state is not None:
             raise ValueError("initial_state does not combine with cu_seqlens in lolcats_attention")
