@@ -77,23 +77,35 @@ class FusedSlidingWindowAttention(torch.autograd.Function):
         lay, scale = ctx.lay, ctx.scale
         b, n = lay.b, lay.n
         dop = _blocks(do, lay, o.dtype)
-        c, p = lay.c, lay.p
+        c = lay.c
         dq = torch.empty_like(qb)
-        dk = kp.new_zeros(b, lay.h, lay.rows, c, kp.shape[-1])      # in padded-row blocks
-        dv = vp.new_zeros(b, lay.h, lay.rows, c, vp.shape[-1])
+        dk = kp.new_empty(b, lay.h, lay.nb, c, kp.shape[-1])
+        dv = vp.new_empty(b, lay.h, lay.nb, c, vp.shape[-1])
         for i in range(b):
             ks, vs, mask = _spans(kp[i], lay), _spans(vp[i], lay), bias[i if bias.shape[0] > 1 else 0][None]
             for n0, n1 in _groups(lay):
                 dq[i, :, n0:n1], dks, dvs = _BACKWARD(dop[i, :, n0:n1], qb[i, :, n0:n1], ks[:, n0:n1], vs[:, n0:n1],
                                                       o[i, :, n0:n1], lse[i, :, n0:n1], 0.0, False,
                                                       attn_mask=mask[:, n0:n1], scale=scale)
-                for t in range(p + 1):  # entries t·C … (t+1)·C − 1 of span n: padded block n + t of the row
-                    dk[i, :, n0 + t:n1 + t].add_(dks[:, :, t * c:(t + 1) * c])
-                    dv[i, :, n0 + t:n1 + t].add_(dvs[:, :, t * c:(t + 1) * c])
-        dk, dv = dk[:, :, p:], dv[:, :, p:]
+                _fold(dk[i], dks, n0, n1, lay)
+                _fold(dv[i], dvs, n0, n1, lay)
         dt = ctx.dtype
         return (dq.flatten(2, 3)[:, :, :n].to(dt), dk.flatten(2, 3)[:, :, :n].to(dt),
                 dv.flatten(2, 3)[:, :, :n].to(dt), None, None, None, None, None)
+
+
+def _fold(out: torch.Tensor, span_grad: torch.Tensor, n0: int, n1: int, lay: Layout) -> None:
+    """Adds the span gradients (H, n1 − n0, S, D) of query blocks n0 … n1 − 1 onto the key-block
+    gradients out (H, nb, C, D), in place: entries t·C … (t+1)·C − 1 of span n belong to key block
+    n + t − p. Groups come in order, so block n's own entry (t = p) is written first (no zero fill)
+    and the earlier pieces add onto blocks written already."""
+    c, p = lay.c, lay.p
+    out[:, n0:n1] = span_grad[:, :, p * c:]
+    for t in range(p):
+        first, hi = n0 + t - p, n1 + t - p                       # key blocks of piece t, before clipping
+        lo = max(0, first)
+        if hi > lo:
+            out[:, lo:hi].add_(span_grad[:, lo - first:, t * c:(t + 1) * c])
 
 
 def _groups(lay: Layout) -> list[tuple[int, int]]:
