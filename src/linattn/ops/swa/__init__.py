@@ -5,7 +5,9 @@
                   ring-buffer decoding step, WindowState)
     hybrid.py     lolcats_attention and lolcats_attention_step: softmax over the window and linear
                   attention beyond it, one normalizer (Zhang et al. 2024)
-    chunked.py    the chunked algorithm in torch ops, with its memory-bounded backward
+    chunked.py    the chunked algorithm in torch ops, with its memory-bounded backward (block
+                  layout, masks); the path of non-CPU devices
+    cpu.py        the CPU path: torch's fused flash-attention kernel on the same blocks and spans
     checks.py     argument checks (window, cu_seqlens, per-head factors)
     reference.py  the oracles: the definitions with the N×N band mask, float64
 """
