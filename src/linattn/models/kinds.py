@@ -21,6 +21,8 @@ from torch import nn
 from ..nn.attention import LinearAttention, SoftmaxAttention
 from ..nn.feature_maps import FEATURE_MAPS
 from ..nn.kda import KimiDeltaAttention
+from ..nn.lolcats import LoLCATsAttention
+from ..nn.swa import DEFAULT_WINDOW, SlidingWindowAttention
 from ..nn.recurrent import (
     DeltaNetAttention,
     GatedDeltaNetAttention,
@@ -30,7 +32,7 @@ from ..nn.recurrent import (
 )
 
 #: the operator families a kind belongs to (linattn.ops)
-FAMILIES = ("linear", "softmax", "gated", "delta")
+FAMILIES = ("linear", "softmax", "gated", "delta", "window")
 #: the mixers of the fused decoder (csrc/model_mixers.h) a kind can name
 FUSED_MIXERS = ("linear", "softmax", "gated", "delta")
 
@@ -48,6 +50,10 @@ def _softmax(config, layer: int, causal: bool) -> dict:
     return {"causal": causal}
 
 
+def _windowed(config, layer: int, causal: bool) -> dict:
+    return {"causal": causal, "chunk_size": config.chunk_size}
+
+
 @dataclass(frozen=True)
 class Kind:
     """One attention kind.
@@ -55,7 +61,8 @@ class Kind:
     name: the value of ModelConfig.attention; layer: the nn.Module class, built as
         layer(d_model, n_heads, **build(config, layer_index, causal), **common options, **kind options);
     label: its name in tables and plots; family: its operator family (FAMILIES: "linear", "softmax",
-        "gated" decaying state, "delta" delta-rule state); rnn: decodes with a fixed-size state (O(1) per token), else
+        "gated" decaying state, "delta" delta-rule state, "window" sliding-window softmax, linattn.ops.swa);
+        rnn: decodes with a fixed-size state (O(1) per token), else
         a KV cache; causal_only: has no bidirectional form (the encoder refuses it);
     short_conv / output_gate: defaults of ModelConfig.short_conv / output_gate for its layers;
     positions: what its paper uses when it runs alone ("rope", "none"; None: the config's);
@@ -97,6 +104,10 @@ _ROWS = (
          output_gate=True, positions="none", fused="delta"),
     Kind("kda", KimiDeltaAttention, "KDA", "delta", rnn=True, causal_only=True, short_conv=4, output_gate=True,
          positions="none"),
+    Kind("swa", SlidingWindowAttention, "sliding window", "window", rnn=True, causal_only=True,
+         options={"window": DEFAULT_WINDOW}, build=_windowed),
+    Kind("lolcats", LoLCATsAttention, "LoLCATs (window + linear)", "window", rnn=True, causal_only=True,
+         options={"window": DEFAULT_WINDOW, "feature_map": "hedgehog"}, build=_windowed),
 )
 
 #: kind name -> Kind, in table order
