@@ -26,6 +26,15 @@ from torch import nn
 from ._checks import check_positive_int
 
 
+def depthwise_causal(xp: torch.Tensor, weight: torch.Tensor, n: int) -> torch.Tensor:
+    """The K multiply-adds of the module docstring over shifted views of xp = [tail; x] (B, K−1+n, C):
+    y_t[c] = Σ_j weight[c, j] · xp_{t+j}[c] for t < n -> y (B, n, C); weight (C, K) in xp's dtype."""
+    y = xp[:, :n] * weight[:, 0]
+    for j in range(1, weight.shape[1]):
+        y = torch.addcmul(y, xp[:, j:j + n], weight[:, j])
+    return y
+
+
 class ShortConvolution(nn.Module):
     """Causal depthwise convolution over the last dim of x (B, N, C), kernel `kernel_size` (K ≥ 1).
 
@@ -76,9 +85,7 @@ class ShortConvolution(nn.Module):
                                  f"got {tuple(tail.shape)}")
             xp = torch.cat((tail.to(x.dtype), x), 1)
         w = self.weight if self.weight.dtype == x.dtype else self.weight.to(x.dtype)
-        y = xp[:, :n] * w[:, 0]
-        for j in range(1, k):
-            y = torch.addcmul(y, xp[:, j:j + n], w[:, j])
+        y = depthwise_causal(xp, w, n)
         if self.bias is not None:
             y = y + self.bias.to(x.dtype)
         if not return_tail:
@@ -89,4 +96,4 @@ class ShortConvolution(nn.Module):
         return f"channels={self.channels}, kernel_size={self.kernel_size}, bias={self.bias is not None}"
 
 
-__all__ = ["ShortConvolution"]
+__all__ = ["ShortConvolution", "depthwise_causal"]

@@ -1,0 +1,190 @@
+"""The edge between flash-linear-attention's conventions and linattn's operators (design §17), shared
+by every family module of `linattn.compat.fla`.
+
+FLA passes [B, T, H, D] (sequence before heads); linattn's operators take (B, H, N, D). Each tensor
+crosses as `x.transpose(1, 2)`, a view (the fused kernels make their own contiguous copies where
+they need them). Grouped value heads (GVA): v and the per-head gates may have HV = G·H heads; q/k
+head h serves value heads h·G … h·G + G − 1, so q and k are repeated G times along the head axis
+(`repeat_interleave(G, dim=2)`, as FLA's and transformers' references do). Recurrent states are
+[N, HV, K, V] as in linattn ((B, H, F, E)); N is the batch, or the number of packed sequences with
+cu_seqlens.
+
+The argument checks here speak FLA's layout, so that an error names the argument and the shape the
+caller passed, not the transposed one the operator would see.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+import os
+
+import torch
+
+from ..._checks import FLOAT_DTYPES
+from ...ops.chunked import state_dtype
+
+#: environment switch: "0" keeps every call on linattn's kernels, even on CUDA with `fla` installed
+HANDOVER_ENV = "LINATTN_COMPAT_FLA"
+
+
+@functools.lru_cache(maxsize=None)
+def _importable(package: str) -> bool:
+    return importlib.util.find_spec(package) is not None
+
+
+def hands_over(module: str, name: str):
+    """Decorator: a call whose first tensor is on CUDA, with `module`'s package importable and
+    LINATTN_COMPAT_FLA not "0", goes to the peer's own `module.name` with the same arguments (FLA's
+    Triton kernels, Dao's CUDA convolution); every other call runs the decorated body (linattn).
+    The peer is imported only then, never by `import linattn.compat.fla`."""
+
+    def decorate(fn):
+        @functools.wraps(fn)
+        def call(*args, **kwargs):
+            first = args[0] if args else next(iter(kwargs.values()), None)
+            if (isinstance(first, torch.Tensor) and first.is_cuda and os.environ.get(HANDOVER_ENV, "1") != "0"
+                    and _importable(module.split(".")[0])):
+                return getattr(importlib.import_module(module), name)(*args, **kwargs)
+            return fn(*args, **kwargs)
+
+        call.peer = f"{module}.{name}"
+        return call
+
+    return decorate
+
+
+def refuse(fn: str, **given) -> None:
+    """ValueError naming every argument of `given` that holds something other than None / False:
+    FLA options that linattn's operators do not implement."""
+    bad = [f"{k}={v!r}" if not isinstance(v, torch.Tensor) else f"{k} (a tensor)"
+           for k, v in given.items() if v is not None and v is not False]
+    if bad:
+        raise ValueError(f"linattn.compat.fla.{fn} does not support {', '.join(bad)} "
+                         "(linattn's operators have no such option; leave it at its default)")
+
+
+def take_kwargs(fn: str, kwargs: dict, allowed: tuple[str, ...]) -> dict:
+    """The **kwargs FLA's `fn` accepts that linattn honours (`allowed`); TypeError naming the others
+    (FLA ignores some silently; here nothing is ignored)."""
+    if "head_first" in kwargs:
+        raise ValueError(f"linattn.compat.fla.{fn}: head_first was removed from FLA; pass [B, T, H, ...] tensors")
+    extra = sorted(set(kwargs) - set(allowed))
+    if extra:
+        raise TypeError(f"linattn.compat.fla.{fn} got unsupported keyword argument(s): {', '.join(extra)}")
+    return {k: kwargs[k] for k in allowed if k in kwargs}
+
+
+def check_qkv(q, k, v) -> tuple[int, int]:
+    """q, k: [B, T, H, K] of one shape, v: [B, T, HV, V] with HV a multiple of H; one floating dtype,
+    one device. Returns (H, HV)."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor [B, T, H, D], got {type(x).__name__}")
+        if x.dim() != 4:
+            raise ValueError(f"{name} must have 4 dimensions [B, T, H, D] (FLA's layout), got shape {tuple(x.shape)}")
+        if x.dtype not in FLOAT_DTYPES:
+            raise TypeError(f"{name} must be a floating tensor, got dtype {x.dtype}")
+    if k.shape != q.shape:
+        raise ValueError(f"k must have q's shape [B, T, H, K] = {tuple(q.shape)}, got {tuple(k.shape)}")
+    if v.shape[:2] != q.shape[:2]:
+        raise ValueError(f"v must have q's batch and length [B, T] = {tuple(q.shape[:2])}, got {tuple(v.shape[:2])}")
+    for name, x in (("k", k), ("v", v)):
+        if x.dtype != q.dtype:
+            raise TypeError(f"{name}.dtype must equal q.dtype ({q.dtype}), got {x.dtype}")
+        if x.device != q.device:
+            raise ValueError(f"{name} must be on q's device ({q.device}), got {x.device}")
+    h, hv = q.shape[2], v.shape[2]
+    if hv % h:
+        raise ValueError(f"v's heads HV = {hv} must be a multiple of q/k's heads H = {h} (grouped value heads)")
+    return h, hv
+
+
+def check_per_head(name: str, x, q, hv: int, last: int | None = None) -> None:
+    """A per-token tensor of v's heads: [B, T, HV] (last None) or [B, T, HV, last]; floating, on q's
+    device."""
+    shape = (*q.shape[:2], hv) + (() if last is None else (last,))
+    form = "[B, T, HV]" if last is None else "[B, T, HV, K]"
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor {form}, got {type(x).__name__}")
+    if tuple(x.shape) != shape:
+        raise ValueError(f"{name} must have shape {form} = {shape}, got {tuple(x.shape)}")
+    if not x.is_floating_point():
+        raise TypeError(f"{name} must be a floating tensor, got dtype {x.dtype}")
+    if x.device != q.device:
+        raise ValueError(f"{name} must be on q's device ({q.device}), got {x.device}")
+
+
+def check_head_vector(name: str, x, q, hv: int) -> None:
+    """A per-head parameter [HV] (g_gamma, A_log, dt_bias): floating, on q's device."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor [HV], got {type(x).__name__}")
+    if x.numel() != hv or x.dim() != 1:
+        raise ValueError(f"{name} must have shape [HV] = ({hv},), got {tuple(x.shape)}")
+    if not x.is_floating_point():
+        raise TypeError(f"{name} must be a floating tensor, got dtype {x.dtype}")
+    if x.device != q.device:
+        raise ValueError(f"{name} must be on q's device ({q.device}), got {x.device}")
+
+
+def resolve_scale(scale, k) -> float:
+    """FLA's default scale K^−1/2 (K = k's head dim), else the given positive real number."""
+    if scale is None:
+        return k.shape[-1] ** -0.5
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
+    return float(scale)
+
+
+def expand_heads(q, k, hv: int):
+    """q, k [B, T, H, K] -> [B, T, HV, K]: head h serves value heads h·G … h·G + G − 1 (a copy when
+    G > 1; q and k themselves when G = 1)."""
+    g = hv // q.shape[2]
+    if g == 1:
+        return q, k
+    return q.repeat_interleave(g, dim=2), k.repeat_interleave(g, dim=2)
+
+
+def heads_first(x):
+    """[B, T, H, ...] -> (B, H, T, ...) as a view (None stays None)."""
+    return None if x is None else x.transpose(1, 2)
+
+
+def state_count(q, cu_seqlens) -> int:
+    """N, the leading dim of the states: the batch, or the number of packed sequences."""
+    return q.shape[0] if cu_seqlens is None else int(cu_seqlens.numel()) - 1
+
+
+def state_in(name: str, state, q, n: int, hv: int, k_dim: int, v_dim: int, v_first: bool = False):
+    """A recurrent state [N, HV, K, V] ([N, HV, V, K] with v_first) as the operator takes it: (N, HV,
+    K, V) in the state dtype (float32; float64 for float64 inputs), a view where the dtype already
+    fits. None stays None."""
+    if state is None:
+        return None
+    if not isinstance(state, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor [N, HV, K, V], got {type(state).__name__}")
+    want = (n, hv, v_dim, k_dim) if v_first else (n, hv, k_dim, v_dim)
+    if tuple(state.shape) != want:
+        form = "[N, HV, V, K] (state_v_first)" if v_first else "[N, HV, K, V]"
+        raise ValueError(f"{name} must have shape {form} = {want} (N: the batch, or the number of sequences "
+                         f"in cu_seqlens), got {tuple(state.shape)}")
+    if not state.is_floating_point():
+        raise TypeError(f"{name} must be a floating tensor, got dtype {state.dtype}")
+    if state.device != q.device:
+        raise ValueError(f"{name} must be on q's device ({q.device}), got {state.device}")
+    state = state.transpose(-1, -2) if v_first else state
+    return state.to(state_dtype(q.dtype))
+
+
+def state_out(state, wanted: bool, v_first: bool = False):
+    """The operator's final state (N, HV, K, V) as FLA returns it: None unless output_final_state,
+    transposed (a view) with state_v_first."""
+    if not wanted:
+        return None
+    return state.transpose(-1, -2) if v_first else state
+
+
+def packed(cu_seqlens) -> dict:
+    """The operators' keyword for packed sequences, only when there are some (linattn.ops.packed)."""
+    return {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}

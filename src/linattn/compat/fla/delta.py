@@ -1,0 +1,203 @@
+"""FLA's delta rule and gated delta rule (`fla.ops.delta_rule`, `fla.ops.gated_delta_rule`) on
+`linattn.delta_rule` / `linattn.delta_rule_step` (design §13).
+
+Per (batch, value head), with n(x) = x / √(‖x‖² + 1e-6) when use_qk_l2norm_in_kernel (else the
+identity), q̂_t = scale · n(q_t) (scale default K^−1/2, applied after the norm), k̂_t = n(k_t) and
+α_t = e^{g_t} (1 for the plain delta rule):
+
+    S_t = α_t (I − β_t k̂_t k̂_tᵀ) S_{t−1} + β_t k̂_t v_tᵀ        o_t = S_tᵀ q̂_t
+
+q, k: [B, T, H, K]; v: [B, T, HV, V]; beta, g: [B, T, HV] (HV a multiple of H: q/k head h serves
+value heads h·G … h·G+G−1) -> o [B, T, HV, V]; states S [N, HV, K, V] ([N, HV, V, K] with
+state_v_first). use_gate_in_kernel: g is the raw gate input and the log-decay is
+g ← −exp(A_log) · softplus(g + dt_bias) (A_log, dt_bias [HV]; Gated DeltaNet / Mamba2's
+discretisation, computed here in float32 or wider); use_beta_sigmoid_in_kernel: β ← sigmoid(β).
+linattn needs β in (0, 1], so allow_neg_eigval (β ∈ (0, 2)) is refused.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ...ops import delta_rule, delta_rule_step
+from ._edge import (
+    check_head_vector,
+    check_per_head,
+    check_qkv,
+    expand_heads,
+    hands_over,
+    heads_first,
+    packed,
+    refuse,
+    resolve_scale,
+    state_count,
+    state_in,
+    state_out,
+    take_kwargs,
+)
+
+
+@hands_over("fla.ops.delta_rule", "chunk_delta_rule")
+def chunk_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    cu_seqlens: torch.LongTensor | None = None,
+    cu_seqlens_cpu: torch.LongTensor | None = None,
+    **kwargs,
+):
+    """DeltaNet over whole sequences (module docstring; α = 1). kwargs: chunk_size. Unlike FLA's
+    kernel, float32 inputs are accepted. Returns (o, final state or None)."""
+    extra = take_kwargs("chunk_delta_rule", kwargs, ("chunk_size",))
+    return run_delta(q, k, v, beta, None, scale=scale, initial_state=initial_state,
+                     output_final_state=output_final_state, l2norm=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens,
+                     **extra)
+
+
+@hands_over("fla.ops.delta_rule", "fused_recurrent_delta_rule")
+def fused_recurrent_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    beta: torch.Tensor | None = None,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    cu_seqlens: torch.LongTensor | None = None,
+):
+    """The recurrent form of chunk_delta_rule (beta None: β = 1). T = 1 without cu_seqlens is one
+    decoding step (`linattn.delta_rule_step`)."""
+    return run_delta(q, k, v, beta, None, scale=scale, initial_state=initial_state,
+                     output_final_state=output_final_state, l2norm=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens,
+                     step=True)
+
+
+@hands_over("fla.ops.gated_delta_rule", "chunk_gated_delta_rule")
+def chunk_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
+    state_v_first: bool = False,
+    cu_seqlens: torch.LongTensor | None = None,
+    cu_seqlens_cpu: torch.LongTensor | None = None,
+    chunk_indices: torch.LongTensor | None = None,
+    cp_context=None,
+    **kwargs,
+):
+    """Gated DeltaNet over whole sequences (module docstring). kwargs: use_gate_in_kernel, A_log,
+    dt_bias (FLA passes them as keywords here) and chunk_size. chunk_indices and cp_context (FLA's
+    context parallelism) and allow_neg_eigval are refused. Returns (o, final state or None)."""
+    refuse("chunk_gated_delta_rule", allow_neg_eigval=allow_neg_eigval, chunk_indices=chunk_indices,
+           cp_context=cp_context)
+    extra = take_kwargs("chunk_gated_delta_rule", kwargs, ("use_gate_in_kernel", "A_log", "dt_bias", "chunk_size"))
+    g = _gate(g, q, v, extra.pop("use_gate_in_kernel", False), extra.pop("A_log", None), extra.pop("dt_bias", None))
+    if g is None:
+        raise TypeError("chunk_gated_delta_rule needs g, the log-decays [B, T, HV] (chunk_delta_rule takes none)")
+    beta = beta.sigmoid() if use_beta_sigmoid_in_kernel and isinstance(beta, torch.Tensor) else beta
+    return run_delta(q, k, v, beta, g, scale=scale, initial_state=initial_state,
+                     output_final_state=output_final_state, l2norm=use_qk_l2norm_in_kernel,
+                     state_v_first=state_v_first, cu_seqlens=cu_seqlens, **extra)
+
+
+@hands_over("fla.ops.gated_delta_rule", "fused_recurrent_gated_delta_rule")
+def fused_recurrent_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor | None = None,
+    gk: torch.Tensor | None = None,
+    gv: torch.Tensor | None = None,
+    beta: torch.Tensor | None = None,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    use_gate_in_kernel: bool = False,
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
+    state_v_first: bool = False,
+    cu_seqlens: torch.LongTensor | None = None,
+    **kwargs,
+):
+    """The recurrent form of chunk_gated_delta_rule (g None: no decay; beta None: β = 1). T = 1
+    without cu_seqlens is one decoding step (`linattn.delta_rule_step`, one fused operator on the
+    CPU when no gradient is wanted). The per-channel gates gk, gv (KDA-style) and allow_neg_eigval
+    are refused."""
+    refuse("fused_recurrent_gated_delta_rule", gk=gk, gv=gv, allow_neg_eigval=allow_neg_eigval)
+    take_kwargs("fused_recurrent_gated_delta_rule", kwargs, ())
+    g = _gate(g, q, v, use_gate_in_kernel, A_log, dt_bias)
+    beta = beta.sigmoid() if use_beta_sigmoid_in_kernel and isinstance(beta, torch.Tensor) else beta
+    return run_delta(q, k, v, beta, g, scale=scale, initial_state=initial_state,
+                     output_final_state=output_final_state, l2norm=use_qk_l2norm_in_kernel,
+                     state_v_first=state_v_first, cu_seqlens=cu_seqlens, step=True)
+
+
+def gdn_gate(g: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The log-decay of Gated DeltaNet from its raw input: −exp(A_log) · softplus(g + dt_bias),
+    g [..., HV], A_log and dt_bias [HV], in float32 (float64 for float64 inputs)."""
+    dt = torch.promote_types(g.dtype, torch.float32)
+    x = g.to(dt) if dt_bias is None else g.to(dt) + dt_bias.to(dt)
+    return -A_log.to(dt).exp() * F.softplus(x)
+
+
+def _gate(g, q, v, use_gate_in_kernel, A_log, dt_bias):
+    """g as the operator takes it: FLA's log-decay, or gdn_gate of the raw input with
+    use_gate_in_kernel (A_log required); A_log and dt_bias mean nothing without it, as in FLA."""
+    if not isinstance(use_gate_in_kernel, bool):
+        raise TypeError(f"use_gate_in_kernel must be a bool, got {type(use_gate_in_kernel).__name__}")
+    if not use_gate_in_kernel or g is None:
+        if use_gate_in_kernel:
+            raise ValueError("use_gate_in_kernel=True needs g, the raw gate input [B, T, HV]")
+        return g
+    if A_log is None:
+        raise ValueError("use_gate_in_kernel=True needs A_log [HV]")
+    hv = v.shape[2] if isinstance(v, torch.Tensor) and v.dim() == 4 else None
+    if hv is not None and isinstance(q, torch.Tensor):
+        check_head_vector("A_log", A_log, q, hv)
+        if dt_bias is not None:
+            check_head_vector("dt_bias", dt_bias, q, hv)
+        check_per_head("g", g, q, hv)
+    return gdn_gate(g, A_log, dt_bias)
+
+
+def run_delta(q, k, v, beta, g, *, scale, initial_state, output_final_state: bool, l2norm: bool,
+              cu_seqlens, state_v_first: bool = False, step: bool = False, chunk_size: int = 64):
+    """Every delta-rule name on linattn's operators: checks in FLA's layout, GVA, β = 1 when None,
+    states in and out."""
+    _, hv = check_qkv(q, k, v)
+    for name, flag in (("use_qk_l2norm_in_kernel", l2norm), ("state_v_first", state_v_first)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
+    b, t, _, kd = q.shape
+    if beta is None:
+        beta = q.new_ones(b, t, hv)
+    check_per_head("beta", beta, q, hv)
+    if g is not None:
+        check_per_head("g", g, q, hv)
+    S0 = state_in("initial_state", initial_state, q, state_count(q, cu_seqlens), hv, kd, v.shape[-1], state_v_first)
+    q, k = expand_heads(q, k, hv)
+    scale = resolve_scale(scale, k)
+    args = (heads_first(q), heads_first(k), heads_first(v), heads_first(beta))
+    if step and t == 1 and cu_seqlens is None:
+        o, S = delta_rule_step(S0, *args, g=heads_first(g), scale=scale, qk_l2norm=l2norm)
+    else:
+        o, S = delta_rule(*args, g=heads_first(g), scale=scale, qk_l2norm=l2norm, initial_state=S0, return_state=True,
+                          chunk_size=chunk_size, **packed(cu_seqlens))
+    return heads_first(o), state_out(S, output_final_state, state_v_first)
