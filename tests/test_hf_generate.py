@@ -6,15 +6,15 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import linattn.hf as H  # noqa: E402
-from linattn.models import ATTENTION_KINDS, LinearTransformerLM, ModelConfig  # noqa: E402
+from linattn.models import KINDS, LinearTransformerLM, ModelConfig  # noqa: E402
 
-KINDS = {kind: dict(attention=[kind]) for kind in ATTENTION_KINDS}
-KINDS["hybrid"] = dict(attention="gated_deltanet,softmax", n_layers=2)
-KINDS["conv_mixer"] = dict(attention="gla,softmax", block="conv_mixer", n_layers=2)
+CASES = {kind: dict(attention=[kind]) for kind in KINDS}  # every kind of the kinds table
+CASES["hybrid"] = dict(attention="gated_deltanet,softmax", n_layers=2)
+CASES["conv_mixer"] = dict(attention="gla,softmax", block="conv_mixer", n_layers=2)
 
 
 def model(name: str, **over) -> tuple[LinearTransformerLM, H.LinattnForCausalLM]:
-    kw = {**dict(vocab_size=64, d_model=16, n_layers=1, n_heads=2, seed=5, chunk_size=4), **KINDS[name]}
+    kw = {**dict(vocab_size=64, d_model=16, n_layers=1, n_heads=2, seed=5, chunk_size=4), **CASES[name]}
     kw.update(over)
     lm = LinearTransformerLM(ModelConfig(**kw)).eval()
     return lm, H.LinattnForCausalLM.from_linattn(lm)
@@ -25,7 +25,7 @@ def prompt(n=7, seed=0, vocab=64):
 
 
 @pytest.mark.parametrize("fused", [None, False])
-@pytest.mark.parametrize("name", sorted(KINDS))
+@pytest.mark.parametrize("name", sorted(CASES))
 def test_greedy_equals_linattn_generate(name, fused):
     lm, hf = model(name)
     hf.fused_decoding = fused

@@ -8,10 +8,10 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import linattn.hf as H  # noqa: E402
-from linattn.models import ATTENTION_KINDS, LinearTransformerLM, ModelConfig  # noqa: E402
+from linattn.models import KINDS, LinearTransformerLM, ModelConfig  # noqa: E402
 
 #: one tiny config per attention kind, plus a hybrid, a conv_mixer model, learned positions, untied head
-CASES = {kind: dict(attention=[kind]) for kind in ATTENTION_KINDS}
+CASES = {kind: dict(attention=[kind]) for kind in KINDS}  # every kind of the kinds table
 CASES.update({
     "hybrid": dict(attention="gated_deltanet,softmax", n_layers=2),
     "conv_mixer": dict(attention="linear,softmax", block="conv_mixer", n_layers=2),

@@ -6,7 +6,10 @@ Importing this package registers model_type "linattn" with transformers' Auto cl
     hf = linattn.hf.LinattnForCausalLM.from_linattn(lm)  # a LinearTransformerLM as a transformers model
     hf.save_pretrained(d); AutoModelForCausalLM.from_pretrained(d)  # no remote code needed
 
-and ships the byte-level tokenizer of `linattn train`'s byte LM (ByteTokenizer).
+and ships the byte-level tokenizer of `linattn train`'s byte LM (ByteTokenizer). The other
+direction, transformers' Qwen3.5 / Qwen3-Next / OLMo-Hybrid / Kimi Linear on linattn's kernels:
+
+    patch = linattn.hf.use_linattn_kernels()   # ... patch.undo() (linattn.hf.kernels)
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from .cache import LinattnCache
 from .config import LinattnConfig
+from .kernels import KernelPatch, undo_linattn_kernels, use_linattn_kernels
 from .modeling import LinattnForCausalLM, LinattnPreTrainedModel
 from .tokenizer import ByteTokenizer
 
@@ -27,4 +31,13 @@ def _register() -> None:
 
 _register()
 
-__all__ = ["ByteTokenizer", "LinattnCache", "LinattnConfig", "LinattnForCausalLM", "LinattnPreTrainedModel"]
+__all__ = [
+    "ByteTokenizer",
+    "KernelPatch",
+    "LinattnCache",
+    "LinattnConfig",
+    "LinattnForCausalLM",
+    "LinattnPreTrainedModel",
+    "undo_linattn_kernels",
+    "use_linattn_kernels",
+]

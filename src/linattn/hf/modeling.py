@@ -28,7 +28,7 @@ import torch
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from ..decoding import FusedDecoder, fused_decoding_obstacle
+from ..models.decoding import FusedDecoder, fused_decoding_obstacle
 from ..models import LinearTransformerLM, ModelConfig
 from .cache import LinattnCache
 from .config import LinattnConfig

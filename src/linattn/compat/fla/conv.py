@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ...convolution import depthwise_causal
+from ...nn.convolution import depthwise_causal
 from ._edge import hands_over, refuse
 
 ACTIVATIONS = (None, "silu", "swish")
