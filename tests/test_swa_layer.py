@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from linattn import models
-from linattn.layers import SoftmaxAttention
+from linattn.nn.attention import SoftmaxAttention
 from linattn.nn.lolcats import LoLCATsAttention, LoLCATsCache
 from linattn.nn.swa import SlidingWindowAttention, SlidingWindowCache
 

@@ -1,0 +1,283 @@
+"""transformers' linear-attention models on linattn's kernels: use_linattn_kernels() / undo.
+
+transformers runs the Gated DeltaNet layers of Qwen3.5, Qwen3-Next and OLMo-Hybrid and the KDA
+layers of Kimi Linear through module-level functions of each modeling file — the chunked and the
+recurrent rule, Dao's `causal_conv1d_fn` / `causal_conv1d_update` for the short convolution — that
+fall back to plain torch (or, where the `fla` package imports, to FLA's Triton kernels, which need a
+GPU). `use_linattn_kernels()` rebinds those module globals to linattn.compat.fla (FLA's API on
+linattn's CPU operators, design §17), so the layers' own code runs unchanged on linattn:
+
+    import linattn.hf
+    patch = linattn.hf.use_linattn_kernels()      # every listed model type that transformers has
+    model(input_ids)                             # prefill, decoding steps, training, packed rows
+    patch.undo()                                 # (or `with linattn.hf.use_linattn_kernels(): ...`)
+
+What the adapters add to a plain rebinding (the same things transformers' hub wrapper does for a
+package implementation, plus packing):
+- keyword arguments the compat function does not name are dropped (the layers pass their whole
+  **kwargs: use_cache, the flash-attention keys, …), as transformers' wrapper does;
+- packed rows: `cu_seq_lens_q` (transformers' name, from DataCollatorWithFlattening with
+  return_flash_attn_kwargs) becomes `cu_seqlens` for the rule, and the short convolution runs
+  each packed sequence by itself (zeros before its first token, design §16);
+- padding-free rows described only by `position_ids` restarting at 0 (batch 1): the decoder
+  layers derive `cu_seq_lens_q` from them, so the linear layers keep documents apart as the
+  softmax layers (transformers' block-diagonal mask) do.
+
+Numbers do not change beyond fp32 rounding: tests/test_hf_kernels.py compares logits, greedy
+tokens and gradients with transformers' torch fallbacks on tiny random configs.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+import warnings
+
+import torch
+
+#: model type -> transformers module, and {module global: linattn.compat.fla function}
+_GDN = {
+    "torch_chunk_gated_delta_rule": "chunk_gated_delta_rule",
+    "torch_recurrent_gated_delta_rule": "fused_recurrent_gated_delta_rule",
+    "causal_conv1d_fn": "causal_conv1d_fn",
+    "causal_conv1d_update": "causal_conv1d_update",
+}
+_KDA = {
+    "chunk_kimi_delta_attention": "chunk_kda",
+    "recurrent_kimi_delta_attention": "fused_recurrent_kda",
+    "causal_conv1d_fn": "causal_conv1d_fn",
+    "causal_conv1d_update": "causal_conv1d_update",
+}
+MODEL_TYPES = {
+    "qwen3_5": ("transformers.models.qwen3_5.modeling_qwen3_5", _GDN),
+    "qwen3_next": ("transformers.models.qwen3_next.modeling_qwen3_next", _GDN),
+    "olmo_hybrid": ("transformers.models.olmo_hybrid.modeling_olmo_hybrid", _GDN),
+    "kimi_linear": ("transformers.models.kimi_linear.modeling_kimi_linear", _KDA),
+}
+
+
+def _compat(name: str):
+    """linattn.compat.fla's function `name` (None where that package lacks it, e.g. KDA)."""
+    fla = importlib.import_module("linattn.compat.fla")
+    return getattr(fla, name, None)
+
+
+def _named_params(fn) -> frozenset:
+    return frozenset(p.name for p in inspect.signature(fn).parameters.values()
+                     if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL))
+
+
+def _packing(kwargs: dict) -> torch.Tensor | None:
+    """cu_seqlens (long) from transformers' cu_seq_lens_q or an explicit cu_seqlens, popped."""
+    cu = kwargs.pop("cu_seqlens", None)
+    alt = kwargs.pop("cu_seq_lens_q", None)
+    cu = alt if cu is None else cu
+    return None if cu is None else cu.long()
+
+
+def _beyond_one(beta) -> bool:
+    return isinstance(beta, torch.Tensor) and beta.numel() > 0 and bool(beta.detach().max() > 1)
+
+
+def _rule_adapter(fn, original):
+    """The chunked / recurrent rule: unknown keywords dropped, cu_seq_lens_q → cu_seqlens. β > 1
+    (OLMo-Hybrid's allow_neg_eigval doubles β into (0, 2)) is outside linattn's delta rule, which
+    takes β ∈ (0, 1]: such a call runs `original`, transformers' own function, with a warning."""
+    names = _named_params(fn)
+
+    @functools.wraps(fn)
+    def rule(*args, **kwargs):
+        beta = kwargs.get("beta", args[4] if len(args) > 4 else None)
+        if _beyond_one(beta):
+            warnings.warn("linattn kernels: beta > 1 (negative eigenvalues, e.g. OLMo-Hybrid's linear_allow_neg_eigval) "
+                          "is outside linattn's delta rule (beta in (0, 1]); this layer runs transformers' own function",
+                          RuntimeWarning, stacklevel=2)
+            if kwargs.get("cu_seqlens") is not None or kwargs.get("cu_seq_lens_q") is not None:
+                raise ValueError("beta > 1 with packed sequences (cu_seqlens): neither linattn's delta rule nor "
+                                 "transformers' torch function takes them")
+            # on the CPU, transformers' torch function (its wrapper may point at FLA's Triton kernel)
+            cpu = isinstance(beta, torch.Tensor) and beta.device.type == "cpu"
+            return (getattr(original, "__wrapped__", original) if cpu else original)(*args, **kwargs)
+        cu = _packing(kwargs)
+        kwargs = {k: v for k, v in kwargs.items() if k in names}
+        if cu is not None:
+            kwargs["cu_seqlens"] = cu
+        return fn(*args, **kwargs)
+
+    rule.linattn_kernel = fn
+    return rule
+
+
+def _conv_adapter(fn):
+    """causal_conv1d_fn(x (B, C, L), weight, bias, activation, …): unknown keywords dropped; with
+    cu_seqlens (batch 1) each packed sequence is convolved by itself."""
+    names = _named_params(fn)
+
+    @functools.wraps(fn)
+    def conv(x, *args, **kwargs):
+        cu = _packing(kwargs)
+        kwargs = {k: v for k, v in kwargs.items() if k in names}
+        if cu is None:
+            return fn(x, *args, **kwargs)
+        if x.shape[0] != 1 or int(cu[-1]) != x.shape[-1]:
+            raise ValueError(f"cu_seqlens: packed rows are batch 1 with cu_seqlens[-1] = L = {x.shape[-1]}, got "
+                             f"x of shape {tuple(x.shape)} and cu_seqlens[-1] = {int(cu[-1])}")
+        bounds = cu.tolist()
+        parts = [fn(x[..., a:b], *args, **kwargs) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+        return torch.cat(parts, -1)
+
+    conv.linattn_kernel = fn
+    return conv
+
+
+def _update_adapter(fn):
+    names = _named_params(fn)
+
+    @functools.wraps(fn)
+    def update(*args, **kwargs):
+        return fn(*args, **{k: v for k, v in kwargs.items() if k in names})
+
+    update.linattn_kernel = fn
+    return update
+
+
+_ADAPTERS = {"causal_conv1d_fn": _conv_adapter, "causal_conv1d_update": _update_adapter}
+
+
+def cu_seqlens_from_position_ids(position_ids: torch.Tensor) -> torch.Tensor | None:
+    """cu_seqlens [N+1] of the documents of one packed row (position_ids (1, T) restarting at 0 at
+    each document), or None when the row holds one sequence (or the batch has more rows)."""
+    if not isinstance(position_ids, torch.Tensor) or position_ids.dim() != 2 or position_ids.shape[0] != 1:
+        return None
+    p = position_ids[0]
+    if p.numel() < 2:
+        return None
+    starts = torch.nonzero(p[1:] != p[:-1] + 1).flatten() + 1
+    if starts.numel() == 0:
+        return None
+    t = p.numel()
+    return torch.cat([starts.new_zeros(1), starts, starts.new_full((1,), t)]).long()
+
+
+def _layer_forward_adapter(forward):
+    """A decoder layer's forward that adds cu_seq_lens_q derived from restarting position_ids."""
+
+    @functools.wraps(forward)
+    def layer_forward(self, *args, **kwargs):
+        if kwargs.get("cu_seq_lens_q") is None and kwargs.get("position_ids") is not None:
+            cu = cu_seqlens_from_position_ids(kwargs["position_ids"])
+            if cu is not None:
+                kwargs["cu_seq_lens_q"] = cu
+        return forward(self, *args, **kwargs)
+
+    layer_forward.linattn_kernel = forward
+    return layer_forward
+
+
+#: (id(owner), name) -> [owner, name, original, number of active patches holding it]
+_BOUND: dict[tuple[int, str], list] = {}
+
+
+class KernelPatch:
+    """What use_linattn_kernels changed: `patched` {model type: [names]}, `missing` {model type:
+    why not}; undo() releases them (idempotent): a name gets its original back once no active
+    patch holds it, whatever the order patches are undone in. A context manager."""
+
+    def __init__(self):
+        self._keys: list[tuple[int, str]] = []
+        self.patched: dict[str, list[str]] = {}
+        self.missing: dict[str, str] = {}
+
+    def _set(self, owner, name: str, value) -> None:
+        key = (id(owner), name)
+        entry = _BOUND.get(key)
+        if entry is None:
+            original = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
+            entry = _BOUND[key] = [owner, name, original, 0]
+            setattr(owner, name, value)
+        entry[3] += 1
+        self._keys.append(key)
+
+    def undo(self) -> None:
+        while self._keys:
+            key = self._keys.pop()
+            entry = _BOUND[key]
+            entry[3] -= 1
+            if entry[3] == 0:
+                owner, name, original, _ = _BOUND.pop(key)
+                setattr(owner, name, original)
+        _ACTIVE.discard(self)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.undo()
+        return False
+
+    def __repr__(self) -> str:
+        return f"KernelPatch(patched={sorted(self.patched)}, missing={self.missing})"
+
+
+_ACTIVE: set = set()
+
+
+def _patch_module(patch: KernelPatch, model_type: str, module, names: dict) -> None:
+    done = []
+    for glob, compat_name in names.items():
+        fn = _compat(compat_name)
+        if fn is None:
+            patch.missing[model_type] = f"linattn.compat.fla has no {compat_name}"
+            continue
+        if not hasattr(module, glob):
+            patch.missing[model_type] = f"{module.__name__} has no {glob}"
+            continue
+        adapter = _ADAPTERS.get(compat_name)
+        patch._set(module, glob, adapter(fn) if adapter else _rule_adapter(fn, getattr(module, glob)))
+        done.append(glob)
+    for cls in vars(module).values():
+        if isinstance(cls, type) and cls.__module__ == module.__name__ and cls.__name__.endswith("DecoderLayer") \
+                and "forward" in cls.__dict__:
+            patch._set(cls, "forward", _layer_forward_adapter(cls.__dict__["forward"]))
+            done.append(f"{cls.__name__}.forward")
+    if done:
+        patch.patched[model_type] = done
+
+
+def use_linattn_kernels(model_types=None) -> KernelPatch:
+    """Rebinds the gated-delta-rule / KDA and short-convolution functions of transformers'
+    modeling files to linattn.compat.fla (module docstring). model_types: names from
+    MODEL_TYPES (None: all). A model type that the installed transformers lacks is skipped and
+    listed in the returned patch's `missing`, as is one whose kernels linattn.compat.fla lacks (the
+    functions that exist are patched). Returns a KernelPatch; undo() (or leaving its `with` block)
+    restores the original functions. Models already built pick the change up at their next call
+    (the layers look the functions up at call time)."""
+    if model_types is None:
+        model_types = list(MODEL_TYPES)
+    elif isinstance(model_types, str):
+        model_types = [model_types]
+    unknown = [m for m in model_types if m not in MODEL_TYPES]
+    if unknown:
+        raise ValueError(f"model_types: unknown {unknown}; known {sorted(MODEL_TYPES)}")
+    patch = KernelPatch()
+    for model_type in model_types:
+        path, names = MODEL_TYPES[model_type]
+        try:
+            module = importlib.import_module(path)
+        except ImportError as exc:
+            patch.missing[model_type] = f"transformers has no {path} ({exc.__class__.__name__})"
+            continue
+        _patch_module(patch, model_type, module, names)
+    _ACTIVE.add(patch)
+    return patch
+
+
+def undo_linattn_kernels() -> None:
+    """Undoes every patch that use_linattn_kernels made and that is still active."""
+    for patch in sorted(_ACTIVE, key=id, reverse=True):
+        patch.undo()
+
+
+__all__ = ["KernelPatch", "MODEL_TYPES", "cu_seqlens_from_position_ids", "undo_linattn_kernels",
+           "use_linattn_kernels"]

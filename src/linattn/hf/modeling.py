@@ -1,0 +1,253 @@
+"""LinattnForCausalLM: a linattn LinearTransformerLM as a transformers causal LM (model_type "linattn").
+
+    hf = LinattnForCausalLM.from_linattn(lm)           # wraps lm itself (no copy): same parameters
+    lm = hf.to_linattn()                               # the LinearTransformerLM inside
+    hf.save_pretrained(d); AutoModelForCausalLM.from_pretrained(d)   # config.json + model.safetensors
+
+The wrapper holds the LinearTransformerLM as its submodule `model`, so its parameters are
+linattn's own under the prefix "model." (model.tok_emb.weight, model.blocks.0.attn.qkv.weight, …)
+and the logits are LinearTransformerLM's, bit for bit. forward(input_ids (B, N), attention_mask
+(B, N) or (B, past + N), cache, labels, logits_to_keep) follows transformers' causal-LM
+convention: labels are shifted inside (transformers' ForCausalLMLoss, −100 ignored), the cache is a
+LinattnCache holding linattn's per-layer caches, and a left-padded batch is described by its
+attention_mask (pads drop out of every numerator, denominator and KV cache, and positions count
+from each row's first real token, as in linattn.models.generation).
+
+Decoding steps of one real token per row, without gradients and in eval mode, run through
+linattn's fused CPU step (linattn.models.decoding.FusedDecoder) where the model allows it and the rows
+have not been reordered since the last step (beam search reorders them at every step and so takes
+the eager step); `fused_decoding = False` on the model forces the eager step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import torch
+from transformers import GenerationMixin, PreTrainedModel
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from ..models.decoding import FusedDecoder, fused_decoding_obstacle
+from ..models import LinearTransformerLM, ModelConfig
+from .cache import LinattnCache
+from .config import LinattnConfig
+
+
+class LinattnPreTrainedModel(PreTrainedModel):
+    """Base class: LinattnConfig, no transformers re-initialization (linattn initializes its own
+    modules, seeded by ModelConfig.seed; checkpoints hold every tensor)."""
+
+    config_class = LinattnConfig
+    base_model_prefix = "model"
+    main_input_name = "input_ids"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["Block", "ConvMixerBlock"]
+    _is_stateful = True
+
+    def _init_weights(self, module):
+        pass
+
+
+class LinattnForCausalLM(LinattnPreTrainedModel, GenerationMixin):
+    """A LinearTransformerLM inside transformers (see the module docstring).
+
+    config: a LinattnConfig. model: an existing LinearTransformerLM to wrap (its config must equal
+    config.model_config); None builds a new one from the config.
+    """
+
+    _tied_weights_keys = {"model.lm_head.weight": "model.tok_emb.weight"}
+
+    def __init__(self, config: LinattnConfig, model: LinearTransformerLM | None = None):
+        if not isinstance(config, LinattnConfig):
+            raise TypeError(f"config must be a LinattnConfig, got {type(config).__name__}")
+        super().__init__(config)
+        # transformers' from_pretrained builds models under torch.device("meta"); linattn's config
+        # checks and constructor compute values (seeded random features), so they run on the CPU
+        meta = torch.empty(0).device.type == "meta"
+        with torch.device("cpu") if meta else contextlib.nullcontext():
+            mc = config.model_config
+            if model is None:
+                model = LinearTransformerLM(mc)
+        if not isinstance(model, LinearTransformerLM):
+            raise TypeError(f"model must be a linattn LinearTransformerLM, got {type(model).__name__}")
+        elif model.config != mc:
+            raise ValueError(f"model: its config differs from config.model_config in {sorted(model.config.diff(mc))}")
+        self.model = model
+        #: None: fused decoding steps where the model allows them; False: always the eager step
+        self.fused_decoding: bool | None = None
+        self.post_init()
+
+    # ---- conversion
+    @classmethod
+    def from_linattn(cls, model: LinearTransformerLM, *, copy_model: bool = False, **config_kwargs):
+        """A LinattnForCausalLM around `model` (the same module, sharing its parameters; a deep copy
+        with copy_model=True). config_kwargs: further LinattnConfig arguments (pad_token_id, …)."""
+        if not isinstance(model, LinearTransformerLM):
+            raise TypeError(f"model must be a linattn LinearTransformerLM, got {type(model).__name__}")
+        if copy_model:
+            model = copy.deepcopy(model)
+        dtype = next(model.parameters()).dtype
+        config = LinattnConfig(linattn=model.config, dtype=dtype, **config_kwargs)
+        hf = cls(config, model=model)
+        hf.train(model.training)
+        return hf
+
+    def to_linattn(self, *, copy_model: bool = False) -> LinearTransformerLM:
+        """The LinearTransformerLM inside (the same module; a deep copy with copy_model=True)."""
+        return copy.deepcopy(self.model) if copy_model else self.model
+
+    @property
+    def model_config(self) -> ModelConfig:
+        return self.model.config
+
+    def get_input_embeddings(self):
+        return self.model.tok_emb
+
+    def set_input_embeddings(self, value):
+        self.model.tok_emb = value
+
+    def get_output_embeddings(self):
+        return self.model.lm_head
+
+    def set_output_embeddings(self, value):
+        self.model.lm_head = value
+
+    def new_cache(self) -> LinattnCache:
+        """An empty LinattnCache for this model."""
+        return LinattnCache(self.model.new_cache(), self.config.layer_types)
+
+    # ---- activation checkpointing (transformers' names)
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None):
+        self.model.set_activation_checkpointing(True)
+
+    def gradient_checkpointing_disable(self):
+        self.model.set_activation_checkpointing(False)
+
+    @property
+    def is_gradient_checkpointing(self) -> bool:
+        return self.model.activation_checkpointing
+
+    @classmethod
+    def _supports_default_dynamic_cache(cls) -> bool:
+        return False  # forward makes its own LinattnCache
+
+    # ---- forward
+    def forward(self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
+                cache: LinattnCache | None = None, inputs_embeds: torch.Tensor | None = None,
+                labels: torch.LongTensor | None = None, use_cache: bool | None = None,
+                logits_to_keep: int | torch.Tensor = 0, output_hidden_states: bool | None = None,
+                output_attentions: bool | None = None, return_dict: bool | None = None, **kwargs):
+        """input_ids (B, N) -> CausalLMOutputWithPast(loss, logits (B, N or kept, V), cache).
+
+        attention_mask: (B, N), or (B, past + N) with a cache (its last N columns describe the new
+        tokens), 1 = real token; left padding only. logits_to_keep: 0 = every position, k > 0 the
+        last k, or a 1-D tensor of positions. position_ids (in kwargs) are taken without a cache
+        (linattn's positions, e.g. for a shard); with a cache the positions are counted by it, from
+        each row's first real token, as transformers counts them. Packed rows (position_ids that
+        restart inside a row) are refused: LinearTransformerLM does not reset its state there.
+        """
+        if inputs_embeds is not None:
+            raise ValueError("inputs_embeds: LinattnForCausalLM takes input_ids only")
+        if output_attentions or output_hidden_states:
+            raise ValueError("output_attentions / output_hidden_states: not available for linattn models")
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be a (B, N) integer tensor, got {input_ids!r:.80}")
+        position_ids = kwargs.pop("position_ids", None)
+        return_dict = self.config.return_dict if return_dict is None else return_dict
+        use_cache = (self.config.use_cache and not self.training) if use_cache is None else use_cache
+        if cache is not None and not isinstance(cache, LinattnCache):
+            raise TypeError(f"cache must be a LinattnCache (LinattnForCausalLM.new_cache()), got {type(cache).__name__}")
+        if cache is None and use_cache:
+            cache = self.new_cache()
+        mask = _new_token_mask(attention_mask, input_ids)
+        n = input_ids.shape[1]
+        logits = None
+        if cache is not None:
+            if position_ids is not None and mask is None and cache.model_cache.seen is None:
+                _check_contiguous_positions(position_ids, cache.model_cache.length, n)
+            if n == 1 and mask is None and labels is None:
+                logits = self._fused_step(input_ids, cache)
+            if logits is None:
+                cache.drop_decoder()
+                logits, _ = self.model(input_ids, mask, cache.model_cache, last_only=_keep_last(logits_to_keep, labels))
+                cache.steady = True
+        else:
+            positions = None
+            if position_ids is not None:
+                positions = _positions(position_ids, input_ids)
+            logits, _ = self.model(input_ids, mask, positions=positions,
+                                   last_only=_keep_last(logits_to_keep, labels))
+        logits = _slice_logits(logits, logits_to_keep, labels)
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+        if not return_dict:
+            return tuple(v for v in (loss, logits, cache) if v is not None)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, cache=cache)
+
+    def _fused_step(self, input_ids: torch.Tensor, cache: LinattnCache) -> torch.Tensor | None:
+        """Logits (B, 1, V) of one step through FusedDecoder, or None where the eager step runs."""
+        if self.fused_decoding is False or torch.is_grad_enabled() or self.model.training:
+            return None
+        if cache.decoder is None or cache.fused_left == 0:
+            if not cache.steady or cache.model_cache.length == 0 or fused_decoding_obstacle(self.model) is not None:
+                return None
+            reserve = max(64, cache.model_cache.length)
+            cache.decoder, cache.fused_left = FusedDecoder(self.model, cache.model_cache, reserve=reserve), reserve
+        logits = cache.decoder.step(input_ids[:, 0]).clone()
+        cache.fused_left -= 1
+        return logits[:, None]
+
+
+def _new_token_mask(attention_mask, input_ids) -> torch.Tensor | None:
+    """The bool key-padding mask (B, N) of the new tokens (None: all real)."""
+    if attention_mask is None:
+        return None
+    b, n = input_ids.shape
+    if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2 or attention_mask.shape[0] != b \
+            or attention_mask.shape[1] < n:
+        got = tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else type(attention_mask).__name__
+        raise ValueError(f"attention_mask must be a 2-D (B={b}, ≥ N={n}) tensor of 0/1, got {got}")
+    mask = attention_mask[:, -n:].bool()
+    return None if bool(mask.all()) else mask
+
+
+def _keep_last(logits_to_keep, labels) -> bool:
+    return labels is None and isinstance(logits_to_keep, int) and logits_to_keep == 1
+
+
+def _slice_logits(logits: torch.Tensor, logits_to_keep, labels) -> torch.Tensor:
+    if labels is not None or (isinstance(logits_to_keep, int) and logits_to_keep in (0, 1)):
+        return logits
+    if isinstance(logits_to_keep, int):
+        if logits_to_keep < 0:
+            raise ValueError(f"logits_to_keep must be ≥ 0, got {logits_to_keep}")
+        return logits[:, -logits_to_keep:]
+    if not isinstance(logits_to_keep, torch.Tensor) or logits_to_keep.dim() != 1:
+        raise ValueError(f"logits_to_keep must be an int or a 1-D tensor of positions, got {logits_to_keep!r:.80}")
+    return logits[:, logits_to_keep.to(logits.device)]
+
+
+def _positions(position_ids: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    """transformers' position_ids (B, N) or (1, N) as linattn's positions; packed rows refused."""
+    b, n = input_ids.shape
+    if not isinstance(position_ids, torch.Tensor) or position_ids.dim() != 2 or position_ids.shape[1] != n \
+            or position_ids.shape[0] not in (1, b):
+        got = tuple(position_ids.shape) if isinstance(position_ids, torch.Tensor) else type(position_ids).__name__
+        raise ValueError(f"position_ids must have shape (B={b}, N={n}) or (1, N), got {got}")
+    if n > 1 and bool((position_ids[:, 1:] < position_ids[:, :-1]).any()):
+        raise ValueError("position_ids restart inside a row (packed sequences): LinearTransformerLM does not reset "
+                         "its recurrent state at a document boundary; pass one document per row")
+    return position_ids[0] if position_ids.shape[0] == 1 else position_ids
+
+
+def _check_contiguous_positions(position_ids, start: int, n: int) -> None:
+    if isinstance(position_ids, torch.Tensor) and position_ids.shape[-1] == n:
+        expect = torch.arange(start, start + n, device=position_ids.device)
+        if not bool((position_ids == expect).all()):
+            raise ValueError(f"position_ids: with a cache the positions are counted by it ({start} … {start + n - 1} "
+                             "here); other positions are not supported")
+
+
+__all__ = ["LinattnForCausalLM", "LinattnPreTrainedModel"]

@@ -1,0 +1,215 @@
+"""linattn.hf.use_linattn_kernels: transformers' Qwen3.5 / Qwen3-Next / OLMo-Hybrid / Kimi Linear on
+linattn.compat.fla, against transformers' own torch fallbacks (tiny random configs, no downloads)."""
+
+import contextlib
+import inspect
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("linattn.compat.fla")
+
+import linattn.hf as H  # noqa: E402
+from linattn.hf import kernels as K  # noqa: E402
+
+VOCAB = 64
+#: linattn's delta rule takes cu_seqlens once the packed-sequences work (design §16) is in
+PACKED = "cu_seqlens" in inspect.signature(__import__("linattn.ops", fromlist=["_"]).delta_rule).parameters
+
+
+def _config(model_type: str, **over):
+    common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
+                  num_key_value_heads=1, layer_types=["linear_attention", "full_attention"], pad_token_id=0,
+                  bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    gdn = dict(linear_conv_kernel_dim=4, linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2,
+               linear_num_value_heads=4)
+    if model_type == "qwen3_5":
+        return transformers.Qwen3_5TextConfig(head_dim=16, **gdn, **common)
+    if model_type == "qwen3_next":
+        return transformers.Qwen3NextConfig(head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                                            shared_expert_intermediate_size=16, **gdn, **common)
+    if model_type == "olmo_hybrid":
+        return transformers.OlmoHybridConfig(linear_allow_neg_eigval=over.get("neg", False), **gdn, **common)
+    if model_type == "kimi_linear":
+        common.update(num_key_value_heads=2)
+        return transformers.KimiLinearConfig(linear_head_dim=8, linear_num_heads=2, linear_conv_kernel_dim=4,
+                                             kv_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=8,
+                                             num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                                             mlp_layer_types=["dense", "dense"], **common)
+    raise AssertionError(model_type)
+
+
+def _has(model_type: str) -> bool:
+    patch = H.use_linattn_kernels(model_type)
+    patch.undo()
+    return model_type in patch.patched and model_type not in patch.missing
+
+
+TYPES = [pytest.param(m, marks=pytest.mark.skipif(not _has(m), reason=f"{m}: not in this transformers or no "
+                                                  "linattn.compat.fla kernel for it")) for m in K.MODEL_TYPES]
+
+
+def build(model_type: str, seed: int = 0):
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(_config(model_type)).float().eval()
+    return model
+
+
+@contextlib.contextmanager
+def fallback(model_type: str):
+    """transformers' own torch functions (the undecorated fallbacks), whatever package it found."""
+    path, names = K.MODEL_TYPES[model_type]
+    module = __import__(path, fromlist=["_"])
+    saved = {n: getattr(module, n) for n in names}
+    try:
+        for n, f in saved.items():
+            setattr(module, n, getattr(f, "__wrapped__", f))
+        yield
+    finally:
+        for n, f in saved.items():
+            setattr(module, n, f)
+
+
+def test_olmo_hybrid_negative_eigenvalues_run_transformers_own_rule():
+    """linear_allow_neg_eigval (β ∈ (0, 2)): linattn's delta rule takes β ∈ (0, 1], so those calls run
+    transformers' function (a RuntimeWarning says so); the numbers stay transformers'."""
+    if not _has("olmo_hybrid"):
+        pytest.skip("olmo_hybrid: not in this transformers")
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(_config("olmo_hybrid", neg=True)).float().eval()
+    x = tokens(2, 11)
+    with torch.no_grad():
+        with fallback("olmo_hybrid"):
+            ref = model(x).logits
+        with H.use_linattn_kernels("olmo_hybrid"), pytest.warns(RuntimeWarning, match="beta > 1"):
+            got = model(x).logits
+    assert torch.allclose(got, ref, atol=2e-5, rtol=1e-4)
+
+
+def tokens(b, n, seed=0):
+    return torch.randint(3, VOCAB, (b, n), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("model_type", TYPES)
+def test_prefill_and_decode_logits_match_the_fallback(model_type):
+    model = build(model_type)
+    x = tokens(2, 19)
+    with torch.no_grad():
+        with fallback(model_type):
+            ref = model(x, use_cache=True)
+            ref_step = model(x[:, :1], cache=ref.cache).logits
+        with H.use_linattn_kernels(model_type):
+            got = model(x, use_cache=True)
+            got_step = model(x[:, :1], cache=got.cache).logits
+    assert torch.allclose(got.logits, ref.logits, atol=2e-5, rtol=1e-4)
+    assert torch.allclose(got_step, ref_step, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("model_type", TYPES)
+def test_greedy_generate_gives_identical_tokens(model_type):
+    model = build(model_type, seed=1)
+    x = tokens(2, 9, seed=1)
+    kw = dict(max_new_tokens=10, do_sample=False, eos_token_id=None)
+    with fallback(model_type):
+        ref = model.generate(x, **kw)
+    with H.use_linattn_kernels(model_type):
+        got = model.generate(x, **kw)
+    assert torch.equal(got, ref)
+
+
+@pytest.mark.parametrize("model_type", TYPES)
+def test_training_step_gives_the_same_gradients(model_type):
+    model = build(model_type, seed=2).train()
+    x = tokens(2, 21, seed=2)
+
+    def grads():
+        model.zero_grad()
+        model(x, labels=x).loss.backward()
+        return {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+
+    with fallback(model_type):
+        ref = grads()
+    with H.use_linattn_kernels(model_type):
+        got = grads()
+    assert ref.keys() == got.keys() and len(ref) > 10
+    for k in ref:
+        scale = float(ref[k].abs().max()) + 1e-12
+        assert torch.allclose(got[k], ref[k], atol=1e-5 * max(scale, 1.0), rtol=1e-3), k
+
+
+@pytest.mark.skipif(not PACKED, reason="linattn's delta_rule has no cu_seqlens yet (packed sequences, design §16)")
+@pytest.mark.parametrize("how", ["position_ids", "cu_seq_lens_q"])
+@pytest.mark.parametrize("model_type", TYPES)
+def test_packed_rows_equal_separate_documents(model_type, how):
+    """Padding-free rows: two documents in one row give each document's logits (and gradients
+    flow); transformers' own torch path refuses cu_seq_lens_q."""
+    model = build(model_type, seed=3)
+    a, b = tokens(1, 7, seed=4), tokens(1, 12, seed=5)
+    row = torch.cat([a, b], 1)
+    pos = torch.cat([torch.arange(7), torch.arange(12)])[None]
+    cu = torch.tensor([0, 7, 19], dtype=torch.int32)
+    extra = dict(position_ids=pos) if how == "position_ids" else dict(position_ids=pos, cu_seq_lens_q=cu,
+                                                                      cu_seq_lens_k=cu, max_length_q=12,
+                                                                      max_length_k=12)
+    with torch.no_grad(), H.use_linattn_kernels(model_type):
+        packed = model(row, use_cache=False, **extra).logits
+        alone = torch.cat([model(a, use_cache=False).logits, model(b, use_cache=False).logits], 1)
+    assert torch.allclose(packed, alone, atol=2e-5, rtol=1e-4)
+    with H.use_linattn_kernels(model_type):
+        model.train()
+        loss = model(row, labels=row, use_cache=False, **extra).loss
+        loss.backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+    if how == "cu_seq_lens_q":
+        with fallback(model_type), pytest.raises(ValueError, match="packed"):
+            model(row, use_cache=False, **extra)
+
+
+def test_cu_seqlens_from_position_ids():
+    assert K.cu_seqlens_from_position_ids(torch.tensor([[0, 1, 2, 0, 1, 0]])).tolist() == [0, 3, 5, 6]
+    assert K.cu_seqlens_from_position_ids(torch.tensor([[4, 5, 6]])) is None  # one sequence, a cache's offset
+    assert K.cu_seqlens_from_position_ids(torch.tensor([[0, 1], [0, 1]])) is None
+
+
+def _originals():
+    """(owner, name, object) of everything use_linattn_kernels may rebind."""
+    out = []
+    for path, names in K.MODEL_TYPES.values():
+        try:
+            module = __import__(path, fromlist=["_"])
+        except ImportError:
+            continue
+        out += [(module, n, getattr(module, n)) for n in names if hasattr(module, n)]
+        out += [(c, "forward", c.__dict__["forward"]) for c in vars(module).values()
+                if isinstance(c, type) and c.__name__.endswith("DecoderLayer") and "forward" in c.__dict__]
+    return out
+
+
+def _restored(originals) -> bool:
+    return all((owner.__dict__[n] if isinstance(owner, type) else getattr(owner, n)) is f for owner, n, f in originals)
+
+
+def test_undo_restores_the_original_functions():
+    import transformers.models.qwen3_5.modeling_qwen3_5 as q
+
+    originals = _originals()
+    patch = H.use_linattn_kernels()
+    assert "qwen3_5" in patch.patched and not _restored(originals)
+    assert q.causal_conv1d_fn.linattn_kernel is __import__("linattn.compat.fla", fromlist=["_"]).causal_conv1d_fn
+    inner = H.use_linattn_kernels("qwen3_5")  # nested patches, undone out of order
+    patch.undo()
+    inner.undo()
+    patch.undo()  # idempotent
+    assert _restored(originals)
+    with H.use_linattn_kernels("qwen3_5"):
+        assert not _restored(originals)
+    assert _restored(originals)
+    H.use_linattn_kernels("qwen3_5")
+    H.undo_linattn_kernels()
+    assert _restored(originals)
+
+
+def test_unknown_model_type_is_refused():
+    with pytest.raises(ValueError, match="model_types"):
+        H.use_linattn_kernels("llama")
