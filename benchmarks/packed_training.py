@@ -1,7 +1,7 @@
 """Packed vs padded byte-LM training throughput (issue 24), side by side in one run.
 
     PYTHONPATH=src .venv/bin/python benchmarks/packed_training.py [--kinds linear,gated_deltanet,softmax]
-        [--seq-len 256 1024] [--batch-size 16] [--rounds 3] [--min-run-time 1.0] [--threads 1]
+        [--seq-len 256 1024] [--batch-size 8] [--rounds 3] [--min-run-time 1.0] [--threads 1] [--cross 0]
 
 One training step (loss, backward, AdamW) of `linattn train`'s default byte model (d_model 128,
 2 layers, 4 heads, RoPE; the attention kind per row) on the standard-library corpus, one file = one
@@ -15,7 +15,8 @@ document, on the same B random windows of T + 1 bytes each way:
   leaky     the windows without cu_seqlens (linattn train before packing: states and predictions
             run across documents), for reference
 
-The packed and leaky rows are the same random windows; the padded rows other ones (documents from
+The packed and leaky rows are the same random windows (with --cross K, the first K of them moved to
+straddle a document start, so that the packed rows hold several documents); the padded rows other ones (documents from
 their start). tokens/s counts real (non-padding) input tokens per second of a step (torch.utils.benchmark,
 median of blocked_autorange); every mode is timed in each of R interleaved rounds and the ratio
 packed / padded is formed within a round (median and range over rounds).
@@ -54,10 +55,14 @@ def _step_fn(model, opt, batch, mask=None, cu=None):
     return step
 
 
-def run(kind: str, seq_len: int, batch_size: int, rounds: int, min_run_time: float, corpus: D.Corpus) -> dict:
+def run(kind: str, seq_len: int, batch_size: int, rounds: int, min_run_time: float, corpus: D.Corpus,
+        cross: int = 0) -> dict:
     starts = P.split_starts(corpus, "train")
     g = torch.Generator().manual_seed(0)
     windows = torch.randint(corpus.train.numel() - seq_len, (batch_size,), generator=g)
+    if cross:  # the first `cross` windows straddle a document start (a third of the row before it)
+        inner = starts[(starts > seq_len) & (starts < corpus.train.numel() - seq_len)]
+        windows[:cross] = inner[torch.randint(inner.numel(), (cross,), generator=g)] - seq_len // 3
     packed = P.pack_windows(corpus.train, windows, seq_len, starts)
     usable = starts[starts < corpus.train.numel() - seq_len]
     doc_rows = usable[torch.randint(usable.numel(), (batch_size,), generator=g)]
@@ -87,10 +92,11 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--kinds", default="linear,gated_deltanet,softmax")
     ap.add_argument("--seq-len", type=int, nargs="+", default=[256, 1024])
-    ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--min-run-time", type=float, default=1.0)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--cross", type=int, default=0, help="windows made to straddle a document start")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     corpus = D.Corpus.load()
@@ -100,7 +106,7 @@ def main(argv=None) -> None:
           f"{'leaky tok/s':>13}{'packed/padded':>22}")
     for kind in args.kinds.split(","):
         for seq_len in args.seq_len:
-            r = run(kind, seq_len, args.batch_size, args.rounds, args.min_run_time, corpus)
+            r = run(kind, seq_len, args.batch_size, args.rounds, args.min_run_time, corpus, args.cross)
             print(f"{r['kind']:<15}{r['T']:>6}{r['B']:>4}{r['docs']:>6}{r['padding']:>8.1%}{r['packed_tok_s']:>14,.0f}"
                   f"{r['padded_tok_s']:>14,.0f}{r['leaky_tok_s']:>13,.0f}"
                   f"{r['ratio']:>9.2f}× ({r['ratio_lo']:.2f}–{r['ratio_hi']:.2f})", flush=True)
