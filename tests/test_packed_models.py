@@ -125,10 +125,22 @@ def _compare_model(model, lengths):
     torch.testing.assert_close(loss, ref.to(loss.dtype), rtol=1e-5, atol=0)
 
 
-@pytest.mark.parametrize("kind", ATTENTION_KINDS)
+#: kinds whose layers refuse packed sequences (with a ValueError naming cu_seqlens)
+UNPACKED = ("lolcats",)
+
+
+@pytest.mark.parametrize("kind", [k for k in ATTENTION_KINDS if k not in UNPACKED])
 def test_model_packed_equals_separate(kind):
     """Every kind, RoPE restarting at each document (the default positions), a short convolution on q, k, v."""
     _compare_model(_lm(attention=[kind], short_conv=3, chunk_size=4), LENGTHS)
+
+
+@pytest.mark.parametrize("kind", UNPACKED)
+def test_a_kind_without_packed_sequences_refuses_them(kind):
+    model = _lm(attention=[kind], chunk_size=4)
+    ids = torch.zeros(1, 6, dtype=torch.long)
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        model(ids, cu_seqlens=torch.tensor([0, 2, 6]))
 
 
 @pytest.mark.parametrize("kind", ["linear", "softmax", "gated_deltanet"])

@@ -99,7 +99,7 @@ class KimiDeltaAttention(_RecurrentAttention):
     def _activate(self, q, k, v):
         return F.silu(q), F.silu(k), F.silu(v)
 
-    def _mix(self, x, q, k, v, mask, state, stateful: bool):
+    def _mix(self, x, q, k, v, mask, state, stateful: bool, *, cu_seqlens=None):
         sdt = state_dtype(x.dtype)
         # β in the state dtype, kept above the smallest normal number (a sigmoid that underflows to 0 would
         # fail the operator's (0, 1] check; β that small writes nothing either way)
@@ -115,7 +115,7 @@ class KimiDeltaAttention(_RecurrentAttention):
             return sequence_parallel_kda(q, k, v, beta, g, group=self.sequence_parallel_group,
                                          chunk_size=self.chunk_size, **opts), None
         if not stateful:
-            return kda(q, k, v, beta, g, chunk_size=self.chunk_size, **opts), None
+            return kda(q, k, v, beta, g, chunk_size=self.chunk_size, cu_seqlens=cu_seqlens, **opts), None
         if q.shape[2] == 1:
             return kda_step(state, q, k, v, beta, g, **opts)
         return kda(q, k, v, beta, g, initial_state=state, return_state=True, chunk_size=self.chunk_size, **opts)

@@ -100,8 +100,11 @@ class LoLCATsAttention(_Attention):
         return LoLCATsCache()
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None, cache: LoLCATsCache | None = None,
-                positions: torch.Tensor | None = None):
-        """x (B, N, d), mask (B, N) bool or None, positions (N,) or (B, N) or None. Returns (y, cache)."""
+                positions: torch.Tensor | None = None, *, cu_seqlens: torch.Tensor | None = None):
+        """x (B, N, d), mask (B, N) bool or None, positions (N,) or (B, N) or None. Returns (y, cache).
+        cu_seqlens (packed sequences) is refused: the hybrid operator does not take it yet."""
+        if cu_seqlens is not None:
+            raise ValueError("cu_seqlens: LoLCATsAttention does not take packed sequences yet")
         self._check_mask(mask, x)
         if self.sequence_parallel_group is not None and cache is None:
             raise ValueError("LoLCATsAttention does not run sequence-parallel yet")

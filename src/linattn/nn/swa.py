@@ -19,6 +19,7 @@ import torch
 
 from .._checks import check_int
 from .attention import LayerCache, _Attention, token_positions
+from ..ops import packed
 from ..ops.linear.chunked import DEFAULT_CHUNK_SIZE
 from ..ops.swa import WindowState, sliding_window_attention, sliding_window_attention_step
 from .positional import RotaryEmbedding
@@ -82,16 +83,22 @@ class SlidingWindowAttention(_Attention):
         return self.rope.rotate(q, positions), self.rope.rotate(k, positions)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None, cache: SlidingWindowCache | None = None,
-                positions: torch.Tensor | None = None):
-        """x (B, N, d), mask (B, N) bool or None, positions (N,) or (B, N) or None. Returns (y, cache)."""
+                positions: torch.Tensor | None = None, *, cu_seqlens: torch.Tensor | None = None):
+        """x (B, N, d), mask (B, N) bool or None, positions (N,) or (B, N) or None. cu_seqlens: packed
+        sequences in x (1, T, d): no query sees a key of another sequence, positions restart at 0 in
+        each. Returns (y, cache)."""
         self._check_mask(mask, x)
         if self.sequence_parallel_group is not None and cache is None:
             raise ValueError("SlidingWindowAttention does not run sequence-parallel yet")
-        q, k, v = self._project(x, mask, cache)
+        if cu_seqlens is not None and cache is not None:
+            raise ValueError("cu_seqlens (packed sequences) takes no cache")
+        q, k, v = self._project(x, mask, cache, cu_seqlens)
+        if cu_seqlens is not None and positions is None and self.rope is not None:
+            positions = packed.positions(cu_seqlens, x.shape[1]).to(x.device)
         q, k = self._rotate(q, k, x, mask, cache, positions)
         if cache is None:
             o = sliding_window_attention(q, k, v, window=self.window, key_padding_mask=mask,
-                                         chunk_size=self.chunk_size)
+                                         chunk_size=self.chunk_size, cu_seqlens=cu_seqlens)
             return self._merge(o, x), None
         o, cache.window = sliding_window_attention_step(cache.window, q, k, v, window=self.window,
                                                         key_padding_mask=mask, chunk_size=self.chunk_size)
