@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from linattn.nn import attention as layers
-from linattn import models
+from linattn.models import config as model_config_module
 from linattn.training import TrainConfig, build_model, make_task
 from linattn.training import tasks as training_tasks
 
@@ -71,8 +71,8 @@ def test_validation_builds_the_task_and_feature_map_once(monkeypatch):
     mqar = training_tasks.MqarTask.generate
     counted = staticmethod(lambda n, **kw: draws.append(n) or mqar(n, **kw))
     monkeypatch.setattr(training_tasks.MqarTask, "generate", counted)
-    make_fmap = models.make_feature_map
-    for module in (models, layers):  # the config's check, and the model's layers
+    make_fmap = model_config_module.make_feature_map
+    for module in (model_config_module, layers):  # the config's check, and the model's layers
         monkeypatch.setattr(module, "make_feature_map", lambda *a, **kw: fmaps.append(a) or make_fmap(*a, **kw))
     cfg = mqar_config()
     assert (draws, len(fmaps)) == ([1], 1)

@@ -34,6 +34,8 @@ of every bf16 result: where the flags settle it, the same machine always compute
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
 import threading
 from collections.abc import Callable
@@ -183,3 +185,23 @@ def describe(fused: Bf16Choice | None, torch_ops: Bf16Choice) -> str:
     parts = [] if fused is None else [f"fused kernels: {fused.label} ({fused.reason})"]
     parts.append(f"torch ops: {torch_ops.label} ({torch_ops.reason})")
     return "bf16 → " + "; ".join(parts)
+
+
+def without_autocast(op: Callable) -> Callable:
+    """`op` run with autocast off on the devices where it is on. The operators choose their compute
+    and state dtypes from their inputs' (bf16 inputs, float32 states and accumulators): autocast
+    would cast their inner matmuls to bf16 against float32 `out=` buffers (a RuntimeError) or lose
+    the float32 accumulation. Inputs come in as autocast's layers made them; outputs keep the rule
+    of each op (q's dtype)."""
+
+    @functools.wraps(op)
+    def run(*args, **kwargs):
+        on = [d for d in ("cpu", "cuda") if torch.is_autocast_enabled(d)]
+        if not on:
+            return op(*args, **kwargs)
+        with contextlib.ExitStack() as stack:
+            for d in on:
+                stack.enter_context(torch.autocast(d, enabled=False))
+            return op(*args, **kwargs)
+
+    return run

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from ..precision import without_autocast
 from ..._checks import check_positive_int
 from .. import packed
 from ..affine import AffineForm
@@ -26,6 +27,7 @@ from .chunked import ChunkedDeltaRule, normalize_rows
 from .exact import exact_delta_rule
 
 
+@without_autocast
 def delta_rule(
     q: torch.Tensor,
     k: torch.Tensor,

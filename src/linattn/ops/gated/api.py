@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from ..precision import without_autocast
 from ..._checks import check_bool, check_eps, check_positive_int
 from .. import native, packed
 from ..affine import AffineForm
@@ -21,6 +22,7 @@ from .checks import check_gate, check_gate_values, check_gated_state
 from .chunked import ChunkedGatedLinearAttention
 
 
+@without_autocast
 def gated_linear_attention(
     q: torch.Tensor,
     k: torch.Tensor,

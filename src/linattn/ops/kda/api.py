@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from ..precision import without_autocast
 from ..._checks import check_positive_int
 from ..affine import AffineForm
 from ..linear.chunked import DEFAULT_CHUNK_SIZE, state_dtype
@@ -26,6 +27,7 @@ from .chunked import ChunkedKDA
 from .exact import exact_kda
 
 
+@without_autocast
 def kda(
     q: torch.Tensor,
     k: torch.Tensor,

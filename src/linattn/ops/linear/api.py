@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from ..precision import without_autocast
 from ..._checks import (
     check_bool,
     check_eps,
@@ -100,6 +101,7 @@ def advance_schedule(feature_map) -> None:
         feature_map.advance_schedule()
 
 
+@without_autocast
 def linear_attention(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -17,6 +17,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from ..precision import without_autocast
 from . import chunked, cpu
 from .checks import check_common, check_cu_seqlens
 
@@ -31,6 +32,7 @@ def sliding_window_chunked(q, k, v, *, window: int, scale: float | None, chunk: 
     return fn.apply(q, k, v, window, scale, chunk, cu_seqlens, key_padding_mask)
 
 
+@without_autocast
 def sliding_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, window: int,
                              scale: float | None = None, cu_seqlens: torch.Tensor | None = None,
                              key_padding_mask: torch.Tensor | None = None,
