@@ -60,7 +60,7 @@ ATTENTION_KINDS = ("softmax", "elu", "relu", "favor", "cosformer", "taylor", "he
 KIND_LABELS = {"softmax": "softmax", "elu": "elu+1", "relu": "relu", "favor": "FAVOR+", "cosformer": "cosFormer",
                "taylor": "Taylor (Based)", "hedgehog": "Hedgehog", "hybrid": "hybrid (elu+1/softmax)",
                "retnet": "RetNet", "simple_gla": "simple GLA", "gla": "GLA", "deltanet": "DeltaNet",
-               "gated_deltanet": "Gated DeltaNet"}
+               "gated_deltanet": "Gated DeltaNet", "kda": "KDA"}
 METRIC_LABELS = {"loss": "loss", "accuracy": "acc", "bpb": "bpb"}
 HIGHER_IS_BETTER = {"accuracy": True, "loss": False, "bpb": False}
 

@@ -34,10 +34,10 @@ __all__ = ["RECALL_KINDS", "RECALL_PRESET", "RecallPreset", "best_runs", "check_
 
 #: the kinds of the recall preset, in table order
 RECALL_KINDS = ("softmax", "elu", "favor", "cosformer", "taylor", "hedgehog", "retnet", "simple_gla", "gla",
-                "deltanet", "gated_deltanet", "hybrid")
+                "deltanet", "gated_deltanet", "kda", "hybrid")
 LABELS = {"softmax": "softmax", "elu": "elu+1", "favor": "FAVOR+", "cosformer": "cosFormer",
           "taylor": "Taylor (Based)", "hedgehog": "Hedgehog", "retnet": "RetNet", "simple_gla": "simple GLA",
-          "gla": "GLA", "deltanet": "DeltaNet", "gated_deltanet": "Gated DeltaNet", "hybrid": "hybrid"}
+          "gla": "GLA", "deltanet": "DeltaNet", "gated_deltanet": "Gated DeltaNet", "kda": "KDA", "hybrid": "hybrid"}
 
 
 @dataclass(frozen=True)
