@@ -75,18 +75,17 @@ def pair_products(Q: torch.Tensor, K: torch.Tensor, b: torch.Tensor, s: int):
     bs = b.view(m, n, s, d)
     Kv, Qv = K.view(m, n, s, d), Q.view(m, n, s, d)
     lo, hi = (bs - bs[:, :, :1]).exp(), (bs[:, :, :1] - bs).exp()
-    Kh = Kv.to(f64) * hi
-    KKd = ((Kv.to(f64) * lo) @ Kh.mT).masked_fill_(above, 0).to(dt)  # (M, n, s, s)
-    QKd = ((Qv.to(f64) * lo) @ Kh.mT).masked_fill_(above, 0).to(dt)
+    rows = torch.cat((Kv, Qv), 2)  # [K; Q] of each sub-chunk (M, n, 2s, D): one product for both
+    inner = ((rows.to(f64) * lo.repeat(1, 1, 2, 1)) @ (Kv.to(f64) * hi).mT).masked_fill_(above.repeat(2, 1), 0)
     before = torch.cat((torch.zeros_like(bs[:, :1, 0]), bs[:, :-1, -1]), 1)  # b_<(I) (M, n, D)
-    left = (bs - before[:, :, None]).to(dt).exp()
+    left = rows * (bs - before[:, :, None]).to(dt).exp().repeat(1, 1, 2, 1)
     Kr = Kv * (bs[:, :, -1:] - bs).to(dt).exp()  # k_j e^{b_>(J) − b_j}
     G = (before[:, :, None] - bs[:, None, :, -1]).masked_fill_(later[..., None], float("-inf")).to(dt).exp()
-    KKo = ((Kv * left)[:, :, None] * G[:, :, :, None]) @ Kr[:, None].mT  # (M, I, J, s, s)
-    QKo = ((Qv * left)[:, :, None] * G[:, :, :, None]) @ Kr[:, None].mT
-    diag = _eye(n, dt, K.device)[None, :, None, :, None]  # places (M, n, s, s) on the diagonal blocks
-    KK = KKo.transpose(2, 3) + KKd[:, :, :, None, :] * diag
-    QK = QKo.transpose(2, 3) + QKd[:, :, :, None, :] * diag
+    Kp = (Kr[:, None] * G[:, :, :, None]).view(m, n, c, d)  # k_j e^{b_<(I) − b_j} for j before sub-chunk I, else 0
+    outer = left @ Kp.mT  # (M, n, 2s, c): the blocks below the diagonal
+    diag = _eye(n, dt, K.device)[None, :, None, :, None]  # places (M, n, 2s, s) on the diagonal blocks
+    both = outer.view(m, n, 2 * s, n, s) + inner.to(dt)[:, :, :, None, :] * diag
+    KK, QK = both[:, :, :s], both[:, :, s:]
     return KK.reshape(m, c, c), QK.reshape(m, c, c)
 
 
