@@ -9,7 +9,7 @@ s_ij = q̂_iᵀk̂_j/√qk_dim, m_i its maximum over the window, q̂, k̂ the Ro
 maps read the rotated vectors, as in LoLCATs, so a teacher's q/k/v/o and positions carry over), and
 γ_h = sigmoid(θ_h) a learned per-head weight of the window (LoLCATs' `window_factors`, initialised at
 θ = −2.1972, γ = 0.1; the linear part's factor is 1). φ_q and φ_k are separate feature maps of
-linattn.feature_maps (Hedgehog by default, initialised to the identity map), shared by the heads.
+linattn.nn.feature_maps (Hedgehog by default, initialised to the identity map), shared by the heads.
 
 Training runs the chunked hybrid; decoding keeps the window in a ring buffer and the tokens that
 left it in a linear state (LoLCATsCache): memory flat in the context length.
@@ -23,11 +23,11 @@ import torch
 from torch import nn
 
 from .._checks import check_int, check_number
-from ..feature_maps import make_feature_map
-from ..layers import LayerCache, _Attention, token_positions
-from ..ops.chunked import DEFAULT_CHUNK_SIZE
+from ..ops.linear.chunked import DEFAULT_CHUNK_SIZE
 from ..ops.swa import HybridState, lolcats_attention, lolcats_attention_step
-from ..positional import RotaryEmbedding
+from .attention import LayerCache, _Attention, token_positions
+from .feature_maps import make_feature_map
+from .positional import RotaryEmbedding
 from .swa import DEFAULT_WINDOW
 
 #: LoLCATs' initial window-factor logit: sigmoid(−2.1972) = 0.1.

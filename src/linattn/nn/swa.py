@@ -1,5 +1,5 @@
 """Sliding-window softmax attention as a layer (the `swa` kind), with the interface of
-linattn.layers.SoftmaxAttention:
+linattn.nn.attention.SoftmaxAttention:
 
     forward(x, mask=None, cache=None, positions=None) -> (y, cache)
 
@@ -18,10 +18,10 @@ from dataclasses import dataclass
 import torch
 
 from .._checks import check_int
-from ..layers import LayerCache, _Attention, token_positions
-from ..ops.chunked import DEFAULT_CHUNK_SIZE
+from ..ops.linear.chunked import DEFAULT_CHUNK_SIZE
 from ..ops.swa import WindowState, sliding_window_attention, sliding_window_attention_step
-from ..positional import RotaryEmbedding
+from .attention import LayerCache, _Attention, token_positions
+from .positional import RotaryEmbedding
 
 #: The window of LoLCATs and of the `swa` kind when the config does not choose one.
 DEFAULT_WINDOW = 64
