@@ -7,11 +7,6 @@ import pytest
 import torch
 
 from linattn import models
-<<<<<<< HEAD
-=======
-from linattn.models import config as model_config
-from linattn.models.kinds import KINDS, Kind
->>>>>>> swa
 from linattn.nn.attention import SoftmaxAttention
 from linattn.nn.lolcats import LoLCATsAttention, LoLCATsCache
 from linattn.nn.swa import SlidingWindowAttention, SlidingWindowCache
@@ -132,34 +127,14 @@ def test_layer_arguments_are_checked():
         LoLCATsAttention(16, 2, feature_map=3)
 
 
-<<<<<<< HEAD
-@pytest.mark.parametrize("kind,cls,cache_cls", [("swa", SlidingWindowAttention, SlidingWindowCache),
-                                                 ("lolcats", LoLCATsAttention, LoLCATsCache)])
-def test_a_model_with_these_layers_decodes_like_its_parallel_forward(monkeypatch, kind, cls, cache_cls):
-    """Rows of the kinds table, default window (64), so the test runs past it with 70 tokens; greedy
-    generation (the eager path) repeats the parallel argmax."""
-    assert models.KINDS[kind].layer is cls
-    model = spread(models.LinearTransformerLM(tiny_config(attention=[kind, "linear"], max_len=80))).double().eval()
-=======
-#: the rows these layers would take in linattn.models.kinds (registered by the test below until then)
-ROWS = {
-    "swa": Kind("swa", SlidingWindowAttention, "SWA", "softmax", rnn=True, causal_only=True, options={"window": 64}),
-    "lolcats": Kind("lolcats", LoLCATsAttention, "LoLCATs", "softmax", rnn=True, causal_only=True,
-                    options={"window": 64, "feature_map": "hedgehog"}),
-}
-
-
 @pytest.mark.parametrize("kind,cache_cls", [("swa", SlidingWindowCache), ("lolcats", LoLCATsCache)])
-def test_a_model_with_these_layers_decodes_like_its_parallel_forward(monkeypatch, kind, cache_cls):
-    """With the kinds-table row registered here: the window from kind_options (8, so 70 tokens run far
-    past it), decoding = the parallel forward, and greedy generation (the eager path) repeats the
-    parallel argmax."""
-    monkeypatch.setitem(KINDS, kind, ROWS[kind])
-    monkeypatch.setattr(model_config, "ATTENTION_KINDS", (*model_config.ATTENTION_KINDS, kind))
+def test_a_model_with_these_layers_decodes_like_its_parallel_forward(kind, cache_cls):
+    """Rows of the kinds table, the window from kind_options (8, so 70 tokens run far past it):
+    decoding = the parallel forward, and greedy generation (the eager path) repeats the parallel
+    argmax."""
     cfg = tiny_config(attention=[kind, "linear"], max_len=80, kind_options={kind: {"window": 8}})
     model = spread(models.LinearTransformerLM(cfg)).double().eval()
     assert model.blocks[0].attn.window == 8
->>>>>>> swa
     ids = torch.randint(0, 40, (2, 70), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         full, _ = model(ids)

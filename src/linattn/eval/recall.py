@@ -36,18 +36,10 @@ __all__ = ["RECALL_KINDS", "RECALL_PRESET", "RecallPreset", "best_runs", "check_
            "run_recall", "state_size"]
 
 #: the kinds of the recall preset, in table order
-<<<<<<< HEAD:src/linattn/eval/recall.py
 RECALL_KINDS = ("softmax", "elu", "favor", "cosformer", "taylor", "hedgehog", *MIXER_KINDS, "hybrid")
 LABELS = {**{k: label(k) for k in RECALL_KINDS if k != "hybrid"}, "hybrid": "hybrid"}
 #: the delta-rule kinds, of which the literature says they recall well (Yang et al. 2024)
 DELTA_KINDS = tuple(k for k in RECALL_KINDS if k in KINDS and KINDS[k].family == "delta")
-=======
-RECALL_KINDS = ("softmax", "elu", "favor", "cosformer", "taylor", "hedgehog", "retnet", "simple_gla", "gla",
-                "deltanet", "gated_deltanet", "kda", "hybrid")
-LABELS = {"softmax": "softmax", "elu": "elu+1", "favor": "FAVOR+", "cosformer": "cosFormer",
-          "taylor": "Taylor (Based)", "hedgehog": "Hedgehog", "retnet": "RetNet", "simple_gla": "simple GLA",
-          "gla": "GLA", "deltanet": "DeltaNet", "gated_deltanet": "Gated DeltaNet", "kda": "KDA", "hybrid": "hybrid"}
->>>>>>> kda:src/linattn/eval/recall.py
 
 
 @dataclass(frozen=True)

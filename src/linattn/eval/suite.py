@@ -56,21 +56,12 @@ __all__ = [
 ]
 
 #: eval kinds that are a ModelConfig attention kind of their own (causal only), not a feature map
-<<<<<<< HEAD:src/linattn/eval/suite.py
 #: feature maps evaluated as a linear layer of their own
 FEATURE_KINDS = ("elu", "relu", "favor", "cosformer", "taylor", "hedgehog")
 #: eval kinds that are a kind of linattn.models.KINDS of their own (causal only), not a feature map
 MIXER_KINDS = tuple(k.name for k in KINDS.values() if k.causal_only)
 EVAL_KINDS = ("softmax", *FEATURE_KINDS, "hybrid", *MIXER_KINDS)
 KIND_LABELS = {**{k: label(k) for k in EVAL_KINDS if k != "hybrid"}, "hybrid": "hybrid (elu+1/softmax)"}
-=======
-MIXER_KINDS = tuple(RECURRENT_KINDS)
-ATTENTION_KINDS = ("softmax", "elu", "relu", "favor", "cosformer", "taylor", "hedgehog", "hybrid") + MIXER_KINDS
-KIND_LABELS = {"softmax": "softmax", "elu": "elu+1", "relu": "relu", "favor": "FAVOR+", "cosformer": "cosFormer",
-               "taylor": "Taylor (Based)", "hedgehog": "Hedgehog", "hybrid": "hybrid (elu+1/softmax)",
-               "retnet": "RetNet", "simple_gla": "simple GLA", "gla": "GLA", "deltanet": "DeltaNet",
-               "gated_deltanet": "Gated DeltaNet", "kda": "KDA"}
->>>>>>> kda:src/linattn/eval/suite.py
 METRIC_LABELS = {"loss": "loss", "accuracy": "acc", "bpb": "bpb"}
 HIGHER_IS_BETTER = {"accuracy": True, "loss": False, "bpb": False}
 

@@ -23,17 +23,10 @@ import torch
 from torch import nn
 
 from .._checks import check_int, check_number
-<<<<<<< HEAD
 from .feature_maps import make_feature_map
 from .attention import LayerCache, _Attention, token_positions
 from ..ops.linear.chunked import DEFAULT_CHUNK_SIZE
 from ..ops.swa import HybridState, lolcats_attention, lolcats_attention_step
-=======
-from ..ops.linear.chunked import DEFAULT_CHUNK_SIZE
-from ..ops.swa import HybridState, lolcats_attention, lolcats_attention_step
-from .attention import LayerCache, _Attention, token_positions
-from .feature_maps import make_feature_map
->>>>>>> swa
 from .positional import RotaryEmbedding
 from .swa import DEFAULT_WINDOW
 

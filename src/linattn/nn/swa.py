@@ -18,16 +18,10 @@ from dataclasses import dataclass
 import torch
 
 from .._checks import check_int
-<<<<<<< HEAD
 from .attention import LayerCache, _Attention, token_positions
 from ..ops import packed
 from ..ops.linear.chunked import DEFAULT_CHUNK_SIZE
 from ..ops.swa import WindowState, sliding_window_attention, sliding_window_attention_step
-=======
-from ..ops.linear.chunked import DEFAULT_CHUNK_SIZE
-from ..ops.swa import WindowState, sliding_window_attention, sliding_window_attention_step
-from .attention import LayerCache, _Attention, token_positions
->>>>>>> swa
 from .positional import RotaryEmbedding
 
 #: The window of LoLCATs and of the `swa` kind when the config does not choose one.
