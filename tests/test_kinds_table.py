@@ -80,7 +80,7 @@ def test_every_kind_decodes_token_by_token_to_its_parallel_forward_fp64(kind):
     torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-10, atol=1e-10)
 
 
-@pytest.mark.skipif(not native.load(), reason="the fused CPU kernels are not built")
+@pytest.mark.skipif(not native.available(), reason="the fused CPU kernels are not built (or LINATTN_NATIVE=0)")
 @pytest.mark.parametrize("kind", ALL)
 def test_fused_decoding_where_the_record_names_a_mixer(kind):
     model = LinearTransformerLM(tiny(kind)).eval()

@@ -12,6 +12,7 @@ into contiguous shards over the ranks of a process group, only the (kv, z) state
 
 from .comm import CommStats, comm_stats, shard_bounds, shard_sequence, state_exchange_bytes
 from .groups import DEFAULT_TIMEOUT_S, ParallelGroups, free_port, init_distributed, make_parallel_groups
+from .kda import sequence_parallel_kda
 from .ops import (
     gather_sequence,
     sequence_halo,
@@ -36,6 +37,7 @@ __all__ = [
     "sequence_halo",
     "sequence_parallel_delta_rule",
     "sequence_parallel_gated_linear_attention",
+    "sequence_parallel_kda",
     "sequence_parallel_linear_attention",
     "sequence_parallel_softmax_attention",
     "shard_bounds",
