@@ -54,6 +54,7 @@ import functools
 import torch
 
 from ._features import Featurizer
+from .autodiff import first_order
 from .nonfinite import Products, all_finite, strong_bmm
 from .precision import compute_dtype_cpu
 
@@ -277,6 +278,7 @@ class ChunkedCausalLinearAttention(torch.autograd.Function):
         return o, S.reshape(b, h, feat, e), z.reshape(b, h, feat)
 
     @staticmethod
+    @first_order("linear_attention")
     def backward(ctx, do, dkv, dz):
         saved = ctx.saved_tensors  # unpacked once (activation checkpointing allows no more)
         dq, dk, dv, R, r, dparams = _backward(ctx, saved, do, dkv, dz, ctx.exact)

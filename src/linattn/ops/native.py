@@ -41,6 +41,7 @@ import torch
 from ..feature_maps import EluPlusOne
 from . import precision
 from ._features import Featurizer
+from .autodiff import first_order
 from .chunked import ChunkedCausalLinearAttention
 from .nonfinite import all_finite
 
@@ -266,6 +267,7 @@ class FusedChunkedCausal(torch.autograd.Function):
         return o, kv, z
 
     @staticmethod
+    @first_order("linear_attention")
     @torch.autograd.function.once_differentiable
     def backward(ctx, do, dkv, dz):
         q, k, v, o, den, S_blocks, z_blocks, kv0, z0 = ctx.saved_tensors
