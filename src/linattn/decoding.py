@@ -162,13 +162,13 @@ class FusedDecoder:
         for lc in self.cache.layers:
             for part in (lc, getattr(lc, "attn", None)):
                 if part is not None:
-                    parts += [part.length, *(getattr(part, name, None) for name in ("state", "conv", "k", "v", "mask"))]
+                    parts += [getattr(part, name, None) for name in ("length", "state", "conv", "k", "v", "mask")]
         return tuple(parts)
 
     def _in_sync(self) -> bool:
         """True when the cache is as the last fused step (or the build) left it."""
         now = self._cache_parts()
-        return len(now) == len(self._synced) and all(a == b if isinstance(a, int) else a is b
+        return len(now) == len(self._synced) and all(a is b or (isinstance(a, int) and a == b)
                                                      for a, b in zip(now, self._synced))
 
     # ---- building
@@ -346,7 +346,7 @@ class FusedDecoder:
         """ids (B,) (or (B, 1)) token ids -> logits (B, V); advances the cache by one token."""
         if not isinstance(ids, torch.Tensor) or ids.dtype.is_floating_point or ids.dtype.is_complex \
                 or ids.dtype == torch.bool:
-            raise TypeError(f"ids must be an integer tensor of token ids, got "
+            raise ValueError(f"ids must be an integer tensor of token ids, got "
                             f"{ids.dtype if isinstance(ids, torch.Tensor) else type(ids).__name__}")
         ids = ids.reshape(-1)
         if ids.dtype != torch.long or not ids.is_contiguous():

@@ -12,6 +12,8 @@ causal or non-causal op on checked arguments) and `state_readout` (every query r
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .._checks import (
@@ -52,8 +54,10 @@ def check_arguments(q, k, v, *, feature_map, scale, key_padding_mask, initial_st
             raise TypeError(f"feature_map must be a linattn feature map (with .feature_dim), got {type(feature_map).__name__}")
         if getattr(feature_map, "head_dim", d) != d:
             raise ValueError(f"feature_map expects head dim {feature_map.head_dim}, q/k have {d}")
-    if scale is not None and not isinstance(scale, (int, float)):
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
         raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
+    if scale is not None and not math.isfinite(scale):
+        raise ValueError(f"scale must be finite, got {scale}")
     check_key_padding_mask(key_padding_mask, b, n_k, k.device)
     check_positions(positions, b, n_k, k.device)
     feat = _feature_dim(feature_map, d)

@@ -63,6 +63,7 @@ def delta_rule(
     check_arguments(q, k, v, beta, g, scale, qk_l2norm, initial_state)
     check_values(beta, g)
     refuse_forward_ad("delta_rule", q, k, v, beta, g, initial_state)
+    chunk_size = min(chunk_size, q.shape[2])  # one chunk at most: no C² work buffer beyond N²
     sdt = state_dtype(q.dtype)
     b, h, _, d = q.shape
     S0 = torch.zeros(b, h, d, v.shape[-1], dtype=sdt, device=q.device) if initial_state is None else initial_state
