@@ -78,3 +78,23 @@ def test_a_bool_scale_is_refused():
                  lambda: delta_rule(q, k, v, beta, scale=True)):
         with pytest.raises(TypeError, match="scale must be a float or None"):
             call()
+
+
+@pytest.mark.parametrize("magnitude", [1e19, 1e25, 1e36])
+def test_l2_normalization_of_huge_rows_in_float32(magnitude):
+    """fp32 q, k of size up to 1e36 (‖x‖² overflows float32 from ≈1.8e19): with qk_l2norm the op is
+    the float64 recurrence on the same inputs (whose norms do not overflow), chunked and step."""
+    q, k, v, beta, g = _delta_inputs(1, 2, 9, 6, 3)
+    q, k = q * magnitude, k * magnitude
+    k[0, 1, 4] = k[0, 1, 4] / magnitude  # one row of ordinary size among them
+    o, S = delta_rule(q, k, v, beta, g=g, qk_l2norm=True, chunk_size=4, return_state=True)
+    ro, rS = delta_rule_recurrent(*(x.double() for x in (q, k, v, beta)), g=g.double(), qk_l2norm=True)
+    assert ro.abs().max() > 0.1
+    torch.testing.assert_close(o.double(), ro, atol=2e-5, rtol=0)
+    torch.testing.assert_close(S.double(), rS, atol=2e-5, rtol=0)
+    o1, S1 = delta_rule_step(None, q[:, :, :1], k[:, :, :1], v[:, :, :1], beta[:, :, :1], g=g[:, :, :1],
+                             qk_l2norm=True)
+    torch.testing.assert_close(o1.double(), ro[:, :, :1], atol=2e-5, rtol=0)
+    qq = q.detach().clone().requires_grad_()
+    delta_rule(qq, k, v, beta, g=g, qk_l2norm=True, chunk_size=4).sum().backward()
+    assert torch.isfinite(qq.grad).all()

@@ -98,7 +98,7 @@ LINATTN_CLONES void load_rows(const T* __restrict__ src, Acc* __restrict__ dst, 
     Acc ss = 0;
 #pragma omp simd reduction(+ : ss)
     for (int64_t d = 0; d < D; ++d) ss += x[d] * x[d];
-    const Acc r = Acc(1) / std::sqrt(ss + Acc(kL2Eps));
+    const Acc r = inverse_norm(x, D, ss);
     rnorm[i] = r;
     for (int64_t d = 0; d < D; ++d) x[d] *= r;
   }

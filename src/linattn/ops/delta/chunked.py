@@ -54,8 +54,14 @@ GATE_FLOOR = -100.0
 
 
 def normalize_rows(x: torch.Tensor):
-    """(x / √(‖x‖² + ε), 1 / √(‖x‖² + ε)) over the last dim."""
-    r = torch.rsqrt((x * x).sum(-1, keepdim=True) + L2_EPS)
+    """(x / √(‖x‖² + ε), 1 / √(‖x‖² + ε)) over the last dim. A row whose ‖x‖² could overflow (max|x| above
+    √(max float / D) / 2, ≈ 1.8e19 / (2√D) in float32) is summed as x / m, m = max|x|:
+    √(‖x‖² + ε) = m √(‖x/m‖² + ε/m²); other rows take exactly the plain formula (divided by s = 1)."""
+    m = x.abs().amax(-1, keepdim=True)
+    big = (m > (torch.finfo(x.dtype).max / max(1, x.shape[-1])) ** 0.5 / 2) & torch.isfinite(m)
+    s = torch.where(big, m, torch.ones_like(m))
+    y = x / s
+    r = torch.rsqrt((y * y).sum(-1, keepdim=True) + L2_EPS / (s * s)) / s
     return x * r, r
 
 
