@@ -136,6 +136,8 @@ def read_json(path):
         return json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ValueError(f"{path} is not valid JSON: {exc}") from None
+    except RecursionError:  # e.g. 100,000 nested lists: valid JSON, but no config nests that deep
+        raise ValueError(f"{path} nests its JSON values too deeply to be read (a corrupt or hostile file)") from None
 
 
 def read_toml(path) -> dict:

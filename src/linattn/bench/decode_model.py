@@ -42,9 +42,9 @@ DEFAULT_MODEL_CONTEXTS = [256, 65536]
 def parse_model(spec: str) -> tuple[int, int]:
     """'d256x4' -> (d_model 256, 4 layers)."""
     m = re.fullmatch(r"d(\d+)x(\d+)", spec.strip())
-    if m is None or int(m[1]) % 8 or int(m[2]) < 1:
-        raise ValueError(f"a model is written dWIDTHxLAYERS with WIDTH a multiple of 8 (heads), e.g. d256x4, "
-                         f"got {spec!r}")
+    if m is None or int(m[1]) % 8 or int(m[1]) < 16 or int(m[2]) < 1:  # 8 heads of >= 2 dims (RoPE rotates pairs)
+        raise ValueError(f"a model is written dWIDTHxLAYERS with WIDTH a multiple of 8 (heads) of at least 16 and "
+                         f"LAYERS >= 1, e.g. d256x4, got {spec!r}")
     return int(m[1]), int(m[2])
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import io
+import sys
 
 import torch
 from rich.console import Console
@@ -140,6 +141,12 @@ def _shape(args):
 
 
 def _finish(kind: str, res: dict, args, device, out, console: Console, render, plot, check) -> int:
+    results = res.get("results") or []
+    if results and all(r.get("skipped") for r in results):  # nothing was measured: no report, an error
+        why = sorted({str(r["skipped"]) for r in results})
+        print(f"linattn {kind.replace('-', ' ')}: error: every point was skipped ({'; '.join(why)[:400]}); "
+              "pass smaller sizes (e.g. --lengths 256,1024)", file=sys.stderr)
+        return 2
     res = {"kind": kind, "timestamp": timestamp(), "machine": machine_info(device), "args": args_dict(args),
            "threads": {"count": torch.get_num_threads(), "how": args.threads_how}, **res}
     res["warnings"] = check(res)

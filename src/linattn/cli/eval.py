@@ -116,6 +116,11 @@ def run_recall_command(args) -> int:
     if args.steps is not None:
         preset = dataclasses.replace(preset, steps=args.steps, warmup_steps=min(preset.warmup_steps,
                                                                                 max(1, args.steps // 10)))
+    try:  # unknown kinds: refused before any report file is written
+        recall.recall_plan(preset, args.kinds, args.device)
+    except ValueError as exc:
+        print(f"linattn eval: error: {exc}", file=sys.stderr)
+        return 2
     console = make_console()
     out = output_dir("recall", args.out)
     partial = out / "recall-runs.jsonl"  # one line per finished run, as they finish: survives a crash

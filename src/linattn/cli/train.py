@@ -168,6 +168,7 @@ def _config_fields(args) -> dict:
 
 def run_train_command(args) -> int:
     from ..models.checkpoint import CheckpointError
+    from ..parallel.comm import SequenceParallelError
     from ..report import output_dir
     from ..training import TrainConfig, train
 
@@ -185,6 +186,10 @@ def run_train_command(args) -> int:
     except (ValueError, FileNotFoundError, CheckpointError) as exc:
         print(f"linattn train: error: {exc}", file=sys.stderr)
         return 2
+    except SequenceParallelError as exc:  # a peer died or froze: one line, not the backend's traceback
+        first = (str(exc).strip().splitlines() or ["sequence parallelism failed"])[0]
+        print(f"linattn train: error: {first}", file=sys.stderr)
+        return 1
     if result.rank == 0:
         if args.quiet and result.status != "completed":
             print(result.message, file=sys.stderr)

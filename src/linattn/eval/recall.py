@@ -242,13 +242,15 @@ def best_runs(records: list) -> list:
 
 def check_criteria(best: list) -> list:
     """[{"setting": [seq_len, n_pairs], "check", "holds" (True / False / None: a kind was not run),
-    "detail"}] for every setting with at least MIN_PAIRS pairs."""
+    "detail"}] for every setting with at least MIN_PAIRS pairs. A run without an accuracy counts as
+    0 when it diverged, and as not run when it was interrupted (Ctrl-C before its validation)."""
     out = []
     for n, p in sorted({(r["seq_len"], r["n_pairs"]) for r in best}):
         if p < MIN_PAIRS:
             continue
         acc = {r["kind"]: (r["accuracy"] if r["accuracy"] is not None else 0.0) for r in best
-               if (r["seq_len"], r["n_pairs"]) == (n, p)}
+               if (r["seq_len"], r["n_pairs"]) == (n, p)
+               and not (r["accuracy"] is None and r.get("status") == "interrupted")}
         for name, kinds, test, needs in CRITERIA:
             present = [k for k in kinds if k in acc]
             runs = len(present) == len(kinds) if needs == "all" else bool(present)

@@ -313,8 +313,8 @@ def load_weights(directory, model: torch.nn.Module, checkpoint_id: str | None = 
     header, meta = read_header(weights)
     meta_id = meta.get("linattn_checkpoint_id")
     if checkpoint_id is not None and meta_id is not None and meta_id != checkpoint_id:
-        raise CheckpointError(f"{CONFIG_NAME} (checkpoint_id {checkpoint_id}) and {WEIGHTS_NAME} (checkpoint_id "
-                              f"{meta_id}) in {directory} come from different saves (an interrupted save?)")
+        raise CheckpointError(f"{CONFIG_NAME} (checkpoint_id {checkpoint_id!r}) and {WEIGHTS_NAME} (checkpoint_id "
+                              f"{meta_id!r}) in {directory} come from different saves (an interrupted save?)")
     check_header(model, header, str(weights), cast=cast)
     recorded = _recorded_sha256(directory)
     if recorded is not None and sha256_file(weights) != recorded:
@@ -346,8 +346,13 @@ def load_model(directory, build: Callable[[], torch.nn.Module], *, checkpoint_id
         if len(held) != n:
             raise CheckpointError(f"{directory / CONFIG_NAME} describes {n} layers but {weights} holds {len(held)}")
     chosen = weights_dtype(header, dtype, weights)
-    with shape_only():
-        skeleton = build().to(chosen)
+    try:
+        with shape_only():
+            skeleton = build().to(chosen)
+    except RuntimeError as exc:  # e.g. "Storage size calculation overflowed" for d_model = 10⁹
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise CheckpointError(f"{directory / CONFIG_NAME} describes a model that cannot be built ({first}): "
+                              "its sizes are far beyond any checkpoint's") from None
     check_header(skeleton, header, str(weights), cast=dtype is not None)
     del skeleton
     model = build().to(chosen)

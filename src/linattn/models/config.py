@@ -117,6 +117,12 @@ class ModelConfig:
         check_choice("pooling", self.pooling, POOLINGS)
         check_choice("block", self.block, BLOCKS)
         check_int("short_conv", self.short_conv, minimum=0, allow_none=True)
+        # a kernel of K taps reads the K − 1 tokens before each one: beyond the longest sequence it only costs
+        for name, kernel in (("short_conv", self.short_conv),
+                             ("conv_mixer_kernel", self.conv_mixer_kernel if self.block == "conv_mixer" else None)):
+            if kernel is not None and kernel > self.max_len:
+                raise ValueError(f"{name}={kernel} is longer than max_len={self.max_len}, the longest sequence of this "
+                                 "config: no sequence can use such a kernel; pass a kernel <= max_len (DeltaNet uses 4)")
         if self.output_gate is not None:
             check_bool("output_gate", self.output_gate)
         check_number("dropout", self.dropout, minimum=0, maximum=1, high_open=True)
@@ -132,6 +138,10 @@ class ModelConfig:
             self.feature_map_options = json.loads(json.dumps(self.feature_map_options))
         except (TypeError, ValueError) as exc:
             raise ValueError(f"feature_map_options must hold JSON values: {exc}") from None
+        if self.positions == "rope" and self.head_qk_dim < 2 and any(k != "linear" for k in self.attention):
+            raise ValueError(f"positions='rope' rotates pairs of q/k features: it needs a q/k head dim >= 2, got "
+                             f"{self.head_qk_dim} (qk_dim, or d_model / n_heads); use fewer heads, a larger qk_dim "
+                             "or positions='none'")
         if "linear" in self.attention:  # build φ (and RoPE on its features) once to check the options
             try:
                 fm = make_feature_map(self.feature_map, self.head_qk_dim, **self.feature_map_options_for(0))

@@ -112,11 +112,19 @@ class FusedDecoder:
     decoding run: the plan reads the weight matrices in place but keeps float copies of the small
     parameters of bf16 models (norms, biases, convolution kernels, decays).
 
+    Either path can continue the cache: the plan updates the cache's tensors in place, so the eager
+    step can follow a fused one; an eager step (or anything else) that replaced a tensor of the cache
+    or changed its length since the last fused step is detected at the next `step`, which then
+    rebuilds the plan from the cache as it is (as a new FusedDecoder would) before it runs.
+
     Threads: every op of a step ends at a barrier of torch's intra-op threads (about five per
     layer). With more threads than idle cores a descheduled thread holds the others at each
     barrier: on a loaded machine run decoding with fewer threads (torch.set_num_threads)."""
 
     def __init__(self, model, cache, *, reserve: int = 0):
+        self._build(model, cache, reserve)
+
+    def _build(self, model, cache, reserve: int):
         obstacle = fused_decoding_obstacle(model)
         if obstacle is not None:
             raise ValueError(f"fused decoding: {obstacle}")
@@ -145,6 +153,23 @@ class FusedDecoder:
             self._add_block(block, layer_cache, reserve)
         self._group(self.x, model.norm)
         self._product(model.lm_head, self.logits)
+        self._reserve = reserve
+        self._synced = self._cache_parts()
+
+    def _cache_parts(self) -> tuple:
+        """The cache's length and every tensor (or state tuple) its layers hold, by identity."""
+        parts: list = [self.cache.length]
+        for lc in self.cache.layers:
+            for part in (lc, getattr(lc, "attn", None)):
+                if part is not None:
+                    parts += [getattr(part, name, None) for name in ("length", "state", "conv", "k", "v", "mask")]
+        return tuple(parts)
+
+    def _in_sync(self) -> bool:
+        """True when the cache is as the last fused step (or the build) left it."""
+        now = self._cache_parts()
+        return len(now) == len(self._synced) and all(a is b or (isinstance(a, int) and a == b)
+                                                     for a, b in zip(now, self._synced))
 
     # ---- building
     @staticmethod
@@ -316,14 +341,22 @@ class FusedDecoder:
     # ---- running
     def step(self, ids: torch.Tensor) -> torch.Tensor:
         """ids (B,) (or (B, 1)) token ids -> logits (B, V); advances the cache by one token."""
+        if not isinstance(ids, torch.Tensor) or ids.dtype.is_floating_point or ids.dtype.is_complex \
+                or ids.dtype == torch.bool:
+            raise ValueError(f"ids must be an integer tensor of token ids, got "
+                            f"{ids.dtype if isinstance(ids, torch.Tensor) else type(ids).__name__}")
         ids = ids.reshape(-1)
         if ids.dtype != torch.long or not ids.is_contiguous():
             ids = ids.long().contiguous()
         if ids.numel() != self.batch:
             raise ValueError(f"ids must hold one token per row (B={self.batch}), got shape {tuple(ids.shape)}")
+        if not self._in_sync():  # an eager step (or another writer) moved the cache on: a plan of it as it is
+            self._build(self.model, self.cache, self._reserve)
         self.plan.step(ids)
         for counter in (self.cache, *self._layer_counters()):
             counter.advance(1, None)
+        self._reserve = max(self._reserve - 1, 0)
+        self._synced = self._cache_parts()
         return self.logits
 
     def _layer_counters(self):

@@ -99,11 +99,22 @@ def filter_logits(logits: torch.Tensor, top_k: int | None = None, top_p: float |
 def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
                 generators: list[torch.Generator] | None = None) -> torch.Tensor:
     """Next tokens (B,) long from logits (B, V): argmax when temperature == 0, otherwise a draw from
-    softmax(filter(logits / temperature)) with row i's generator."""
+    softmax(filter(logits / temperature)) with row i's generator.
+
+    The division runs on logits − max(logits) in float64, so any temperature > 0 works, down to
+    5e-324 (the shifted logits are ≤ 0: a tiny temperature sends all but the largest to −∞, i.e.
+    greedy, instead of overflowing to inf − inf = NaN). Logits holding NaN or +inf (a diverged
+    model) raise ValueError naming the row: neither greedy nor sampling can pick from them."""
     logits = logits.float()
+    bad = torch.isnan(logits) | (logits == float("inf"))
+    if bool(bad.any()):
+        row = int(bad.any(-1).nonzero()[0, 0])
+        raise ValueError(f"the model's logits hold NaN or +inf (row {row} of {logits.shape[0]}): no token can be "
+                         "chosen from them; the model or its checkpoint is broken (diverged weights?)")
     if temperature == 0:
         return logits.argmax(-1)
-    probs = torch.softmax(filter_logits(logits / temperature, top_k, top_p), dim=-1)
+    shifted = logits.double() - logits.amax(-1, keepdim=True).double()  # ≤ 0, 0 at the most likely token
+    probs = torch.softmax(filter_logits(shifted / temperature, top_k, top_p), dim=-1)
     if generators is None:
         return torch.multinomial(probs, 1).squeeze(-1)
     return torch.cat([torch.multinomial(probs[i], 1, generator=g) for i, g in enumerate(generators)])

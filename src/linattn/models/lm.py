@@ -389,7 +389,8 @@ def load_pretrained(directory, cls=None, *, config: ModelConfig | None = None, d
                                   f"known: {sorted(classes)}")
         cls = classes[arch]
     elif arch != cls.__name__:
-        raise CheckpointError(f"{directory} holds a {arch}, not a {cls.__name__}")
+        shown = arch if isinstance(arch, str) and arch.isprintable() else repr(arch)  # no raw control characters
+        raise CheckpointError(f"{directory} holds a {shown}, not a {cls.__name__}")
     if config is not None:
         diff = config.diff(saved)
         if diff:

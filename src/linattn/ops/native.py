@@ -42,6 +42,7 @@ import torch
 from . import precision
 from .features import kernel_featurizer, native_code
 from .linear.chunked import ChunkedCausalLinearAttention
+from .autodiff import first_order
 from .nonfinite import all_finite
 
 _CSRC = Path(__file__).with_name("csrc")
@@ -265,6 +266,7 @@ class FusedChunkedCausal(torch.autograd.Function):
         return o, kv, z
 
     @staticmethod
+    @first_order("linear_attention")
     @torch.autograd.function.once_differentiable
     def backward(ctx, do, dkv, dz):
         q, k, v, o, den, S_blocks, z_blocks, kv0, z0 = ctx.saved_tensors

@@ -95,11 +95,16 @@ _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_i
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+class SequenceParallelError(RuntimeError):
+    """A collective of sequence parallelism failed: a rank of the group died, timed out (a frozen
+    peer) or made another call. Its first line says which collective; the backend's error follows."""
+
+
 def _run(what: str, fn, *args, **kwargs):
     try:
         return fn(*args, **kwargs)
     except RuntimeError as exc:  # DistBackendError and timeouts are RuntimeErrors
-        raise RuntimeError(
+        raise SequenceParallelError(
             f"sequence parallelism: the {what} failed (a rank of the group died, timed out or did not make "
             f"the same call): {exc}"
         ) from exc

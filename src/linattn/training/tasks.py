@@ -90,6 +90,12 @@ class Task:
         if self.num_classes is not None and mc.num_classes != self.num_classes:
             raise ValueError(f"model.num_classes={mc.num_classes} but the {self.name} task has "
                              f"{self.num_classes} classes")
+        kernels = {"short_conv": mc.short_conv, "conv_mixer_kernel": mc.conv_mixer_kernel if mc.block == "conv_mixer"
+                   else None}
+        for name, kernel in kernels.items():
+            if kernel is not None and kernel > self.seq_len:
+                raise ValueError(f"model.{name}={kernel} is longer than the {self.name} task's sequences "
+                                 f"({self.seq_len} tokens): no sequence can use such a kernel; pass one <= {self.seq_len}")
         if mc.max_positions is not None and mc.max_positions < self.seq_len:
             raise ValueError(f"the model takes at most {mc.max_positions} positions (max_len) but the {self.name} task "
                              f"has sequences of {self.seq_len} tokens; raise model.max_len")

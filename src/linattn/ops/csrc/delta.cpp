@@ -98,25 +98,35 @@ LINATTN_CLONES void load_rows(const T* __restrict__ src, Acc* __restrict__ dst, 
     Acc ss = 0;
 #pragma omp simd reduction(+ : ss)
     for (int64_t d = 0; d < D; ++d) ss += x[d] * x[d];
-    const Acc r = Acc(1) / std::sqrt(ss + Acc(kL2Eps));
+    const Acc r = inverse_norm(x, D, ss);
     rnorm[i] = r;
     for (int64_t d = 0; d < D; ++d) x[d] *= r;
   }
 }
 
-// b = the inclusive cumulative sum of the chunk's g, e^b and e^{b_c − b}; returns e^{b_c}
+// Each g is clamped at this floor before b is summed (GATE_FLOOR of linattn/ops/delta/chunked.py):
+// e^{−100} ≈ 3.7e-44 forgets as completely as any stronger gate, and b stays small enough for double.
+constexpr double kGateFloor = -100.0;
+
+// b = the inclusive cumulative sum of the chunk's max(g, kGateFloor), in double (after one strong gate
+// the differences b_i − b_j of an Acc sum would lose the small gates: design §13), e^b and e^{b_c − b};
+// returns e^{b_c}
 template <typename Acc>
-LINATTN_CLONES Acc chunk_gates(const Acc* __restrict__ g, int c, Acc* __restrict__ b, Acc* __restrict__ eb,
+LINATTN_CLONES Acc chunk_gates(const Acc* __restrict__ g, int c, double* __restrict__ b, Acc* __restrict__ eb,
                                Acc* __restrict__ el) {
-  Acc run = 0;
-  for (int i = 0; i < c; ++i) b[i] = run += g[i];
-  const Acc last = b[c - 1];
+  double run = 0;
+  for (int i = 0; i < c; ++i) b[i] = run += std::max(static_cast<double>(g[i]), kGateFloor);
+  const double last = b[c - 1];
+  for (int i = 0; i < c; ++i) {
+    eb[i] = static_cast<Acc>(b[i]);
+    el[i] = static_cast<Acc>(last - b[i]);
+  }
 #pragma omp simd
   for (int i = 0; i < c; ++i) {
-    eb[i] = exp_nonpositive(b[i]);
-    el[i] = exp_nonpositive(last - b[i]);
+    eb[i] = exp_nonpositive(eb[i]);
+    el[i] = exp_nonpositive(el[i]);
   }
-  return exp_nonpositive(last);
+  return exp_nonpositive(static_cast<Acc>(last));
 }
 
 // From [K̂K̂ᵀ; Q̂K̂ᵀ] (2c×c, row-major) in place: the top becomes A_ij = β_i (K̂K̂ᵀ ⊙ Γ)_ij strictly below
@@ -125,7 +135,7 @@ LINATTN_CLONES Acc chunk_gates(const Acc* __restrict__ g, int c, Acc* __restrict
 // e^{b_i − b_j}, kept in gam when given (else in the c-long row); without, Γ = 1. kkg (when given)
 // gets (K̂K̂ᵀ ⊙ Γ)_ij below the diagonal, for the backward's dβ.
 template <typename Acc>
-LINATTN_CLONES void build_scores(Acc* __restrict__ M, int c, const Acc* __restrict__ beta, const Acc* __restrict__ b,
+LINATTN_CLONES void build_scores(Acc* __restrict__ M, int c, const Acc* __restrict__ beta, const double* __restrict__ b,
                                  Acc* __restrict__ gam, Acc* __restrict__ kkg, Acc* __restrict__ row) {
   for (int i = 0; i < c; ++i) {
     Acc* __restrict__ Ai = M + int64_t(i) * c;
@@ -134,9 +144,10 @@ LINATTN_CLONES void build_scores(Acc* __restrict__ M, int c, const Acc* __restri
     const Acc bi = beta[i];
     if (b != nullptr) {
       Acc* __restrict__ G = gam != nullptr ? gam + int64_t(i) * c : row;
-      const Acc top = b[i];
+      const double top = b[i];
+      for (int j = 0; j <= i; ++j) G[j] = static_cast<Acc>(top - b[j]);  // the difference in double
 #pragma omp simd
-      for (int j = 0; j <= i; ++j) G[j] = exp_nonpositive(top - b[j]);
+      for (int j = 0; j <= i; ++j) G[j] = exp_nonpositive(G[j]);
       if (kkg != nullptr) {
 #pragma omp simd
         for (int j = 0; j < i; ++j) Ki[j] = Ai[j] * G[j];
@@ -213,7 +224,8 @@ template <typename Acc>
 struct ChunkTerms {
   Acc* KQ;   // [K̂; Q̂] (2c×D)
   Acc* rn;   // their inverse norms (2c; l2norm only)
-  Acc* b;    // gates (3c: b, e^b, e^{b_c − b}; gated only)
+  double* b; // b, the cumulative sum of the clamped gates (c; gated only)
+  Acc* eb;   // e^b, e^{b_c − b} (2c; gated only)
   Acc* AP;   // [A; P] (2c×c, see build_scores)
   Acc* gam;  // Γ (c×c; gated backward only)
   Acc* kkg;  // K̂K̂ᵀ ⊙ Γ below the diagonal (c×c; backward only)
@@ -234,8 +246,8 @@ void chunk_front(const Row<T, Acc>& in, int64_t t0, int c, int64_t D, int64_t E,
   const Acc* eb = nullptr;
   ch.elast = Acc(1);
   if (in.g != nullptr) {
-    ch.elast = chunk_gates(in.g + t0, c, ch.b, ch.b + c, ch.b + 2 * c);
-    eb = ch.b + c;
+    ch.elast = chunk_gates(in.g + t0, c, ch.b, ch.eb, ch.eb + c);
+    eb = ch.eb;
   }
   gemm_rm<Acc>(false, true, 2 * c, c, d, ch.KQ, d, ch.KQ, d, Acc(0), ch.AP, c);
   build_scores(ch.AP, c, beta, in.g != nullptr ? ch.b : nullptr, ch.gam, ch.kkg, row);
@@ -251,7 +263,7 @@ void update_state(Acc* S, const ChunkTerms<Acc>& ch, bool gated, int c, int64_t 
   const Acc* Vp = ch.Vp;
   if (gated) {
     scale_all(S, ch.elast, D * E);
-    scale_rows(ch.Vp, ch.b + 2 * c, tmp, c, E);
+    scale_rows(ch.Vp, ch.eb + c, tmp, c, E);
     Vp = tmp;
   }
   gemm_rm<Acc>(true, false, d, e, c, ch.KQ, d, Vp, e, Acc(1), S, e);
@@ -260,12 +272,13 @@ void update_state(Acc* S, const ChunkTerms<Acc>& ch, bool gated, int c, int64_t 
 // Work buffers of one thread for the forward: one chunk's terms
 template <typename Acc>
 struct FrontBuffers {
-  Aligned<Acc> KQ, rn, b, AP, Vp, SK, row;
+  Aligned<Acc> KQ, rn, eb, AP, Vp, SK, row;
+  Aligned<double> b;
   FrontBuffers(int64_t chunk, int64_t D, int64_t E)
-      : KQ(2 * chunk * D), rn(2 * chunk), b(3 * chunk), AP(2 * chunk * chunk), Vp(chunk * E), SK(2 * chunk * E),
-        row(chunk) {}
+      : KQ(2 * chunk * D), rn(2 * chunk), eb(2 * chunk), AP(2 * chunk * chunk), Vp(chunk * E), SK(2 * chunk * E),
+        row(chunk), b(chunk) {}
   ChunkTerms<Acc> terms() {
-    return {KQ.data(), rn.data(), b.data(), AP.data(), nullptr, nullptr, nullptr, Vp.data(), Acc(1)};
+    return {KQ.data(), rn.data(), b.data(), eb.data(), AP.data(), nullptr, nullptr, nullptr, Vp.data(), Acc(1)};
   }
 };
 
@@ -299,7 +312,7 @@ void forward_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
         chunk_front(in, t0, c, D, E, l2norm, S, ch, buf.SK.data(), buf.row.data(), true);
         // O = diag(e^b) Q̂S + P V'
         Acc* O = buf.SK.data() + c * E;
-        if (gated) scale_rows(O, ch.b + c, O, c, E);
+        if (gated) scale_rows(O, ch.eb, O, c, E);
         gemm_rm<Acc>(false, false, c, static_cast<int>(E), c, ch.AP + c * c, c, ch.Vp, static_cast<int>(E), Acc(1), O,
                      static_cast<int>(E));
         store_scaled<T, Acc>(O, s, po + (r * N + t0) * E, int64_t(c) * E);
@@ -439,18 +452,20 @@ LINATTN_CLONES void score_grads(Acc* __restrict__ DPA, const Acc* __restrict__ P
 template <typename Acc>
 struct BackBuffers {
   int64_t chunk, D, E;
-  Aligned<Acc> KQ, rn, b, AP, gam, kkg, X, Vp, S;  // per chunk of the block
+  Aligned<Acc> KQ, rn, eb, AP, gam, kkg, X, Vp, S;  // per chunk of the block
+  Aligned<double> b;                                 // per chunk of the block
   Aligned<Acc> SK, row, tmp, GZ, DPA, Nm, dK, dQ, KR, work, dX, db;
   BackBuffers(int64_t chunk_, int64_t D_, int64_t E_, int64_t per, bool gated)
-      : chunk(chunk_), D(D_), E(E_), KQ(per * 2 * chunk * D), rn(per * 2 * chunk), b(per * 3 * chunk),
+      : chunk(chunk_), D(D_), E(E_), KQ(per * 2 * chunk * D), rn(per * 2 * chunk), eb(per * 2 * chunk),
         AP(per * 2 * chunk * chunk), gam(gated ? per * chunk * chunk : 0), kkg(per * chunk * chunk), X(per * chunk * E),
         Vp(per * chunk * E),
-        S(per * D * E), SK(chunk * E), row(chunk), tmp(chunk * E), GZ(2 * chunk * E), DPA(2 * chunk * chunk),
+        S(per * D * E), b(per * chunk), SK(chunk * E), row(chunk), tmp(chunk * E), GZ(2 * chunk * E),
+        DPA(2 * chunk * chunk),
         Nm(2 * chunk * chunk), dK(chunk * D), dQ(chunk * D), KR(chunk * E), work(chunk * D), dX(chunk * E),
         db(chunk) {}
   ChunkTerms<Acc> terms(int64_t j, bool gated) {
-    return {KQ.data() + j * 2 * chunk * D, rn.data() + j * 2 * chunk, b.data() + j * 3 * chunk,
-            AP.data() + j * 2 * chunk * chunk, gated ? gam.data() + j * chunk * chunk : nullptr,
+    return {KQ.data() + j * 2 * chunk * D, rn.data() + j * 2 * chunk, b.data() + j * chunk,
+            eb.data() + j * 2 * chunk, AP.data() + j * 2 * chunk * chunk, gated ? gam.data() + j * chunk * chunk : nullptr,
             kkg.data() + j * chunk * chunk, X.data() + j * chunk * E, Vp.data() + j * chunk * E, Acc(1)};
   }
   Acc* state(int64_t j) { return S.data() + j * D * E; }
@@ -474,7 +489,7 @@ void chunk_backward(const Row<T, Acc>& in, const RowGrads<T, Acc>& out, int64_t 
   const int d = static_cast<int>(D), e = static_cast<int>(E), c2 = 2 * c;
   const bool gated = in.g != nullptr;
   const Acc* beta = in.beta + t0;
-  const Acc *eb = gated ? ch.b + c : nullptr, *el = gated ? ch.b + 2 * c : nullptr;
+  const Acc *eb = gated ? ch.eb : nullptr, *el = gated ? ch.eb + c : nullptr;
   const Acc *Kh = ch.KQ, *Qh = ch.KQ + c * D, *A = ch.AP, *P = ch.AP + c * c;
   Acc *G = w.GZ.data(), *Z = w.GZ.data() + c * E, *db = w.db.data();
   Acc* dbeta = out.dbeta + t0;
@@ -524,8 +539,11 @@ void chunk_backward(const Row<T, Acc>& in, const RowGrads<T, Acc>& out, int64_t 
 #pragma omp simd reduction(+ : sr)
     for (int64_t x = 0; x < D * E; ++x) sr += S[x] * R[x];
     db[c - 1] += from_l + ch.elast * sr;
-    Acc run = 0;  // ∂L/∂g_s = Σ_{t ≥ s} ∂L/∂b_t in the chunk
-    for (int i = c - 1; i >= 0; --i) out.dg[t0 + i] = run += db[i];
+    Acc run = 0;  // ∂L/∂g_s = Σ_{t ≥ s} ∂L/∂b_t in the chunk (0 for a g clamped at the floor)
+    for (int i = c - 1; i >= 0; --i) {
+      run += db[i];
+      out.dg[t0 + i] = static_cast<double>(in.g[t0 + i]) < kGateFloor ? Acc(0) : run;
+    }
   }
   // R ← e^{b_c} R + [K̂; Q̂]ᵀ [−diag(e^b) dX; diag(e^b) dO']
   if (gated) {
@@ -582,7 +600,7 @@ void backward_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
           const int64_t t0 = s + j * chunk;
           const int c = static_cast<int>(std::min(chunk, N - t0));
           ChunkTerms<Acc> ch = w.terms(j, gated);
-          if (gated) ch.elast = exp_nonpositive(ch.b[c - 1]);  // as chunk_gates returned it
+          if (gated) ch.elast = exp_nonpositive(static_cast<Acc>(ch.b[c - 1]));  // as chunk_gates returned it
           chunk_backward(in, out, t0, c, l2norm, static_cast<Acc>(scale), ch, w.state(j), R, w);
         }
       }

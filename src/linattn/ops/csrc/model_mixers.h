@@ -442,7 +442,7 @@ class DeltaMixOp : public AttentionMixOp {
       const float* x = part == 0 ? q : k;
       float ss = 0;
       for (int64_t i = 0; i < dq_; ++i) ss += x[i] * x[i];
-      const float r = 1.0f / std::sqrt(ss + static_cast<float>(kL2Eps));
+      const float r = inverse_norm(x, dq_, ss);
       for (int64_t i = 0; i < dq_; ++i) qk[part * dq_ + i] = x[i] * r;
     }
     const float beta = std::max(sigmoid(beta_.p[b * beta_.ld + h]), FLT_MIN);

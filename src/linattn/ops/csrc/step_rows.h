@@ -7,8 +7,10 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 
 #if defined(__SSE2__)
 #include <xmmintrin.h>
@@ -20,6 +22,20 @@ namespace {
 
 // linattn.ops.delta.reference.L2_EPS: q̂ = q / √(‖q‖² + ε)
 constexpr double kL2Eps = 1e-6;
+
+// 1 / √(ss + ε) for ss = ‖x‖² of the n values x. When ss overflowed (|x| ≳ 1.8e19 in float) the norm is
+// taken over x / m, m = max|x|, instead: √(‖x‖² + ε) = m √(‖x/m‖² + ε/m²), so a huge but finite row
+// still normalizes (before, 1/√inf = 0 made k̂ = 0). Rows holding Inf or NaN keep their old result.
+template <typename Acc>
+inline Acc inverse_norm(const Acc* x, int64_t n, Acc ss) {
+  if (ss <= std::numeric_limits<Acc>::max()) return Acc(1) / std::sqrt(ss + Acc(kL2Eps));
+  Acc m = 0;
+  for (int64_t i = 0; i < n; ++i) m = std::max(m, std::abs(x[i]));
+  if (!(m <= std::numeric_limits<Acc>::max())) return Acc(1) / std::sqrt(ss + Acc(kL2Eps));
+  Acc s = 0;
+  for (int64_t i = 0; i < n; ++i) s += (x[i] / m) * (x[i] / m);
+  return Acc(1) / (m * std::sqrt(s + Acc(kL2Eps) / (m * m)));
+}
 
 // Flushes denormal results and operands to zero on the calling thread while alive (x86 MXCSR FTZ and
 // DAZ; restored after). With strong decay, products of two small gate factors (e^{b_i − b_j} of far

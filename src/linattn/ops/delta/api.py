@@ -20,6 +20,7 @@ from ..._checks import check_positive_int
 from .. import packed
 from ..affine import AffineForm
 from ..linear.chunked import DEFAULT_CHUNK_SIZE, state_dtype
+from ..autodiff import has_tangent, refuse_forward_ad
 from ..nonfinite import all_finite
 from . import fused
 from .checks import check_arguments, check_values
@@ -72,6 +73,8 @@ def delta_rule(
                        return_state=return_state, chunk_size=chunk_size)
     check_arguments(q, k, v, beta, g, scale, qk_l2norm, initial_state)
     check_values(beta, g)
+    refuse_forward_ad("delta_rule", q, k, v, beta, g, initial_state)
+    chunk_size = min(chunk_size, q.shape[2])  # one chunk at most: no C² work buffer beyond N²
     sdt = state_dtype(q.dtype)
     b, h, _, d = q.shape
     S0 = torch.zeros(b, h, d, v.shape[-1], dtype=sdt, device=q.device) if initial_state is None else initial_state
@@ -168,7 +171,8 @@ def delta_rule_step(
     if state is None:
         state = torch.zeros(*q.shape[:2], q.shape[3], v.shape[3], dtype=sdt, device=q.device)
     if fused.usable(q) and not (torch.is_grad_enabled() and any(
-            t is not None and t.requires_grad for t in (state, q, k, v, beta, g))):
+            t is not None and t.requires_grad for t in (state, q, k, v, beta, g))) and not has_tangent(
+            state, q, k, v, beta, g):
         beta = beta if beta.dtype is sdt else beta.to(sdt)
         g = g if g is None or g.dtype is sdt else g.to(sdt)
         return fused.step(state, q, k, v, beta, g, scale=scale, l2norm=qk_l2norm)  # checks β, g itself

@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from ..._checks import check_qkv, check_tensor
+from ..._checks import check_qkv, check_sizes, check_tensor
 from ..linear.chunked import state_dtype
 
 
@@ -15,6 +15,7 @@ def check_arguments(q, k, v, beta, g, scale, qk_l2norm, state, state_name: str =
     """Shapes, dtypes and devices: q, k (B, H, N, D), v (B, H, N, E), beta and g (B, H, N) floating,
     scale None or a real number, qk_l2norm a bool, state None or S (B, H, D, E) in the state dtype."""
     check_qkv(q, k, v)
+    check_sizes(q, v)  # B, H, D, E >= 1: the fused kernels would read uninitialized work buffers
     b, h, n, d = q.shape
     if k.shape[2] != n:
         raise ValueError(f"the delta rule is causal: q and k must have the same length, got {n} and {k.shape[2]}")
@@ -33,6 +34,8 @@ def check_arguments(q, k, v, beta, g, scale, qk_l2norm, state, state_name: str =
             raise ValueError(f"{name} must be on q's device ({q.device}), got {x.device}")
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
         raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
+    if scale is not None and not math.isfinite(scale):
+        raise ValueError(f"scale must be finite, got {scale}")
     if not isinstance(qk_l2norm, bool):
         raise TypeError(f"qk_l2norm must be a bool, got {type(qk_l2norm).__name__}")
     if state is not None:

@@ -29,7 +29,13 @@ chunk-local products and the triangular inverses are batched over its chunks; on
 V'_n = U_n − W_n S, S ← e^{b_c} S + K_lᵀ V'_n (U = L⁻¹ diag(β) V, W = L⁻¹ diag(β e^b) K) is a loop over
 them. Saved for backward: q, k, v, β, g and the state entering each block; the backward recomputes a
 block's chunk states and products, so temporaries are bounded by the block and nothing of size
-N·D·E or N·c is kept. Everything is computed in the state dtype (float32, float64 for float64).
+N·D·E or N·c is kept. Everything is computed in the state dtype (float32, float64 for float64),
+except b: each g is first clamped at GATE_FLOOR and b is summed in float64, and the differences
+b_i − b_j, b_c − b_i are taken in float64 before they are rounded to the state dtype (design §13,
+numerics of b: after one strong gate, g = −1e8 say, b_i and b_j both carry it and a float32 or even
+a float64 difference of the two loses the small gates between them). Clamping changes nothing that
+can be seen: e^{GATE_FLOOR} ≈ 3.7e-44 is zero to fp32 and below any fp64 rounding of the state;
+the gradient of a clamped g is 0 (as that of e^g, ≤ 3.7e-44, would be after rounding).
 """
 
 from __future__ import annotations
@@ -39,12 +45,23 @@ import functools
 import torch
 
 from ..linear.chunked import _blocks, state_dtype
+from ..autodiff import first_order
 from .reference import L2_EPS
+
+#: Every log-decay g is clamped at this floor before its chunk's cumulative sum b is formed (also in
+#: csrc/delta.cpp, kGateFloor): e^{−100} ≈ 3.7e-44, so a stronger gate forgets just as completely.
+GATE_FLOOR = -100.0
 
 
 def normalize_rows(x: torch.Tensor):
-    """(x / √(‖x‖² + ε), 1 / √(‖x‖² + ε)) over the last dim."""
-    r = torch.rsqrt((x * x).sum(-1, keepdim=True) + L2_EPS)
+    """(x / √(‖x‖² + ε), 1 / √(‖x‖² + ε)) over the last dim. A row whose ‖x‖² could overflow (max|x| above
+    √(max float / D) / 2, ≈ 1.8e19 / (2√D) in float32) is summed as x / m, m = max|x|:
+    √(‖x‖² + ε) = m √(‖x/m‖² + ε/m²); other rows take exactly the plain formula (divided by s = 1)."""
+    m = x.abs().amax(-1, keepdim=True)
+    big = (m > (torch.finfo(x.dtype).max / max(1, x.shape[-1])) ** 0.5 / 2) & torch.isfinite(m)
+    s = torch.where(big, m, torch.ones_like(m))
+    y = x / s
+    r = torch.rsqrt((y * y).sum(-1, keepdim=True) + L2_EPS / (s * s)) / s
     return x * r, r
 
 
@@ -90,15 +107,16 @@ class _Features:
 
 
 def _gates(g):
-    """b = cumsum(g) per chunk, Γ (lower incl. diagonal), e^b, e^{b_c − b}, e^{b_c}; None without g.
-    g: (BH, nc, c). Γ is masked before the exponential (e^{−b} alone would overflow)."""
+    """b = cumsum(max(g, GATE_FLOOR)) per chunk in float64, then in g's dtype Γ (lower incl. diagonal),
+    e^b, e^{b_c − b}, e^{b_c}; None without g. g: (BH, nc, c). The differences of b are taken in float64
+    (module doc); Γ is masked before the exponential (e^{−b} alone would overflow)."""
     if g is None:
         return None
-    c = g.shape[-1]
-    b = g.cumsum(-1)
-    gam = (b[..., :, None] - b[..., None, :]).masked_fill_(_upper(c, g.device), float("-inf")).exp_()
+    c, sdt = g.shape[-1], g.dtype
+    b = g.to(torch.float64).clamp_min(GATE_FLOOR).cumsum(-1)
+    gam = (b[..., :, None] - b[..., None, :]).to(sdt).masked_fill_(_upper(c, g.device), float("-inf")).exp_()
     last = b[..., -1:]
-    return gam, b.exp(), (last - b).exp(), last.exp()
+    return gam, b.exp().to(sdt), (last - b).exp().to(sdt), last.exp().to(sdt)
 
 
 def _block_forward(Q, K, V, beta, g, S):
@@ -196,6 +214,7 @@ class ChunkedDeltaRule(torch.autograd.Function):
         return o, S.reshape(b, h, d, e)
 
     @staticmethod
+    @first_order("delta_rule")
     @torch.autograd.function.once_differentiable
     def backward(ctx, do, dS):
         q, k, v, beta, *rest = ctx.saved_tensors
@@ -217,8 +236,9 @@ class ChunkedDeltaRule(torch.autograd.Function):
             dQ, dK = feats.grads(dQ.reshape(b, h, m, d), dK.reshape(b, h, m, d))
             dq[:, :, s:t], dk[:, :, s:t], dv[:, :, s:t] = dQ, dK, dV.reshape(b, h, m, e)
             dbeta[:, :, s:t] = dbt.reshape(b, h, m)
-            if db is not None:  # ∂L/∂g_s = Σ_{t ≥ s in the chunk} ∂L/∂b_t
-                dg[:, :, s:t] = db.flip(-1).cumsum(-1).flip(-1).reshape(b, h, m)
+            if db is not None:  # ∂L/∂g_s = Σ_{t ≥ s in the chunk} ∂L/∂b_t (0 where g was clamped)
+                dgt = db.flip(-1).cumsum(-1).flip(-1).reshape(b, h, m)
+                dg[:, :, s:t] = dgt.masked_fill_(g[:, :, s:t] < GATE_FLOOR, 0)
         return (None, None, None, dq, dk, dv, dbeta.to(beta.dtype), None if g is None else dg.to(g.dtype),
                 R.reshape(b, h, d, e).to(ctx.S0_dtype))
 

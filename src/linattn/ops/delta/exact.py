@@ -20,6 +20,8 @@ from typing import Callable
 
 import torch
 
+from ..autodiff import first_order
+
 Run = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
@@ -64,6 +66,7 @@ class _Piece(torch.autograd.Function):
             return run(q, k, v, beta, g, S0)
 
     @staticmethod
+    @first_order("delta_rule")
     @torch.autograd.function.once_differentiable
     def backward(ctx, do, dS):
         inputs = ctx.saved_tensors

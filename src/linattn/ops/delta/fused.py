@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from .. import native
+from ..autodiff import first_order
 
 _DTYPES = (torch.float32, torch.float64, torch.bfloat16)
 _blas: list = []  # [bool] once the kernels were asked whether torch's BLAS has gemm and trsm
@@ -64,6 +65,7 @@ class FusedDeltaRule(torch.autograd.Function):
         return o, S
 
     @staticmethod
+    @first_order("delta_rule")
     @torch.autograd.function.once_differentiable
     def backward(ctx, do, dS):
         q, k, v, beta, g, S_blocks = ctx.saved_tensors

@@ -16,6 +16,7 @@ from .. import native, packed
 from ..affine import AffineForm
 from ..linear.chunked import DEFAULT_CHUNK_SIZE, state_dtype
 from ..linear.api import advance_schedule, check_arguments, make_featurizer
+from ..autodiff import has_tangent, refuse_forward_ad
 from ..nonfinite import all_finite
 from . import fused
 from .checks import check_gate, check_gate_values, check_gated_state
@@ -88,6 +89,7 @@ def _gated_linear_attention(q, k, v, g, *, feature_map, normalize, eps, scale, i
     fz, kv0, z0 = _prepare(q, k, v, g, feature_map=feature_map, scale=scale, key_padding_mask=key_padding_mask,
                            state=initial_state, normalize=normalize, name="initial_state")
     check_gate_values(g)
+    refuse_forward_ad("gated_linear_attention", q, k, v, g, kv0, z0, fz.parameters)
     chunk_size = min(chunk_size, q.shape[2])  # one chunk at most: no C² work buffer beyond N²
     if key_padding_mask is not None:
         keep = key_padding_mask[:, None, :] if g.dim() == 3 else key_padding_mask[:, None, :, None]
@@ -172,7 +174,8 @@ def gated_linear_attention_step(
     phi = native.fused_phi(feature_map, scale, None, (kv, kv if z is None else z), q, k, v)
     if g.dtype in (torch.bfloat16, torch.float16) and kv.dtype is torch.float32:
         g = g.to(kv.dtype)  # exact: a bf16 model's gates reach the fused step too
-    if phi is not None and g.dtype is kv.dtype and not (g.requires_grad and torch.is_grad_enabled()):
+    if (phi is not None and g.dtype is kv.dtype and not (g.requires_grad and torch.is_grad_enabled())
+            and not has_tangent(kv, z, q, k, v, g)):
         o, kv, z = fused.step(kv, z, q, k, v, g, phi=phi, eps=float(eps))  # checks g's values itself
     else:
         check_gate_values(g)

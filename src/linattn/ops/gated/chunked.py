@@ -59,6 +59,7 @@ from typing import NamedTuple
 import torch
 
 from ..features import Featurizer
+from ..autodiff import first_order
 from ..linear.chunked import (
     BLOCK_ELEMENTS,
     _blocks,
@@ -271,6 +272,7 @@ class ChunkedGatedLinearAttention(torch.autograd.Function):
         return (o, kv, z_out) if normalize else (o, kv)
 
     @staticmethod
+    @first_order("gated_linear_attention")
     def backward(ctx, do, dkv, dz=None):
         saved = ctx.saved_tensors  # unpacked once (activation checkpointing allows no more)
         grads, R, r = _backward(ctx, saved, do, dkv, dz, ctx.exact)

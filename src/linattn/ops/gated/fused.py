@@ -22,6 +22,7 @@ import torch
 
 from .. import native
 from ..features import kernel_featurizer
+from ..autodiff import first_order
 from ..nonfinite import all_finite
 from .chunked import ChunkedGatedLinearAttention
 
@@ -63,6 +64,7 @@ class FusedGatedChunked(torch.autograd.Function):
         return (o, kv, z) if normalize else (o, kv)
 
     @staticmethod
+    @first_order("gated_linear_attention")
     @torch.autograd.function.once_differentiable
     def backward(ctx, do, dkv, dz=None):
         q, k, v, gk, o, den, S_blocks, z_blocks, kv, z, kv0, z0 = ctx.saved_tensors

@@ -12,6 +12,8 @@ causal or non-causal op on checked arguments) and `state_readout` (every query r
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..precision import without_autocast
@@ -28,6 +30,7 @@ from ..._checks import (
 )
 from .. import native, packed
 from ..features import Featurizer
+from ..autodiff import has_tangent, refuse_forward_ad
 from .chunked import DEFAULT_CHUNK_SIZE, ChunkedCausalLinearAttention, compute_dtype, state_dtype
 from ..nonfinite import all_finite
 
@@ -52,8 +55,10 @@ def check_arguments(q, k, v, *, feature_map, scale, key_padding_mask, initial_st
             raise TypeError(f"feature_map must be a linattn feature map (with .feature_dim), got {type(feature_map).__name__}")
         if getattr(feature_map, "head_dim", d) != d:
             raise ValueError(f"feature_map expects head dim {feature_map.head_dim}, q/k have {d}")
-    if scale is not None and not isinstance(scale, (int, float)):
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
         raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
+    if scale is not None and not math.isfinite(scale):
+        raise ValueError(f"scale must be finite, got {scale}")
     check_key_padding_mask(key_padding_mask, b, n_k, k.device)
     check_positions(positions, b, n_k, k.device)
     feat = _feature_dim(feature_map, d)
@@ -216,6 +221,7 @@ def run_linear_attention(fz: Featurizer, state: State, q, k, v, *, causal: bool,
     so that it reaches no earlier token."""
     if not causal:
         return _noncausal(fz, q, k, v, state, normalize, eps)
+    refuse_forward_ad("linear_attention (causal)", q, k, v, state, fz.parameters)
     chunk_size = min(chunk_size, q.shape[2])  # one chunk at most: no C² work buffer beyond N²
     phi = None if fz.rope is not None else native.fused_phi(fz.feature_map, fz.scale, fz.key_padding_mask, state,
                                                             q, k, v, bf16=True, train=True)
@@ -296,7 +302,7 @@ def linear_attention_step(
         raise ValueError(f"k must hold the same single token as q, got length {k.shape[2]}")
     v = fz.values(v)
     phi = native.fused_phi(feature_map, scale, key_padding_mask, state, q, k, v)
-    if phi is not None:  # one fused CPU operator (elu+1 or identity, inference)
+    if phi is not None and not has_tangent(state, q, k, v):  # one fused CPU operator (elu+1 or identity, inference)
         angles = None if rope is None else rope.angles(fz.positions, state[0].dtype)
         return native.step(state, q, k, v, phi=phi, normalize=normalize, eps=float(eps), angles=angles)
     if getattr(feature_map, "symmetric", False) and scale is None and key_padding_mask is None:

@@ -56,6 +56,7 @@ import torch
 from ..features import Featurizer
 from ..nonfinite import Products, all_finite, strong_bmm
 from ..precision import compute_dtype_cpu
+from ..autodiff import first_order
 
 #: Target number of elements of one block temporary of shape (B·H, tokens, max(F, E, C)).
 BLOCK_ELEMENTS = 1 << 18
@@ -277,6 +278,7 @@ class ChunkedCausalLinearAttention(torch.autograd.Function):
         return o, S.reshape(b, h, feat, e), z.reshape(b, h, feat)
 
     @staticmethod
+    @first_order("linear_attention")
     def backward(ctx, do, dkv, dz):
         saved = ctx.saved_tensors  # unpacked once (activation checkpointing allows no more)
         dq, dk, dv, R, r, dparams = _backward(ctx, saved, do, dkv, dz, ctx.exact)
