@@ -71,9 +71,10 @@ def test_plateau_is_a_run_that_never_left_the_initial_plateau():
 
 def test_criteria_on_the_mean_and_on_every_seed():
     recs = []
-    for seed, (sm, ta, gd, el) in enumerate([(0.99, 0.95, 0.99, 0.4), (0.99, 0.94, 0.02, 0.8), (0.99, 0.96, 0.99, 0.5)]):
-        recs += [_rec("softmax", 1e-2, sm, seed), _rec("taylor", 1e-2, ta, seed), _rec("gated_deltanet", 1e-2, gd, seed),
-                 _rec("elu", 1e-2, el, seed)]
+    values = [(0.99, 0.95, 0.99, 0.4), (0.99, 0.94, 0.02, 0.8), (0.99, 0.96, 0.99, 0.5)]
+    for seed, (sm, ta, gd, el) in enumerate(values):
+        recs += [_rec("softmax", 1e-2, sm, seed), _rec("taylor", 1e-2, ta, seed),
+                 _rec("gated_deltanet", 1e-2, gd, seed), _rec("elu", 1e-2, el, seed)]
     c = {x["check"]: x for x in check_seed_criteria(summarize_seeds(recs))}
     assert c["softmax ≥ 0.95"]["holds"] and c["softmax ≥ 0.95"]["holds_every_seed"]
     assert c["softmax ≥ 0.95"]["seeds_holding"] == "3/3"
@@ -198,3 +199,28 @@ def test_cli_seeds_must_be_integers(capsys):
     with pytest.raises(SystemExit) as info:
         cli_main(["eval", "--preset", "recall", "--seeds", "a,b"])
     assert info.value.code == 2 and "comma-separated integers" in capsys.readouterr().err
+
+
+def test_frontier_report_plots_one_curve_per_kind_with_seed_error_bars(tmp_path):
+    from linattn.recall_report import write_recall_report
+
+    recs = []
+    for seed in range(3):
+        recs += [_rec("elu", 1e-2, a + 0.01 * seed, seed, variant=v, state=st, curve=[(100, 0.0), (200, a)])
+                 for v, st, a in (("d'=8", 512, 0.1), ("d'=16", 1024, 0.3), ("d'=64", 4096, 0.6))]
+        recs += [_rec("deltanet", 1e-2, a, seed, variant=v, state=st)
+                 for v, st, a in (("key 8", 520, 0.2), ("key 16", 1030, 0.5), ("key 64", 4100, 0.99))]
+    summary = summarize_seeds(recs)
+    report = {"preset": "recall-frontier", "description": "test", "seeds": [0, 1, 2], "wall_s": 1.0,
+              "timestamp": "t", "machine": {"cpu": "test", "jobs": 1, "threads_per_job": 1}, "records": recs,
+              "summary": summary, "criteria": check_seed_criteria(summary), "model": {}, "kind_options": {},
+              "variants": {"elu": [["d'=8", {"qk_dim": 8}]]}, "lrs": [1e-2], "steps": 200, "stop_accuracy": 0.99,
+              "notes": [], "skipped": [], "resumed": 0}
+    report["claims"] = recall_frontier.frontier_claims(report)
+    paths = write_recall_report(report, tmp_path, "recall-frontier")
+    assert paths["png"].name == "recall-frontier.png" and paths["png"].stat().st_size > 10_000
+    md = paths["markdown"].read_text()
+    assert "| elu+1 d'=8 |" in md and "| DeltaNet key 64 |" in md and "## Frontier claims" in md
+    assert "DeltaNet at or above elu+1 at equal state (Yang et al. 2024) — **holds**" in md
+    data = json.loads(paths["json"].read_text())
+    assert len(data["summary"]) == 6 and {s["variant"] for s in data["summary"]} >= {"d'=8", "key 64"}

@@ -106,12 +106,13 @@ RECALL_PRESET = RecallPreset(
 )
 
 
-#: seconds per optimizer step (batch 64, seq_len 64, with its share of validations) of one run on one
-#: thread of the 2-core AMD EPYC, from docs/results/recall-runs.json (elapsed / steps, lr 1e-2); the
-#: progress bar's time estimate and estimate_cpu_s scale them by batch · seq_len (softmax by seq_len²)
-SECONDS_PER_STEP = {"softmax": 1.55, "elu": 0.55, "favor": 0.51, "cosformer": 0.50, "taylor": 0.83, "hedgehog": 0.56,
-                    "retnet": 0.26, "simple_gla": 0.21, "gla": 0.21, "deltanet": 0.26, "gated_deltanet": 0.25,
-                    "hybrid": 0.20}
+#: CPU seconds per optimizer step (batch 64, seq_len 64, with its share of validations) of one run on
+#: one thread of the 2-core AMD EPYC: docs/results/recall-runs.json's elapsed / steps at lr 1e-2 and
+#: 3e-3, scaled by that run's CPU time over its elapsed time (4,870 CPU s / 10,487 s, design §16); the
+#: progress bar's estimate and estimate_cpu_s scale them by batch · seq_len (softmax by seq_len²)
+SECONDS_PER_STEP = {"softmax": 0.72, "elu": 0.26, "favor": 0.24, "cosformer": 0.23, "taylor": 0.39, "hedgehog": 0.26,
+                    "retnet": 0.12, "simple_gla": 0.10, "gla": 0.10, "deltanet": 0.12, "gated_deltanet": 0.11,
+                    "hybrid": 0.09}
 
 
 def recall_config(preset: RecallPreset, kind: str, seq_len: int, n_pairs: int, batch_size: int, lr: float,

@@ -6,8 +6,9 @@ with the sequence; fixed-state mixers trade recall for state, and at equal state
 feature map) sits on the Pareto front with elu+1 / Performer (FAVOR+) / cosFormer below it. DeltaNet
 (Yang et al. 2024, "Parallelizing linear transformers with the delta rule") reports the delta rule
 more effective at associative recall than linear attention at the same state. This preset runs each
-kind at three state sizes (d' of the feature maps, key dim of the recurrent kinds) on MQAR settings of sequence length 64 and 256 so that the sizes overlap, with seeds, and checks
-those claims in words (frontier_claims).
+kind at three state sizes (d' of the feature maps, key dim of the recurrent kinds) on MQAR settings
+of sequence length 64 and 256 so that the sizes overlap, with seeds, and checks those claims in
+words (frontier_claims).
 
 State floats per layer at d_model 64, one head (value dim 64; the measured figure adds the short
 convolutions' tails): elu+1 d'·64; Taylor (1 + d' + d'²)·65 (value and normalizer); DeltaNet /
@@ -52,7 +53,10 @@ RECALL_FRONTIER = RecallPreset(
     },
     notes=(
         "Not calibrated on this machine (issue 28 ran out of CPU time: 2 cores shared by 7 agents); lr 1e-2 is the "
-        "recall preset's best lr for every kind at (64, 16), and 500 steps cover most of the jumps seen there (200–700); estimate_cpu_s puts the full budget at about 28,600 CPU s (4 h on two quiet cores) as an upper bound: early stops (softmax, DeltaNet, Gated DeltaNet stop at 200–700 steps at (64, 16)) and the smaller feature dims (priced at d' = 8) make it less, but the 2-hour target is not verified.",
+        "recall preset's best lr for every kind at (64, 16), and 500 steps cover most of the jumps seen there "
+        "(200–700); recall.estimate_cpu_s puts the full budget of the 78 runs at about 13,300 CPU s (1.85 h with "
+        "--jobs 2 on two quiet cores) as an upper bound: early stops (softmax, DeltaNet, Gated DeltaNet stopped at "
+        "200–700 steps at (64, 16)) and the smaller feature dims (priced at d' = 8) make it less; not verified by a run.",
         "State sizes: elu+1 d'·64 (512, 1,024, 4,096), Taylor (1 + d' + d'²)·65 (455, 1,365, 4,745), DeltaNet and "
         "Gated DeltaNet key·64 (512, 1,024, 4,096), softmax seq_len·128 (8,192 at 64, 32,768 at 256), plus the short "
         "convolutions' tails; the plot's x axis is the measured figure.",
@@ -99,7 +103,8 @@ def _above(report: dict, upper: str, lower: str, claim: str) -> list[dict]:
                         "detail": f"the state sizes of {LABELS[upper]} and {LABELS[lower]} do not overlap"})
             continue
         holds = all(u >= y for _, u, y in pairs)
-        detail = "; ".join(f"at {x:,.0f} floats {LABELS[upper]} {u:.3f} vs {LABELS[lower]} {y:.3f}" for x, u, y in pairs)
+        detail = "; ".join(f"at {x:,.0f} floats {LABELS[upper]} {u:.3f} vs {LABELS[lower]} {y:.3f}"
+                           for x, u, y in pairs)
         out.append({"setting": list(st), "claim": claim, "holds": holds, "detail": detail})
     return out
 

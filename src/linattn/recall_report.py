@@ -130,7 +130,8 @@ def render_recall_markdown(report: dict) -> str:
     if not report["criteria"]:
         lines.append("- no setting with enough pairs was run")
     for c in report["criteria"]:
-        lines.append(f"- MQAR ({c['setting'][0]}, {c['setting'][1]}): {c['check']} — {_verdict(c)} ({c['detail']})")
+        lines.append(f"- MQAR ({c['setting'][0]}, {c['setting'][1]}): {c['check']} — {_verdict(c)} "
+                     f"({c['detail']})")
     if report.get("claims"):
         lines += ["", "## Frontier claims (Zoology Fig. 2, Based Fig. 3, DeltaNet; means over seeds, the upper kind's "
                   "curve interpolated in log state at the lower kind's sizes)", ""]

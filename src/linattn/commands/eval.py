@@ -179,7 +179,8 @@ def run_recall_command(args) -> int:
     def show(con):
         con.print(table)
         for c in report["criteria"]:
-            colour = {True: "green", False: "red"}.get(c["holds"] if c["holds_every_seed"] is not False else False, "dim")
+            ok = c["holds"] if c["holds_every_seed"] is not False else False
+            colour = {True: "green", False: "red"}.get(ok, "dim")
             verdict = {True: "holds", False: "does not hold", None: "not run"}[c["holds"]]
             every = {True: "holds", False: "does not hold", None: "—"}[c["holds_every_seed"]]
             con.print(f"[{colour}]MQAR {tuple(c['setting'])}: {c['check']}: {verdict} on the mean, {every} on every "
