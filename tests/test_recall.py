@@ -27,7 +27,7 @@ def _single_thread(one_thread):
 def tiny_preset(**kw) -> recall.RecallPreset:
     """RECALL_PRESET at a size that trains in well under a second per run."""
     base = dict(model={**recall.RECALL_PRESET.model, "d_model": 16}, settings=((16, 2, 8),), steps=4,
-                warmup_steps=1, eval_interval=2, eval_samples=16, vocab_size=32)
+                warmup_steps=1, eval_interval=2, eval_samples=16, vocab_size=32, seeds=(0,))
     return dataclasses.replace(recall.RECALL_PRESET, **{**base, **kw})
 
 
@@ -110,8 +110,11 @@ def test_preset_configs_follow_the_recipe():
     runs, skipped = recall.recall_plan(p)
     assert skipped == []
     assert {r[0] for r in runs} == set(recall.RECALL_KINDS)
-    assert len(runs) == len(recall.RECALL_KINDS) * len(p.settings) * len(p.lrs)
-    for kind, n, pairs, lr, cfg in runs:
+    assert len(p.seeds) >= 3
+    assert len(runs) == len(recall.RECALL_KINDS) * len(p.settings) * len(p.lrs) * len(p.seeds)
+    assert len({r[5]["config_digest"] for r in runs}) == len(runs)  # every run its own config
+    for kind, n, pairs, lr, cfg, meta in runs:
+        assert cfg.seed == meta["seed"] and meta["variant"] == ""
         mc = cfg.model_config()
         assert mc.block == "conv_mixer" and mc.vocab_size == 8192 and pairs >= 8
         assert cfg.weight_decay == 0.1 and cfg.min_lr_ratio == 0.0 and cfg.stop_accuracy == 0.99
@@ -137,10 +140,10 @@ def test_state_size_is_the_kv_cache_for_softmax_and_constant_for_recurrent_kinds
     assert size("taylor", 16) - size("elu", 16) == (73 - 8) * (d + 1)
 
 
-def _rec(kind, lr, acc, steps=100, n=64, p=16):
+def _rec(kind, lr, acc, steps=100, n=64, p=16, seed=0):
     return {"kind": kind, "seq_len": n, "n_pairs": p, "lr": lr, "state_size": 10, "accuracy": acc, "steps": steps,
             "steps_to_stop": None, "curve": [(steps, acc)], "status": "completed", "elapsed_s": 1.0,
-            "parameters": 1, "message": ""}
+            "parameters": 1, "message": "", "seed": seed, "variant": ""}
 
 
 def test_the_lr_sweep_keeps_the_best_run():
@@ -153,21 +156,21 @@ def test_the_lr_sweep_keeps_the_best_run():
 
 
 def test_criteria():
-    good = {"softmax": 0.99, "taylor": 0.95, "deltanet": 0.5, "gated_deltanet": 0.92, "elu": 0.7, "favor": 0.2,
+    good = {"softmax": 0.99, "taylor": 0.95, "deltanet": 0.91, "gated_deltanet": 0.92, "elu": 0.7, "favor": 0.2,
             "cosformer": 0.05}
     out = recall.check_criteria([_rec(k, 1e-2, a) for k, a in good.items()])
-    assert len(out) == 6 and all(c["holds"] for c in out)
+    assert len(out) == 7 and all(c["holds"] and c["holds_every_seed"] for c in out)
     bad = recall.check_criteria([_rec(k, 1e-2, a) for k, a in {**good, "elu": 0.8, "softmax": 0.9}.items()])
     failed = {c["check"] for c in bad if not c["holds"]}
     assert failed == {"softmax ≥ 0.95", "elu+1 ≤ Taylor − 0.20"}
     assert recall.check_criteria([_rec(k, 1e-2, a, p=4) for k, a in good.items()]) == []  # < 8 pairs: no claim
     partial = recall.check_criteria([_rec("softmax", 1e-2, 0.99)])
-    assert [c["holds"] for c in partial] == [True, None, None, None, None, None]
+    assert [c["holds"] for c in partial] == [True, None, None, None, None, None, None]
 
 
 def test_early_stop_ends_a_run_at_the_first_validation_that_reaches_it():
     p = tiny_preset(steps=40, stop_accuracy=0.05)
-    kind, n, pairs, lr, cfg = recall.recall_plan(p, ["softmax"])[0][0]
+    kind, n, pairs, lr, cfg, _meta = recall.recall_plan(p, ["softmax"])[0][0]
     rec = recall._run(kind, n, pairs, lr, cfg)
     assert rec["status"] == "completed" and rec["steps"] < 40
     assert rec["steps_to_stop"] == rec["steps"] and rec["accuracy"] >= 0.05
@@ -179,7 +182,7 @@ def test_early_stop_ends_a_run_at_the_first_validation_that_reaches_it():
 def test_ctrl_c_in_one_run_stops_the_sweep_with_the_partial_report(monkeypatch):
     calls, seen = [], []
 
-    def fake_run(kind, n, pairs, lr, cfg):  # train() turns a Ctrl-C into an "interrupted" run
+    def fake_run(kind, n, pairs, lr, cfg, meta=None):  # train() turns a Ctrl-C into an "interrupted" run
         calls.append(kind)
         return {**_rec(kind, lr, 0.1, n=n, p=pairs), "status": "interrupted" if len(calls) == 2 else "completed"}
 
@@ -188,7 +191,7 @@ def test_ctrl_c_in_one_run_stops_the_sweep_with_the_partial_report(monkeypatch):
         recall.run_recall(tiny_preset(), kinds=["softmax", "elu"], progress=False, on_record=seen.append)
     report = info.value.args[0]
     assert len(calls) == 2 and [r["status"] for r in report["records"]] == ["completed", "interrupted"]
-    assert seen == report["records"] and report["wall_s"] >= 0 and len(report["best"]) == 1
+    assert seen == report["records"] and report["wall_s"] >= 0 and len(report["summary"]) == 1
 
 
 def test_run_recall_writes_the_issue_schema(tmp_path):
@@ -198,12 +201,13 @@ def test_run_recall_writes_the_issue_schema(tmp_path):
         assert r["steps"] <= 4 and r["curve"] and 0 <= r["accuracy"] <= 1 and r["cpu_s"] > 0
     paths = write_recall_report(report, tmp_path)
     data = json.loads(paths["json"].read_text())
-    assert set(data) == {"records", "wall_s", "machine"}
+    assert set(data) == {"records", "summary", "wall_s", "machine"}
     assert len(data["records"]) == 4
     for r in data["records"]:
         assert tuple(r) == RECORD_KEYS
         assert r["kind"] in recall.RECALL_KINDS and isinstance(r["seq_len"], int) and isinstance(r["n_pairs"], int)
         assert isinstance(r["lr"], float) and isinstance(r["state_size"], int) and isinstance(r["accuracy"], float)
+        assert r["seed"] == 0 and r["variant"] == ""
     assert data["machine"]["cpu"] and data == json.loads(json.dumps(recall_json(report)))
     assert paths["png"].stat().st_size > 10_000
     md = paths["markdown"].read_text()
@@ -231,5 +235,7 @@ def test_cli_preset_recall_end_to_end(tmp_path, monkeypatch, capsys):
 def test_cli_preset_recall_rejects_what_it_does_not_take(capsys):
     assert cli_main(["eval", "--preset", "recall", "--tasks", "copy"]) == 2
     assert "--preset recall takes no --tasks" in capsys.readouterr().err
+    assert cli_main(["eval", "--preset", "recall", "--seeds", "0,0", "--kinds", "softmax"]) == 2
+    assert "seeds must not repeat" in capsys.readouterr().err
     assert cli_main(["eval", "--preset", "recall", "--kinds", "relu"]) == 2
     assert "unknown recall kind" in capsys.readouterr().err

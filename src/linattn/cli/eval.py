@@ -28,7 +28,7 @@ def _seeds(value: str) -> list[int]:
 
 def add_parser(subparsers) -> None:
     from ..eval.suite import EVAL_KINDS, PRESETS
-    from ..eval.recall import RECALL_PRESET
+    from ..eval.recall_frontier import RECALL_PRESETS
 
     tasks = "; ".join(f"{name}: {','.join(t.name for t in pr.tasks)}" for name, pr in PRESETS.items())
     p = subparsers.add_parser(
@@ -38,16 +38,19 @@ def add_parser(subparsers) -> None:
                     "Taylor solve it, elu+1 / FAVOR+ / cosFormer do not; copy: linear attention reaches softmax's "
                     "loss). Writes eval.md, eval.json and eval.png to --out.",
         epilog="presets: " + "; ".join(f"{n}: {pr.description}" for n, pr in PRESETS.items())
-               + f"; recall: {RECALL_PRESET.description}")
-    p.add_argument("--preset", choices=sorted(PRESETS) + ["recall"], default="quick",
+               + "; " + "; ".join(f"{n}: {pr.description}" for n, pr in RECALL_PRESETS.items()))
+    p.add_argument("--preset", choices=sorted(PRESETS) + sorted(RECALL_PRESETS), default="quick",
                    help="sizes and budgets (default: %(default)s); recall: associative recall (MQAR) by the "
-                        "Zoology/Based recipe, every recall kind at every lr of its sweep (linattn.eval.recall)")
+                        "Zoology/Based recipe, every recall kind at every lr of its sweep and every seed "
+                        "(linattn.eval.recall); recall-frontier: accuracy against state size, each kind at three sizes "
+                        "(linattn.eval.recall_frontier)")
     p.add_argument("--kinds", type=_names, default=None, metavar="K[,K...]",
                    help="attention kinds (default: all): " + ",".join(EVAL_KINDS))
     p.add_argument("--tasks", type=_names, default=None, metavar="T[,T...]",
                    help=f"tasks of the --preset (default: all of them); per preset: {tasks}; a name before its "
                         "'-' (e.g. mqar) selects every setting of that task")
-    p.add_argument("--seeds", type=_seeds, default=None, metavar="S[,S...]", help="seeds (default: the preset's)")
+    p.add_argument("--seeds", type=_seeds, default=None, metavar="S[,S...]",
+                   help="seeds (default: the preset's; the recall presets: 0,1,2)")
     p.add_argument("--steps", type=positive_int, default=None,
                    help="override every task's training steps (smoke tests)")
     p.add_argument("--threads", type=positive_int, default=None, metavar="T",
@@ -56,6 +59,9 @@ def add_parser(subparsers) -> None:
                    help="train J runs at once in separate processes (e.g. one per core with --threads 1); "
                         "results do not depend on it (default: %(default)s)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--restart", action="store_true",
+                   help="recall presets: ignore the runs already in --out's recall-runs.jsonl and run everything "
+                        "again (default: a re-run with the same --out skips the runs it finished)")
     add_common_options(p, dtype=False, seed=False)
     p.set_defaults(func=run_eval_command)
 
@@ -69,7 +75,7 @@ def run_eval_command(args) -> int:
 
     if args.threads and args.jobs == 1:
         torch.set_num_threads(args.threads)
-    if args.preset == "recall":
+    if args.preset.startswith("recall"):
         return run_recall_command(args)
     console = make_console()
     report, status = run_or_exit(lambda: run_eval(
@@ -97,64 +103,102 @@ def run_eval_command(args) -> int:
     return status
 
 
+def _previous_runs(path, console) -> list:
+    """The records of an earlier run in recall-runs.jsonl at `path` ([] if none); a line cut short by
+    a crash is dropped (and the file rewritten without it, so that new lines start on their own)."""
+    import json
+
+    if not path.exists():
+        return []
+    out, good, dropped = [], [], False
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            out.append(json.loads(line))
+            good.append(line)
+        except json.JSONDecodeError:
+            dropped = True
+            console.print(f"[yellow]{path}: dropped an incomplete line[/]")
+    if dropped:
+        path.write_text("".join(x + "\n" for x in good), encoding="utf-8")
+    if out:
+        console.print(f"resuming: {len(out)} finished run(s) in {path}")
+    return out
+
+
 def run_recall_command(args) -> int:
-    """--preset recall: linattn.eval.recall.run_recall, the table and the criteria, recall.{json,md,png}."""
+    """--preset recall / recall-frontier: linattn.eval.recall.run_recall, the table and the criteria,
+    <preset>.{json,md,png}; a re-run with the same --out resumes from its <preset>-runs.jsonl."""
     import dataclasses
     import json
 
     from rich.console import Console
 
-    from ..eval import recall
+    from ..eval import recall, recall_frontier
     from ..eval.recall_report import recall_table_rows, write_recall_report
     from ..report import make_console, make_table, output_dir
 
-    if args.tasks is not None or args.seeds is not None:
-        print("linattn eval: error: --preset recall takes no --tasks or --seeds (its MQAR settings and seed are "
-              "fixed; see linattn.eval.recall.RECALL_PRESET)", file=sys.stderr)
+    if args.tasks is not None:
+        print(f"linattn eval: error: --preset {args.preset} takes no --tasks (its MQAR settings are fixed; see "
+              "linattn.eval.recall_frontier.RECALL_PRESETS)", file=sys.stderr)
         return 2
-    preset = recall.RECALL_PRESET  # looked up now: tests shrink it
+    # looked up now: tests shrink them
+    presets = {"recall": recall.RECALL_PRESET, "recall-frontier": recall_frontier.RECALL_FRONTIER}
+    preset = presets[args.preset]
     if args.steps is not None:
         preset = dataclasses.replace(preset, steps=args.steps, warmup_steps=min(preset.warmup_steps,
                                                                                 max(1, args.steps // 10)))
-    try:  # unknown kinds: refused before any report file is written
-        recall.recall_plan(preset, args.kinds, args.device)
+    try:  # bad --kinds / --seeds: one line on stderr before any folder is made
+        recall.recall_plan(preset, args.kinds, args.device, args.seeds)
     except ValueError as exc:
         print(f"linattn eval: error: {exc}", file=sys.stderr)
         return 2
+    stem = args.preset
     console = make_console()
-    out = output_dir("recall", args.out)
-    partial = out / "recall-runs.jsonl"  # one line per finished run, as they finish: survives a crash
-    partial.write_text("", encoding="utf-8")
+    out = output_dir(stem, args.out)
+    partial = out / f"{stem}-runs.jsonl"  # one line per finished run, as they finish: survives a crash
+    previous = [] if args.restart else _previous_runs(partial, console)
+    if args.restart or not partial.exists():
+        partial.write_text("", encoding="utf-8")
 
     def keep(record):
         with partial.open("a", encoding="utf-8") as f:
             f.write(json.dumps(record) + "\n")
 
     report, status = run_or_exit(lambda: recall.run_recall(
-        preset, kinds=args.kinds, jobs=args.jobs, threads_per_job=args.threads or 1, device=args.device,
-        progress=not args.quiet, console=console, on_record=keep), console)
+        preset, kinds=args.kinds, seeds=args.seeds, jobs=args.jobs, threads_per_job=args.threads or 1,
+        device=args.device, progress=not args.quiet, console=console, on_record=keep, done_records=previous), console)
     if report is None:
         return status
+    if args.preset == "recall-frontier":
+        report["claims"] = recall_frontier.frontier_claims(report)
     header, rows = recall_table_rows(report)
-    table = make_table(f"linattn eval (recall): {report['description']}", header, rows,
-                       caption=f"best of lr {report['lrs']} per kind; {report['wall_s']:.0f} s")
+    table = make_table(f"linattn eval ({stem}): {report['description']}", header, rows,
+                       caption=f"lr of {report['lrs']} with the best mean over seeds {report['seeds']}; "
+                               f"{report['wall_s']:.0f} s; {report['resumed']} runs resumed")
 
     def show(con):
         con.print(table)
         for c in report["criteria"]:
-            colour = {True: "green", False: "red"}.get(c["holds"], "dim")
+            ok = c["holds"] if c["holds_every_seed"] is not False else False
+            colour = {True: "green", False: "red"}.get(ok, "dim")
             verdict = {True: "holds", False: "does not hold", None: "not run"}[c["holds"]]
-            con.print(f"[{colour}]MQAR {tuple(c['setting'])}: {c['check']}: {verdict}[/] ({c['detail']})")
+            every = {True: "holds", False: "does not hold", None: "—"}[c["holds_every_seed"]]
+            con.print(f"[{colour}]MQAR {tuple(c['setting'])}: {c['check']}: {verdict} on the mean, {every} on every "
+                      f"seed ({c['seeds_holding']})[/] ({c['detail']})")
+        for c in report.get("claims", []):
+            colour = {True: "green", False: "red"}.get(c["holds"], "dim")
+            verdict = {True: "holds", False: "does not hold", None: "not comparable"}[c["holds"]]
+            con.print(f"[{colour}]MQAR {tuple(c['setting'])}: {c['claim']}: {verdict}[/] ({c['detail']})")
         for line in report["skipped"]:
             con.print(f"[dim]{line}[/]")
 
     show(console)
     text = Console(file=io.StringIO(), width=200, record=True)
     show(text)
-    (out / "recall.txt").write_text(text.export_text(), encoding="utf-8")
-    write_recall_report(report, out)
-    console.print(f"report: {out.resolve()} (recall.json, recall-runs.json, recall-runs.jsonl, recall.md, recall.png, "
-                  "recall.txt)")
+    (out / f"{stem}.txt").write_text(text.export_text(), encoding="utf-8")
+    write_recall_report(report, out, stem)
+    console.print(f"report: {out.resolve()} ({stem}.json, {stem}-runs.json, {stem}-runs.jsonl, {stem}.md, {stem}.png, "
+                  f"{stem}.txt)")
     return status
 
 

@@ -9,37 +9,37 @@ short convolution with the mixer, no MLP (ModelConfig block="conv_mixer"); AdamW
 warmup then cosine to 0; every kind trained at every learning rate of the sweep, the best run kept;
 a run stops once a validation reaches 99% accuracy (TrainConfig.stop_accuracy).
 
-Every run is one record: kind, (seq_len, n_pairs), lr, accuracy (the last validation), steps, steps
-to 99% (None if never), the validation curve and the state size: floats of the decoding cache per
-layer (mean over the layers) after one sequence of seq_len tokens, measured on the trained model
-(ModelCache.nbytes): the mixer's recurrent state, or for softmax its KV cache at that length, plus
-the short convolutions' tails (a few hundred floats).
+Every kind runs at every (setting, lr, seed) of the preset (seeds: model initialization, training
+batches and validation examples all follow the seed). Every run is one record: kind, variant (the
+frontier preset's size label, "" otherwise), (seq_len, n_pairs), lr, seed, accuracy (the last
+validation), steps, steps to 99% (None if never), the validation curve, the state size: floats of
+the decoding cache per layer (mean over the layers) after one sequence of seq_len tokens, measured
+on the trained model (ModelCache.nbytes): the mixer's recurrent state, or for softmax its KV cache at
+that length, plus the short convolutions' tails (a few hundred floats); and `config_digest`, a hash
+of the run's TrainConfig, by which a re-run recognizes the runs it already has (`done_records`).
 
-The literature's claims the preset checks (CRITERIA, at one setting with at least 8 pairs): softmax
-≥ 0.95; Taylor (Based) ≥ 0.90; DeltaNet or Gated DeltaNet ≥ 0.90; elu+1, FAVOR+ and cosFormer each
-at least 0.20 below Taylor. The kinds come from the kinds table (linattn.models.KINDS): every
-causal-only kind joins the preset, and every delta-rule kind (Kind.family) the DeltaNet criterion.
+Seeds are aggregated by linattn.eval.recall_stats (per kind: the lr with the best mean over seeds, mean ±
+sd, every seed's value, the worst seed, runs that never leave the plateau); the literature's claims
+(CRITERIA, at settings with at least 8 pairs) are judged on the means and on every seed: softmax ≥
+0.95; Taylor (Based) ≥ 0.90; DeltaNet ≥ 0.90; Gated DeltaNet ≥ 0.90; elu+1, FAVOR+ and cosFormer
+each at least 0.20 below Taylor.
 """
 
 from __future__ import annotations
 
+import hashlib
 import time
 from dataclasses import dataclass, field
 
 from .._checks import check_positive_int
 from ..models import KINDS
-from ..models.kinds import label
-from .suite import EVAL_KINDS, MIXER_KINDS, kind_model, run_in_processes
+from .suite import EVAL_KINDS, kind_model, run_in_processes
+from .recall_stats import CRITERIA, LABELS, MIN_PAIRS, RECALL_KINDS, check_seed_criteria, summarize_seeds
 from ..training import TrainConfig, train
 
-__all__ = ["RECALL_KINDS", "RECALL_PRESET", "RecallPreset", "best_runs", "check_criteria", "recall_plan",
-           "run_recall", "state_size"]
+__all__ = ["RECALL_KINDS", "RECALL_PRESET", "RecallPreset", "best_runs", "check_criteria", "estimate_cpu_s",
+           "recall_plan", "run_key", "seconds_per_step", "run_recall", "state_size", "CRITERIA", "LABELS", "MIN_PAIRS"]
 
-#: the kinds of the recall preset, in table order
-RECALL_KINDS = ("softmax", "elu", "favor", "cosformer", "taylor", "hedgehog", *MIXER_KINDS, "hybrid")
-LABELS = {**{k: label(k) for k in RECALL_KINDS if k != "hybrid"}, "hybrid": "hybrid"}
-#: the delta-rule kinds, of which the literature says they recall well (Yang et al. 2024)
-DELTA_KINDS = tuple(k for k in RECALL_KINDS if k in KINDS and KINDS[k].family == "delta")
 
 
 @dataclass(frozen=True)
@@ -50,7 +50,10 @@ class RecallPreset:
     evaluation.kind_model); settings: (seq_len, n_pairs, batch_size) of each MQAR setting; lrs: the
     learning-rate sweep (every kind runs each); steps: the most optimizer steps of a run (the cosine
     schedule spans them even when a run stops early); eval_interval / eval_samples: validations
-    (fixed examples); stop_accuracy: early stop.
+    (fixed examples); stop_accuracy: early stop; seeds: the seeds every (kind, setting, lr) runs
+    with; variants: {kind: ((label, options), ...)}, sizes of a kind run side by side (the frontier
+    preset: options go on top of kind_options; a kind absent from it runs once, label "");
+    kinds: the kinds run when none are asked for (None: RECALL_KINDS).
     """
 
     name: str
@@ -66,7 +69,9 @@ class RecallPreset:
     eval_samples: int = 500
     stop_accuracy: float = 0.99
     vocab_size: int = 8192
-    seed: int = 0
+    seeds: tuple = (0, 1, 2)
+    variants: dict = field(default_factory=dict)
+    kinds: tuple | None = None
     notes: tuple = field(default_factory=tuple)
 
 
@@ -78,7 +83,7 @@ RECALL_PRESET = RecallPreset(
     description="MQAR (64, 16), vocabulary 8,192, fresh batches of 64 examples; 2 blocks (gated short convolution, "
                 "mixer) of d_model 64, one head, no MLP; feature-map kinds with q/k projected to d' = 8, the others "
                 "with key dim 64; AdamW (weight decay 0.1), warmup 50, cosine to 0 over at most 1,200 steps, "
-                "lr in {3e-3, 1e-2}, early stop at 99%",
+                "lr in {3e-3, 1e-2}, early stop at 99%, seeds 0, 1, 2",
     model={"d_model": 64, "n_layers": 2, "n_heads": 1, "block": "conv_mixer", "positions": "none"},
     kind_options={
         **{k: {"qk_dim": _FEATURE_QK} for k in ("elu", "favor", "cosformer", "taylor", "hedgehog")},
@@ -95,44 +100,98 @@ RECALL_PRESET = RecallPreset(
     ),
 )
 
-#: (name, kinds, test, needs) of each criterion: test gets {kind: best accuracy} of one setting and runs
-#: when all of its kinds ran (needs "all") or at least one (needs "any")
-CRITERIA = (
-    ("softmax ≥ 0.95", ("softmax",), lambda a: a["softmax"] >= 0.95, "all"),
-    ("Taylor ≥ 0.90", ("taylor",), lambda a: a["taylor"] >= 0.90, "all"),
-    (f"{' or '.join(LABELS[k] for k in DELTA_KINDS)} ≥ 0.90", DELTA_KINDS,
-     lambda a: max(a.get(k, -1.0) for k in DELTA_KINDS) >= 0.90, "any"),
-    *((f"{LABELS[k]} ≤ Taylor − 0.20", (k, "taylor"), lambda a, k=k: a[k] <= a["taylor"] - 0.20, "all")
-      for k in ("elu", "favor", "cosformer")),
-)
-MIN_PAIRS = 8  # the criteria apply at settings with at least this many pairs
+
+#: CPU seconds per optimizer step (batch 64, seq_len 64, with its share of validations) of one run on
+#: one thread of the 2-core AMD EPYC: docs/results/recall-runs.json's elapsed / steps at lr 1e-2 and
+#: 3e-3, scaled by that run's CPU time over its elapsed time (4,870 CPU s / 10,487 s, design §16); the
+#: progress bar's estimate and estimate_cpu_s scale them by batch · seq_len (softmax by seq_len²)
+SECONDS_PER_STEP = {"softmax": 0.72, "elu": 0.26, "favor": 0.24, "cosformer": 0.23, "taylor": 0.39, "hedgehog": 0.26,
+                    "hybrid": 0.09}
+#: the same for the kinds of the kinds table by family (measured: the gated kinds 0.10–0.12, the delta-rule
+#: kinds 0.11–0.12; the window family and KDA, not measured, priced like softmax)
+FAMILY_SECONDS_PER_STEP = {"gated": 0.11, "delta": 0.12, "window": 0.72}
 
 
 def recall_config(preset: RecallPreset, kind: str, seq_len: int, n_pairs: int, batch_size: int, lr: float,
-                  device: str = "cpu") -> TrainConfig:
-    """The TrainConfig of one run of the preset."""
+                  device: str = "cpu", seed: int | None = None, options: dict | None = None) -> TrainConfig:
+    """The TrainConfig of one run of the preset (seed: default the preset's first; options: a
+    variant's model changes on top of the kind's)."""
+    model = kind_model(kind, preset.model, preset.kind_options)
+    model.update(options or {})
     return TrainConfig(
-        model=kind_model(kind, preset.model, preset.kind_options), task="mqar",
+        model=model, task="mqar",
         task_options={"seq_len": seq_len, "n_pairs": n_pairs, "vocab_size": preset.vocab_size},
         steps=preset.steps, batch_size=batch_size, lr=lr, warmup_steps=preset.warmup_steps,
         weight_decay=preset.weight_decay, min_lr_ratio=0.0, eval_interval=preset.eval_interval,
         eval_samples=preset.eval_samples, stop_accuracy=preset.stop_accuracy, log_interval=10**9,
-        distributed="off", seed=preset.seed, device=device)
+        distributed="off", seed=preset.seeds[0] if seed is None else seed, device=device)
 
 
-def recall_plan(preset: RecallPreset, kinds=None, device: str = "cpu") -> tuple[list, list]:
-    """(runs, skipped): runs = [(kind, seq_len, n_pairs, lr, TrainConfig)] for every kind × setting × lr;
-    skipped = [line] for the requested kinds this version of linattn does not have."""
-    kinds = list(RECALL_KINDS if kinds is None else kinds)
+def config_digest(cfg: TrainConfig) -> str:
+    """12 hex digits of the SHA-1 of the run's TrainConfig (JSON): equal digests, equal runs."""
+    return hashlib.sha1(cfg.to_json().encode()).hexdigest()[:12]
+
+
+def run_key(record: dict) -> tuple:
+    """What identifies a run: (kind, variant, seq_len, n_pairs, lr, seed, config_digest)."""
+    return (record["kind"], record.get("variant", ""), record["seq_len"], record["n_pairs"], record["lr"],
+            record.get("seed", 0), record.get("config_digest"))
+
+
+def _check_seeds(seeds) -> tuple:
+    seeds = tuple(seeds)
+    if not seeds:
+        raise ValueError("seeds must name at least one seed")
+    for s in seeds:
+        if isinstance(s, bool) or not isinstance(s, int) or s < 0:
+            raise ValueError(f"seeds must be non-negative integers, got {s!r}")
+    if len(set(seeds)) != len(seeds):
+        raise ValueError(f"seeds must not repeat, got {list(seeds)}")
+    return seeds
+
+
+def recall_plan(preset: RecallPreset, kinds=None, device: str = "cpu", seeds=None) -> tuple[list, list]:
+    """(runs, skipped): runs = [(kind, seq_len, n_pairs, lr, TrainConfig, meta)] for every setting ×
+    kind × variant × lr × seed, meta = {"variant", "seed", "config_digest"}; skipped = [line] for the
+    requested kinds this version of linattn does not have. seeds: default the preset's."""
+    kinds = list((preset.kinds or RECALL_KINDS) if kinds is None else kinds)
     unknown = [k for k in kinds if k not in RECALL_KINDS]
     if unknown:
         raise ValueError(f"unknown recall kind(s) {', '.join(map(repr, unknown))}; choose from "
                          f"{', '.join(RECALL_KINDS)}")
+    seeds = _check_seeds(preset.seeds if seeds is None else seeds)
     skipped = [f"{LABELS[k]}: not in this version of linattn (skipped; re-run the preset when it lands)"
                for k in kinds if k not in EVAL_KINDS]
-    runs = [(k, n, p, lr, recall_config(preset, k, n, p, b, lr, device))
-            for (n, p, b) in preset.settings for k in kinds if k in EVAL_KINDS for lr in preset.lrs]
+    runs = []
+    for (n, p, b) in preset.settings:
+        for k in kinds:
+            if k not in EVAL_KINDS:
+                continue
+            for label, options in preset.variants.get(k, (("", {}),)):
+                for lr in preset.lrs:
+                    for seed in seeds:
+                        cfg = recall_config(preset, k, n, p, b, lr, device, seed, options)
+                        meta = {"variant": label, "seed": seed, "config_digest": config_digest(cfg)}
+                        runs.append((k, n, p, lr, cfg, meta))
     return runs, skipped
+
+
+def estimate_cpu_s(plan: list) -> float:
+    """Estimated CPU seconds of the plan's runs at their full step budget (early stops make it less),
+    from SECONDS_PER_STEP scaled by batch · seq_len (softmax: by batch · seq_len²)."""
+    total = 0.0
+    for kind, n, _p, _lr, cfg, _meta in plan:
+        scale = cfg.batch_size / 64 * n / 64 * (n / 64 if kind == "softmax" else 1.0)
+        total += seconds_per_step(kind) * scale * cfg.steps
+    return total
+
+
+def seconds_per_step(kind: str) -> float:
+    """CPU seconds per step of one run of `kind` at batch 64, seq_len 64 (SECONDS_PER_STEP, or by the
+    family of a kinds-table kind; 0.5 for any other)."""
+    if kind in SECONDS_PER_STEP:
+        return SECONDS_PER_STEP[kind]
+    return FAMILY_SECONDS_PER_STEP.get(KINDS[kind].family, 0.5) if kind in KINDS else 0.5
 
 
 def state_size(model, seq_len: int) -> int:
@@ -148,113 +207,143 @@ def state_size(model, seq_len: int) -> int:
     return round(sum(per_layer) / len(per_layer) / 4)  # float32 caches
 
 
-def _run(kind: str, seq_len: int, n_pairs: int, lr: float, cfg: TrainConfig) -> dict:
+def _run(kind: str, seq_len: int, n_pairs: int, lr: float, cfg: TrainConfig, meta: dict | None = None) -> dict:
     """Trains one run; its record (the keys of recall.json's records, then the details)."""
     t0, c0 = time.perf_counter(), time.process_time()
     res = train(cfg, progress=False)
     curve = [(v["step"], v["accuracy"]) for v in res.validation]
     reached = [s for s, a in curve if cfg.stop_accuracy is not None and a >= cfg.stop_accuracy]
-    return {"kind": kind, "seq_len": seq_len, "n_pairs": n_pairs, "lr": lr,
-            "state_size": state_size(res.model, seq_len),
+    meta = {"variant": "", "seed": cfg.seed, "config_digest": config_digest(cfg), **(meta or {})}
+    return {"kind": kind, "seq_len": seq_len, "n_pairs": n_pairs, "lr": lr, "seed": meta["seed"],
+            "variant": meta["variant"], "state_size": state_size(res.model, seq_len),
             "accuracy": res.final["accuracy"] if res.final else None,
             "status": res.status, "steps": res.step, "steps_to_stop": reached[0] if reached else None,
             "curve": curve, "elapsed_s": time.perf_counter() - t0, "cpu_s": time.process_time() - c0,
             "parameters": sum(q.numel() for q in res.model.parameters()),
-            "message": res.message if res.status != "completed" else ""}
+            "message": res.message if res.status != "completed" else "", "config_digest": meta["config_digest"]}
 
 
-def run_recall(preset: RecallPreset | None = None, *, kinds=None, jobs: int = 1, threads_per_job: int = 1,
-               device: str = "cpu", progress: bool = True, console=None, on_record=None) -> dict:
-    """Runs the preset (default RECALL_PRESET) and returns the report: records (one per run, every
-    lr), best (per setting and kind, the record with the highest accuracy; ties: fewer steps),
-    criteria, skipped kinds, wall_s, machine and the preset's sizes. `jobs` > 1 trains that many runs
-    at once in spawned processes of `threads_per_job` torch threads each (jobs 1: in this process,
-    with its threads). on_record(record) runs as each run finishes (in finishing order). Ctrl-C raises
-    KeyboardInterrupt with the partial report as its argument."""
+class _Bar:
+    """The sweep's progress bar: runs done / total and an estimate of the time left, from
+    SECONDS_PER_STEP (estimate_cpu_s) corrected by the ratio of measured to estimated time so far."""
+
+    def __init__(self, console, plan: list, jobs: int, resumed: int):
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        self.cost = [estimate_cpu_s([item]) for item in plan]
+        self.jobs, self.done_cost, self.t0 = jobs, 0.0, time.perf_counter()
+        self.head = f"recall: {len(plan)} runs on {jobs} process(es)" + (
+            f", {resumed} resumed" if resumed else "")
+        self.bar = Progress(TextColumn("[progress.description]{task.description}"), BarColumn(),
+                            MofNCompleteColumn(), TimeElapsedColumn(), TextColumn("{task.fields[eta]}"),
+                            console=console, transient=False)
+        self.task = self.bar.add_task(self.head, total=len(plan), eta=self.eta())
+        self.bar.start()
+
+    def eta(self) -> str:
+        left = sum(self.cost) - self.done_cost
+        elapsed = time.perf_counter() - self.t0
+        rate = elapsed / self.done_cost if self.done_cost > 0 and elapsed > 0 else 1.0 / self.jobs
+        return f"~{left * rate / 60:.0f} min left (estimate)"
+
+    def advance(self, i: int) -> None:
+        self.done_cost += self.cost[i]
+        self.bar.update(self.task, advance=1, eta=self.eta())
+
+    def stop(self) -> None:
+        self.bar.stop()
+
+
+def run_recall(preset: RecallPreset | None = None, *, kinds=None, seeds=None, jobs: int = 1, threads_per_job: int = 1,
+               device: str = "cpu", progress: bool = True, console=None, on_record=None,
+               done_records=None) -> dict:
+    """Runs the preset (default RECALL_PRESET) and returns the report: records (one per run, every lr
+    and seed), summary (linattn.eval.recall_stats.summarize_seeds), criteria (on the means and on every
+    seed), skipped kinds, wall_s, machine and the preset's sizes. seeds: default the preset's.
+    done_records: records of an earlier run of the same plan (a recall-runs.jsonl): a planned run
+    whose run_key is among them is not trained again, its record is reused (report["resumed"] counts
+    them). `jobs` > 1 trains that many runs at once in spawned processes of `threads_per_job` torch
+    threads each (jobs 1: in this process, with its threads). on_record(record) runs as each run
+    finishes (in finishing order; not for reused records). Ctrl-C raises KeyboardInterrupt with the
+    partial report as its argument."""
     from ..report import machine_info, timestamp
 
     preset = RECALL_PRESET if preset is None else preset
     check_positive_int("jobs", jobs)
     check_positive_int("threads_per_job", threads_per_job)
-    plan, skipped = recall_plan(preset, kinds, device)
+    plan, skipped = recall_plan(preset, kinds, device, seeds)
+    previous = {run_key(r): r for r in (done_records or [])}
+    reused = {i: previous[(k, m["variant"], n, p, lr, m["seed"], m["config_digest"])]
+              for i, (k, n, p, lr, _cfg, m) in enumerate(plan)
+              if (k, m["variant"], n, p, lr, m["seed"], m["config_digest"]) in previous}
+    todo = [i for i in range(len(plan)) if i not in reused]
     machine = machine_info(device)
     machine.update(jobs=jobs, threads_per_job=threads_per_job if jobs > 1 else machine["torch_threads"])
     report = {"kind": "recall", "preset": preset.name, "description": preset.description,
               "timestamp": timestamp(), "machine": machine, "model": preset.model,
-              "kind_options": preset.kind_options, "settings": [list(s) for s in preset.settings],
-              "lrs": list(preset.lrs), "steps": preset.steps, "stop_accuracy": preset.stop_accuracy,
-              "notes": list(preset.notes), "skipped": skipped, "records": []}
-    bar = None
-    if progress:
-        from ..report import make_console
-        from ..report import progress as make_progress
+              "kind_options": preset.kind_options, "variants": {k: [list(v) for v in vs] for k, vs in
+                                                                 preset.variants.items()},
+              "settings": [list(s) for s in preset.settings], "lrs": list(preset.lrs),
+              "seeds": list(_check_seeds(preset.seeds if seeds is None else seeds)), "steps": preset.steps,
+              "stop_accuracy": preset.stop_accuracy, "notes": list(preset.notes), "skipped": skipped,
+              "resumed": len(reused), "estimated_cpu_s": estimate_cpu_s([plan[i] for i in todo]), "records": []}
+    bar = _Bar(console or _console(), [plan[i] for i in todo], jobs, len(reused)) if progress else None
 
-        bar = make_progress(console or make_console())
-        bar_task = bar.add_task(f"recall: {len(plan)} runs on {jobs} process(es)", total=len(plan))
-        bar.start()
-    def finished(i, record):
+    def finished(j, record):
         if on_record is not None:
             on_record(record)
         if bar is not None:
-            bar.advance(bar_task)
+            bar.advance(j)
 
     t0 = time.perf_counter()
     done: dict = {}
     try:
         if jobs == 1:
-            for i, item in enumerate(plan):
-                done[i] = _run(*item)
-                finished(i, done[i])
-                if done[i]["status"] == "interrupted":  # train() took the Ctrl-C: stop the sweep too
+            for j, i in enumerate(todo):
+                done[j] = _run(*plan[i])
+                finished(j, done[j])
+                if done[j]["status"] == "interrupted":  # train() took the Ctrl-C: stop the sweep too
                     raise KeyboardInterrupt(done)
         else:
-            done = run_in_processes(_run, plan, jobs, threads_per_job, on_done=finished)
+            done = run_in_processes(_run, [plan[i] for i in todo], jobs, threads_per_job, on_done=finished)
     except KeyboardInterrupt as exc:
         if isinstance(exc.args[0] if exc.args else None, dict):
             done = exc.args[0]
-        _finish(report, done, t0)
+        _finish(report, reused, todo, done, t0)
         raise KeyboardInterrupt(report) from None
     finally:
         if bar is not None:
             bar.stop()
-    return _finish(report, done, t0)
+    return _finish(report, reused, todo, done, t0)
 
 
-def _finish(report: dict, done: dict, t0: float) -> dict:
-    report["records"] = [done[i] for i in sorted(done)]
+def _console():
+    from ..report import make_console
+
+    return make_console()
+
+
+def _finish(report: dict, reused: dict, todo: list, done: dict, t0: float) -> dict:
+    by_plan = {**reused, **{todo[j]: r for j, r in done.items()}}
+    report["records"] = [by_plan[i] for i in sorted(by_plan)]
     report["wall_s"] = time.perf_counter() - t0
-    report["best"] = best_runs(report["records"])
-    report["criteria"] = check_criteria(report["best"])
+    report["summary"] = summarize_seeds(report["records"])
+    report["criteria"] = check_seed_criteria(report["summary"])
     return report
 
 
 def best_runs(records: list) -> list:
-    """Per (seq_len, n_pairs, kind), the record with the highest accuracy (ties: fewer steps, then the
-    lower lr); runs without an accuracy (diverged) count as below every other."""
+    """Per (seq_len, n_pairs, kind, variant, seed), the record with the highest accuracy (ties: fewer
+    steps, then the lower lr); runs without an accuracy (diverged) count as below every other."""
     best: dict = {}
     for r in records:
-        key = (r["seq_len"], r["n_pairs"], r["kind"])
+        key = (r["seq_len"], r["n_pairs"], r["kind"], r.get("variant", ""), r.get("seed", 0))
         rank = (r["accuracy"] if r["accuracy"] is not None else -1.0, -r["steps"], -r["lr"])
         if key not in best or rank > best[key][0]:
             best[key] = (rank, r)
     return [r for _, r in best.values()]
 
 
-def check_criteria(best: list) -> list:
-    """[{"setting": [seq_len, n_pairs], "check", "holds" (True / False / None: a kind was not run),
-    "detail"}] for every setting with at least MIN_PAIRS pairs. A run without an accuracy counts as
-    0 when it diverged, and as not run when it was interrupted (Ctrl-C before its validation)."""
-    out = []
-    for n, p in sorted({(r["seq_len"], r["n_pairs"]) for r in best}):
-        if p < MIN_PAIRS:
-            continue
-        acc = {r["kind"]: (r["accuracy"] if r["accuracy"] is not None else 0.0) for r in best
-               if (r["seq_len"], r["n_pairs"]) == (n, p)
-               and not (r["accuracy"] is None and r.get("status") == "interrupted")}
-        for name, kinds, test, needs in CRITERIA:
-            present = [k for k in kinds if k in acc]
-            runs = len(present) == len(kinds) if needs == "all" else bool(present)
-            holds = test(acc) if runs else None
-            detail = ", ".join(f"{LABELS[k]} {acc[k]:.3f}" for k in present) or "not run"
-            out.append({"setting": [n, p], "check": name, "holds": holds, "detail": detail})
-    return out
+def check_criteria(records: list) -> list:
+    """The criteria (recall_stats.check_seed_criteria) of a list of records: seeds aggregated first."""
+    return check_seed_criteria(summarize_seeds(records))
