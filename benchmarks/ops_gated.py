@@ -37,7 +37,7 @@ from ops_core import _spread, _stats, add_criteria_args, check, print_criteria  
 from linattn.bench.flops import chunked_linear_flops, matmul_peak  # noqa: E402
 from linattn.bench.methods import Shape, fwd_bwd_memory, make_inputs  # noqa: E402
 from linattn.bench.timing import measure  # noqa: E402
-from linattn.feature_maps import EluPlusOne  # noqa: E402
+from linattn.nn.feature_maps import EluPlusOne  # noqa: E402
 from linattn.ops import gated_linear_attention, gated_linear_attention_step, linear_attention  # noqa: E402
 from linattn.ops import linear_attention_step  # noqa: E402
 from linattn.report import fmt_bytes, fmt_time, machine_info, make_console, progress, write_json  # noqa: E402

@@ -58,7 +58,7 @@ def _inputs(op: str, n: int, g: torch.Generator) -> dict:
 def _call(op: str, x: dict, sharded: bool):
     """One forward of `op` on the inputs x, single-process or sequence-parallel (default group)."""
     from linattn import parallel
-    from linattn.feature_maps import make_feature_map
+    from linattn.nn.feature_maps import make_feature_map
     from linattn.ops import delta_rule, gated_linear_attention, linear_attention
 
     q, k, v = x["q"], x["k"], x["v"]

@@ -17,7 +17,7 @@ def bf16_path(request, monkeypatch):
 def oracle(q, k, v, *, causal, feature_map=None, normalize=True, eps=1e-6, scale=None, key_padding_mask=None,
            initial_state=None, positions=None, rope=None):
     """Quadratic float64-friendly oracle for linattn.ops.linear_attention built from the definitions."""
-    from linattn.ops import reference
+    from linattn.ops.linear import reference
 
     n = k.shape[2]
     if positions is None:
@@ -35,7 +35,7 @@ def oracle(q, k, v, *, causal, feature_map=None, normalize=True, eps=1e-6, scale
 
 def explicit_rotation(x, positions, base=10_000.0):
     """RoPE written pair by pair in float64: (x_m, x_{m+P}), P = ⌊F/2⌋, rotated by position·base^(−m/P)
-    (positions (N,)); an odd last feature kept. Independent of linattn.positional."""
+    (positions (N,)); an odd last feature kept. Independent of linattn.nn.positional."""
     f = x.shape[-1]
     p = f // 2
     out = x.clone()
@@ -83,6 +83,23 @@ def tiny_config(**kw):
     from linattn.models import ModelConfig
 
     return ModelConfig(**{**dict(vocab_size=40, d_model=32, n_layers=2, n_heads=4, d_ff=48, max_len=64), **kw})
+
+
+def select_op_path(path: str, monkeypatch) -> None:
+    """Makes the operators take one CPU path for a test: "fused" (the C++ kernels; skipped where they
+    could not be built) or "torch ops" (LINATTN_NATIVE=0, the torch-op autograd Functions)."""
+    from linattn.ops import native
+
+    if path == "fused" and not native.available():
+        pytest.skip("the fused CPU kernels could not be built here")
+    monkeypatch.setenv("LINATTN_NATIVE", "1" if path == "fused" else "0")
+
+
+@pytest.fixture(params=["fused", "torch ops"])
+def op_path(request, monkeypatch):
+    """Runs a test on both CPU paths of the operators (select_op_path); returns the path."""
+    select_op_path(request.param, monkeypatch)
+    return request.param
 
 
 @pytest.fixture

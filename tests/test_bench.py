@@ -106,7 +106,7 @@ def test_bench_ops_tiny_run(tmp_path, capsys):
     assert data["args"]["lengths"] == [64, 128] and data["config"]["dtype"] == "float32"
     keys = {m["key"] for m in data["methods"]}
     assert {"chunked", "chunked_bf16", "noncausal", "recurrent", "quadratic", "softmax", "gated_scalar",
-            "gated_vector", "deltanet", "gated_deltanet"} <= keys
+            "gated_vector", "delta", "gated_delta"} <= keys
     by = {(r["method"], r["n"]): r for r in data["results"]}
     for (key, n), r in by.items():
         if key == "recurrent" and n == 128:
@@ -137,7 +137,7 @@ def test_bench_decode_tiny_run(tmp_path, capsys):
     data = _load_report(out, "bench-decode")
     assert [r["ctx"] for r in data["results"]] == [32, 64]
     for r in data["results"]:
-        for key in ("linear_step", "gated_scalar_step", "gated_vector_step", "deltanet_step", "gated_deltanet_step",
+        for key in ("linear_step", "gated_scalar_step", "gated_vector_step", "delta_step", "gated_delta_step",
                     "kv_cache", "no_cache"):
             assert r[key]["median_s"] > 0
         assert r["kv_cache_over_step"] > 0 and r["kv_cache_bytes"] == 4 * 2 * r["ctx"] * 128

@@ -1,4 +1,4 @@
-"""linattn.checkpoint: config.json + model.safetensors, no pickle, atomic saves, clear mismatch errors."""
+"""linattn.models.checkpoint: config.json + model.safetensors, no pickle, atomic saves, clear mismatch errors."""
 
 import json
 import pickle
@@ -8,8 +8,8 @@ import safetensors.torch
 import torch
 from safetensors.torch import load_file, save_file
 
-from linattn import checkpoint
-from linattn.checkpoint import CheckpointError
+from linattn.models import checkpoint
+from linattn.models.checkpoint import CheckpointError
 from linattn.models import load_pretrained
 from linattn.models import LinearTransformerEncoder, LinearTransformerLM, ModelConfig
 

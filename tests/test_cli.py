@@ -6,7 +6,11 @@ import sys
 import pytest
 import torch
 
-from linattn import cli, commands
+import types
+
+from linattn import cli
+from linattn.cli import args as cli_args
+from linattn.cli import app as cli_main
 
 
 def _command_paths(parser, prefix=()):
@@ -32,7 +36,7 @@ def test_top_level_help(capsys):
 
 
 def test_every_subcommand_has_help(capsys):
-    paths = list(_command_paths(cli.build_parser()))
+    paths = list(_command_paths(cli_main.build_parser()))
     assert ("bench", "ops") in paths and ("bench", "decode") in paths
     for path in paths:
         code, out, _ = _run([*path, "--help"], capsys)
@@ -73,25 +77,27 @@ def test_cuda_without_cuda_suggests_cpu_or_auto(capsys):
 
 
 def test_dtype_aliases_and_auto_device():
-    assert cli.dtype_arg("bf16") == "bfloat16"
-    assert cli.torch_dtype(cli.dtype_arg("fp32")) is torch.float32
-    assert cli.resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert cli_args.dtype_arg("bf16") == "bfloat16"
+    assert cli_args.torch_dtype(cli_args.dtype_arg("fp32")) is torch.float32
+    assert cli_args.resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def test_commands_are_discovered_from_the_package(tmp_path, monkeypatch, capsys):
-    """A new module in linattn.commands with add_parser(subparsers) becomes a command, nothing else."""
-    (tmp_path / "zz_hello.py").write_text(
-        "def add_parser(subparsers):\n"
-        "    p = subparsers.add_parser('zz-hello', help='say hello')\n"
-        "    p.add_argument('--name', default='world')\n"
-        "    p.set_defaults(func=lambda args: print('hello', args.name) or 3)\n"
-    )
-    monkeypatch.setattr(commands, "__path__", [*commands.__path__, str(tmp_path)])
-    try:
-        assert cli.main(["zz-hello", "--name", "linattn"]) == 3
-        assert "hello linattn" in capsys.readouterr().out
-    finally:
-        sys.modules.pop("linattn.commands.zz_hello", None)
+def _add_command(monkeypatch, source: str) -> None:
+    """Adds a command module built from `source` to linattn.cli.app.COMMANDS for one test."""
+    module = types.ModuleType("zz_command")
+    exec(source, module.__dict__)
+    monkeypatch.setattr(cli_main, "COMMANDS", (*cli_main.COMMANDS, module))
+
+
+def test_a_module_in_commands_becomes_a_command(monkeypatch, capsys):
+    """A module with add_parser(subparsers), named in linattn.cli.app.COMMANDS, is a command."""
+    _add_command(monkeypatch,
+                 "def add_parser(subparsers):\n"
+                 "    p = subparsers.add_parser('zz-hello', help='say hello')\n"
+                 "    p.add_argument('--name', default='world')\n"
+                 "    p.set_defaults(func=lambda args: print('hello', args.name) or 3)\n")
+    assert cli.main(["zz-hello", "--name", "linattn"]) == 3
+    assert "hello linattn" in capsys.readouterr().out
 
 
 # ---- user mistakes and the machine: one line on stderr and a non-zero status, no traceback (issue 13, item 8)
@@ -129,13 +135,11 @@ def test_a_prompt_that_is_not_utf8_is_refused(tmp_path, capsys):
         assert code == 2 and "--prompt: not valid UTF-8 text (byte 0xff at byte 2)" in err
 
 
-def _failing_command(tmp_path, monkeypatch, raise_line: str):
-    (tmp_path / "zz_fail.py").write_text(
-        "def add_parser(subparsers):\n"
-        "    p = subparsers.add_parser('zz-fail')\n"
-        f"    p.set_defaults(func=lambda args: {raise_line})\n")
-    monkeypatch.setattr(commands, "__path__", [*commands.__path__, str(tmp_path)])
-    monkeypatch.delitem(sys.modules, "linattn.commands.zz_fail", raising=False)
+def _failing_command(monkeypatch, raise_line: str):
+    _add_command(monkeypatch,
+                 "def add_parser(subparsers):\n"
+                 "    p = subparsers.add_parser('zz-fail')\n"
+                 f"    p.set_defaults(func=lambda args: {raise_line})\n")
 
 
 @pytest.mark.parametrize("raise_line, status, message", [
@@ -145,23 +149,17 @@ def _failing_command(tmp_path, monkeypatch, raise_line: str):
      "out of memory (CUDA out of memory. Tried to allocate 2.00 GiB); use smaller sizes"),
 ])
 def test_machine_errors_are_one_line(tmp_path, monkeypatch, capsys, raise_line, status, message):
-    _failing_command(tmp_path, monkeypatch, raise_line)
-    try:
-        assert cli.main(["zz-fail"]) == status
-    finally:
-        sys.modules.pop("linattn.commands.zz_fail", None)
+    _failing_command(monkeypatch, raise_line)
+    assert cli.main(["zz-fail"]) == status
     err = capsys.readouterr().err
     assert err.startswith("linattn zz-fail: error: ") and message in err and len(err.strip().splitlines()) == 1
 
 
 def test_other_runtime_errors_are_not_hidden(tmp_path, monkeypatch):
     """A bug is not a user mistake: it keeps its traceback."""
-    _failing_command(tmp_path, monkeypatch, "(_ for _ in ()).throw(RuntimeError('shape mismatch'))")
-    try:
-        with pytest.raises(RuntimeError, match="shape mismatch"):
-            cli.main(["zz-fail"])
-    finally:
-        sys.modules.pop("linattn.commands.zz_fail", None)
+    _failing_command(monkeypatch, "(_ for _ in ()).throw(RuntimeError('shape mismatch'))")
+    with pytest.raises(RuntimeError, match="shape mismatch"):
+        cli.main(["zz-fail"])
 
 
 def test_a_real_allocation_failure_is_one_line(tmp_path, capsys):

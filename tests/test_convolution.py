@@ -1,4 +1,4 @@
-"""linattn.convolution.ShortConvolution and layers.GatedConvolution: the definition, parallel ==
+"""linattn.nn.convolution.ShortConvolution and layers.GatedConvolution: the definition, parallel ==
 recurrent (exactly), padding, gradients, argument checks."""
 
 import pytest
@@ -7,8 +7,8 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from linattn.convolution import ShortConvolution
-from linattn.layers import GatedConvolution
+from linattn.nn.convolution import ShortConvolution
+from linattn.nn.attention import GatedConvolution
 
 
 @pytest.fixture(autouse=True)

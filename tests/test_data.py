@@ -1,4 +1,4 @@
-"""Tests for linattn.data: byte corpus, batch stream, and the synthetic tasks."""
+"""Tests for linattn.training.data: byte corpus, batch stream, and the synthetic tasks."""
 
 import re
 import statistics
@@ -9,7 +9,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from linattn.data import (
+from linattn.training.data import (
     IGNORE_INDEX,
     LISTOPS_CLS,
     LISTOPS_PAD,

@@ -1,4 +1,4 @@
-"""The fused decoding step (linattn.decoding.FusedDecoder, csrc/model_step.cpp) against the eager step.
+"""The fused decoding step (linattn.models.decoding.FusedDecoder, csrc/model_step.cpp) against the eager step.
 
 The eager path (model(tok (B, 1), cache=cache)) is the reference: from the same prefill, a fused step
 must give the eager logits up to the order of float sums, leave the cache as the eager step leaves it
@@ -15,13 +15,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from linattn.decoding import FusedDecoder, fused_decoding_obstacle
+from linattn.models.decoding import FusedDecoder, fused_decoding_obstacle
+from linattn.models import KINDS as KIND_TABLE
 from linattn.models import LinearTransformerLM, ModelConfig
 from linattn.ops import native
 
 pytestmark = pytest.mark.skipif(not native.load(), reason="the fused CPU kernels are not built")
 
-KINDS = ["linear", "softmax", "retnet", "simple_gla", "gla", "deltanet", "gated_deltanet"]
+#: every kind of the table with a fused mixer (test_kinds_table checks that the others are refused)
+KINDS = [k for k, row in KIND_TABLE.items() if row.fused is not None]
 VOCAB = 48
 
 
@@ -206,7 +208,7 @@ def test_greedy_generation_same_tokens_fused_and_eager(kind):
 
 
 def test_generation_takes_the_fused_step_by_default(monkeypatch):
-    from linattn import decoding
+    from linattn.models import decoding
 
     calls = []
     step = decoding.FusedDecoder.step

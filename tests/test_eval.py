@@ -1,4 +1,4 @@
-"""linattn.evaluation and `linattn eval`: kinds build, a tiny grid runs and reports, literature checks."""
+"""linattn.eval.suite and `linattn eval`: kinds build, a tiny grid runs and reports, literature checks."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from linattn.cli import main as cli_main
-from linattn.evaluation import (
-    ATTENTION_KINDS,
+from linattn.eval.suite import (
+    EVAL_KINDS,
     MIXER_KINDS,
     PRESETS,
     _train_config,
@@ -34,7 +34,7 @@ def _single_thread(one_thread):
 def test_every_kind_and_task_of_the_presets_makes_a_valid_config(preset):
     p = PRESETS[preset]
     for task in p.tasks:
-        for kind in ATTENTION_KINDS:
+        for kind in EVAL_KINDS:
             cfg = _train_config(p, task, kind, 0, None, "cpu")
             mc = cfg.model_config()
             if kind == "softmax":
@@ -177,7 +177,8 @@ def test_help_lists_per_preset_the_task_names_that_preset_accepts(capsys, monkey
     (issue 13, item 11: the help listed mqar-32, which --preset quick rejects)."""
     import re
 
-    from linattn import cli, evaluation
+    from linattn import cli
+    from linattn.eval import suite as evaluation
 
     with pytest.raises(SystemExit):
         cli.main(["eval", "--help"])

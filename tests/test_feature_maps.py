@@ -5,9 +5,10 @@ import math
 import pytest
 import torch
 
-from linattn.feature_maps import FEATURE_MAPS, FavorPlus, make_feature_map
-from linattn.ops import linear_attention, linear_attention_step, reference
-from linattn.positional import RotaryEmbedding
+from linattn.nn.feature_maps import FEATURE_MAPS, FavorPlus, make_feature_map
+from linattn.ops import linear_attention, linear_attention_step
+from linattn.ops.linear import reference
+from linattn.nn.positional import RotaryEmbedding
 
 from .conftest import explicit_rotation, oracle
 
@@ -35,7 +36,7 @@ def _favor_attention_error(m, orthogonal, seeds, d=16, n=128):
     """Mean relative error of FAVOR+ non-causal attention against exact softmax (Performer Fig. 4 setting)."""
     g = torch.Generator().manual_seed(0)
     q, k, v = [torch.randn(1, 1, n, d, dtype=DT, generator=g) * 0.7 for _ in range(3)]
-    exact = reference.softmax_attention(q, k, v, causal=False)
+    exact = reference.softmax_attention_reference(q, k, v, causal=False)
     errs = []
     for s in seeds:
         fm = FavorPlus(d, m, orthogonal=orthogonal, seed=s).double()
@@ -182,7 +183,7 @@ def test_random_features_redraw_on_interval_in_training_only():
 
 def test_no_redraw_between_forward_and_backward(monkeypatch):
     """The backward recomputes φ with the ω the forward used (several blocks, redraw every call)."""
-    import linattn.ops.chunked as chunked
+    import linattn.ops.linear.chunked as chunked
 
     monkeypatch.setattr(chunked, "BLOCK_ELEMENTS", 256)
     fm = FavorPlus(4, 8, seed=0, redraw_interval=1).double().train()
@@ -200,7 +201,7 @@ def test_no_redraw_between_forward_and_backward(monkeypatch):
 
 
 def test_orthogonal_blocks_and_chi_norms():
-    from linattn.feature_maps import orthogonal_gaussian
+    from linattn.nn.feature_maps import orthogonal_gaussian
 
     w = orthogonal_gaussian(24, 8, orthogonal=True, generator=torch.Generator().manual_seed(0))
     for blk in w.split(8):

@@ -1,4 +1,4 @@
-"""linattn.gated_layers: every gated and delta-rule kind against its definition (float64, token by
+"""linattn.nn.recurrent: every gated and delta-rule kind against its definition (float64, token by
 token, forward and gradients), parallel == recurrent, padding, the output gate, argument checks."""
 
 import copy
@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from linattn.decay import FeatureDecay, FixedDecay
-from linattn.gated_layers import (
+from linattn.nn.decay import FeatureDecay, FixedDecay
+from linattn.nn.recurrent import (
     DeltaNetAttention,
     GatedDeltaNetAttention,
     GLAAttention,
@@ -17,7 +17,7 @@ from linattn.gated_layers import (
     RetNetAttention,
     SimpleGLAAttention,
 )
-from linattn.layers import LinearAttention, OutputGate, SoftmaxAttention
+from linattn.nn.attention import LinearAttention, OutputGate, SoftmaxAttention
 
 from .conftest import spread
 
@@ -296,8 +296,8 @@ def test_sequence_parallel_hook(kind, monkeypatch):
     """With a group set and no cache, a layer calls linattn.parallel's operator of its kind with the
     single-process op's arguments and the short convolution asks for its halo; a padding mask is
     refused; decoding with a cache stays local. (The sharded results: tests/parallel/.)"""
-    import linattn.gated_layers as gl
-    import linattn.layers as ly
+    import linattn.nn.recurrent as gl
+    import linattn.nn.attention as ly
 
     calls = {}
 

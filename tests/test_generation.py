@@ -1,4 +1,4 @@
-"""linattn.generation: greedy == argmax of the full forward, padded batches == prompts alone,
+"""linattn.models.generation: greedy == argmax of the full forward, padded batches == prompts alone,
 constant-size linear state, streaming, sampling filters, stop tokens, argument checks."""
 
 import re
@@ -6,7 +6,7 @@ import re
 import pytest
 import torch
 
-from linattn.generation import filter_logits, prepare_prompts, sample_next
+from linattn.models.generation import filter_logits, prepare_prompts, sample_next
 from linattn.models import LinearTransformerLM
 
 from .conftest import spread, tiny_config

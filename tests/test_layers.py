@@ -1,4 +1,4 @@
-"""linattn.layers: attention layers (parallel == recurrent, masks, RoPE), norms, FFN, block."""
+"""linattn.nn.attention: attention layers (parallel == recurrent, masks, RoPE), norms, FFN, block."""
 
 import math
 
@@ -6,9 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from linattn import layers as layers_module
-from linattn.feature_maps import FEATURE_MAPS
-from linattn.layers import (
+from linattn.nn import attention as layers_module
+from linattn.nn.feature_maps import FEATURE_MAPS
+from linattn.nn.attention import (
     Block,
     FeedForward,
     KVCache,

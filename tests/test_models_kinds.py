@@ -5,8 +5,8 @@ config checks."""
 import pytest
 import torch
 
-from linattn.gated_layers import RecurrentCache
-from linattn.layers import Block, ConvMixerBlock, ConvMixerCache, KVCache
+from linattn.nn.recurrent import RecurrentCache
+from linattn.nn.attention import Block, ConvMixerBlock, ConvMixerCache, KVCache
 from linattn.models import (
     ATTENTION_KINDS,
     RECURRENT_KINDS,

@@ -10,7 +10,7 @@ import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from linattn.feature_maps import make_feature_map
+from linattn.nn.feature_maps import make_feature_map
 from linattn.ops import native
 from linattn.ops.affine import apply_transition, transition_grad
 from linattn.ops.delta import delta_rule_affine_form
@@ -20,14 +20,6 @@ from linattn.ops.gated.reference import gated_recurrence
 
 DT = torch.float64
 TOL = 1e-10
-
-
-@pytest.fixture(params=["fused", "torch ops"])
-def op_path(request, monkeypatch):
-    if request.param == "fused" and not native.available():
-        pytest.skip("the fused CPU kernels could not be built here")
-    monkeypatch.setenv("LINATTN_NATIVE", "1" if request.param == "fused" else "0")
-    return request.param
 
 
 def _close(got, want, what):

@@ -5,11 +5,11 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from linattn.feature_maps import make_feature_map
+from linattn.nn.feature_maps import make_feature_map
 from linattn.ops import linear_attention, native
-from linattn.positional import RotaryEmbedding
+from linattn.nn.positional import RotaryEmbedding
 
-from .conftest import oracle
+from .conftest import oracle, select_op_path
 
 DT = torch.float64
 MAP_OPTIONS = {"cosformer": {"max_len": 512}, "favor": {"num_features": 12}, "trig": {"num_features": 6},
@@ -21,11 +21,9 @@ def op_path(request, monkeypatch):
     """Every test here runs on both CPU paths of the causal op: the fused kernels (taken by φ elu+1 or
     identity without RoPE, mask or scale) and the torch-op autograd Function (LINATTN_NATIVE=0), and
     on the torch ops' exact pass (the one for NaN / Inf in the state, ops.nonfinite), forced."""
-    if request.param == "fused" and not native.available():
-        pytest.skip("the fused CPU kernels could not be built here")
-    monkeypatch.setenv("LINATTN_NATIVE", "1" if request.param == "fused" else "0")
+    select_op_path("torch ops" if request.param == "exact pass" else request.param, monkeypatch)
     if request.param == "exact pass":
-        import linattn.ops.linear as linear
+        import linattn.ops.linear.api as linear
 
         monkeypatch.setattr(linear, "all_finite", lambda *tensors: False)
     return request.param
@@ -109,7 +107,7 @@ def test_per_sequence_positions_with_rope():
 def test_blocks_of_many_chunks(monkeypatch, variant):
     """Force several blocks so the state is carried between them in forward and backward: the
     autograd path (RoPE) and the elementwise-gradient path (elu+1, identity), with a tail block."""
-    import linattn.ops.chunked as chunked
+    import linattn.ops.linear.chunked as chunked
 
     monkeypatch.setattr(chunked, "BLOCK_ELEMENTS", 64)
     q, k, v = _inputs(2, 2, 53, 4, 3, positive=variant == "identity", seed=6)

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from linattn.ops import delta_rule
 from linattn.ops.delta.reference import delta_rule_recurrent
 
-from .test_ops_delta import make_inputs, op_path  # noqa: F401  (autouse fixture: both CPU paths)
+from .test_ops_delta import _both_paths, make_inputs  # noqa: F401  (autouse fixture: both CPU paths)
 
 DT = torch.float64
 NAMES = ("q", "k", "v", "beta", "g", "initial_state")

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from linattn.feature_maps import make_feature_map
+from linattn.nn.feature_maps import make_feature_map
 from linattn.ops import linear_attention, linear_attention_step
 
 from .conftest import oracle

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from linattn.feature_maps import make_feature_map
+from linattn.nn.feature_maps import make_feature_map
 from linattn.ops import linear_attention, linear_attention_step, softmax_attention
-from linattn.positional import RotaryEmbedding
+from linattn.nn.positional import RotaryEmbedding
 
 
 def qkv(b=1, h=2, n=8, d=4, e=4, dtype=torch.float32):
@@ -179,7 +179,7 @@ def test_state_of_the_wrong_dtype_is_refused(dtype, state):
 
 _HUGE_CHUNK = """
 import torch
-from linattn.feature_maps import make_feature_map
+from linattn.nn.feature_maps import make_feature_map
 from linattn.ops import linear_attention
 torch.manual_seed(0)
 q = torch.rand(1, 2, 70, 8)

@@ -9,7 +9,7 @@ import torch.nn.functional as Fn
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from linattn.feature_maps import EluPlusOne, make_feature_map
+from linattn.nn.feature_maps import EluPlusOne, make_feature_map
 from linattn.ops import gated_linear_attention, gated_linear_attention_step, native
 from linattn.ops.gated.reference import gated_recurrence
 
@@ -19,15 +19,6 @@ DT = torch.float64
 @pytest.fixture(autouse=True)
 def _one_thread(one_thread):
     """Small shapes, many ops: one thread (on a shared machine two wait on each other at every op)."""
-
-
-@pytest.fixture(params=["fused", "torch ops"])
-def op_path(request, monkeypatch):
-    """The fused kernels (φ elu+1 or identity without scale or mask) or the torch-op Function."""
-    if request.param == "fused" and not native.available():
-        pytest.skip("the fused CPU kernels could not be built here")
-    monkeypatch.setenv("LINATTN_NATIVE", "1" if request.param == "fused" else "0")
-    return request.param
 
 
 def draw(b, h, n, f, e, *, vector, elu, with_state, normalize, strength, seed, dtype=DT):

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from linattn.feature_maps import EluPlusOne, make_feature_map
+from linattn.nn.feature_maps import EluPlusOne, make_feature_map
 from linattn.ops import gated_linear_attention, gated_linear_attention_step, native
 from linattn.ops.gated.reference import gated_recurrence
 

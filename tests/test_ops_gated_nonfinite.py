@@ -10,10 +10,10 @@ no output in the loss depends on, are exactly 0.
 import pytest
 import torch
 
-from linattn.feature_maps import EluPlusOne, make_feature_map
+from linattn.nn.feature_maps import EluPlusOne, make_feature_map
 from linattn.ops import gated_linear_attention
 
-from .test_ops_gated import _one_thread, op_path, oracle  # noqa: F401  (fixtures: one thread; both CPU paths)
+from .test_ops_gated import _one_thread, oracle  # noqa: F401  (fixture: one thread)
 
 DT = torch.float64
 BAD = [float("nan"), float("inf"), -float("inf")]
@@ -99,7 +99,7 @@ def test_nonfinite_values_with_a_trainable_map(which, vector):
 @pytest.mark.parametrize("j", [0, 5, 63, 64, 100, 139])
 @pytest.mark.parametrize("vector", [False, True])
 def test_nonfinite_values_at_chunk_and_block_edges(op_path, j, vector, monkeypatch):
-    import linattn.ops.chunked as chunked
+    import linattn.ops.linear.chunked as chunked
 
     monkeypatch.setattr(chunked, "BLOCK_ELEMENTS", 512)  # several blocks and segments on the torch-op path
     monkeypatch.setattr("linattn.ops.gated.chunked.BLOCK_ELEMENTS", 512)

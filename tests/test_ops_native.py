@@ -10,9 +10,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from linattn.feature_maps import EluPlusOne
+from linattn.nn.feature_maps import EluPlusOne
 from linattn.ops import linear_attention, linear_attention_step, native
-from linattn.positional import RotaryEmbedding
+from linattn.nn.positional import RotaryEmbedding
 
 from .conftest import oracle
 
@@ -141,7 +141,7 @@ def test_fused_phi_picks_the_fused_path_only_where_it_applies(monkeypatch):
     x = torch.zeros(1, 1, 1, 4)
     assert native.fused_phi(EluPlusOne(4), None, None, st32, x, x, x) == 1
     assert native.fused_phi(None, None, None, st32, x, x, x) == 0
-    from linattn.feature_maps import make_feature_map
+    from linattn.nn.feature_maps import make_feature_map
 
     assert native.fused_phi(make_feature_map("relu", 4), None, None, st32, x, x, x) is None
     assert native.fused_phi(EluPlusOne(4), 0.5, None, st32, x, x, x) is None
@@ -197,7 +197,7 @@ def test_fused_rms_norm_equals_torch_in_float64(rows, d, transpose, seed):
 @needs_native
 def test_rmsnorm_layer_is_the_same_with_and_without_gradients():
     """The layer takes the fused operator only without gradients; both give the same numbers (fp32)."""
-    from linattn.layers import RMSNorm
+    from linattn.nn.attention import RMSNorm
 
     torch.manual_seed(0)
     norm = RMSNorm(64)
@@ -494,3 +494,17 @@ def test_a_killed_build_does_not_hang_the_next_one(tmp_path):
     res = subprocess.run([sys.executable, "-c", _FAILED_BUILD], env=env, capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr[-2000:]
     assert "could not be built" in res.stdout, res.stdout
+
+
+def test_two_checkouts_of_the_same_sources_build_in_two_folders(tmp_path, monkeypatch):
+    """torch rebuilds an extension whose source paths changed: two checkouts sharing one folder would
+    rebuild at every switch (seen: worktrees of this repository rebuilding each other's kernels)."""
+    import shutil
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    here = Path(native._build_directory())
+    copy = tmp_path / "csrc"
+    shutil.copytree(native._CSRC, copy)
+    monkeypatch.setattr(native, "_CSRC", copy)
+    there = Path(native._build_directory())
+    assert there != here and there.parent == here.parent

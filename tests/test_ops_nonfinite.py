@@ -4,29 +4,22 @@ of a loss over outputs < j, before j; a masked key slot reaches nothing, whateve
 The reference for outputs and gradients before j is the float64 oracle run on the tokens before j
 alone (by causality those outputs cannot depend on later tokens). Under IEEE arithmetic 0·NaN = NaN,
 so a mask applied by multiplying, a product with a masked (zero) entry or a zero cotangent spread a
-NaN backwards; linattn treats such zeros as absorbing (see linattn.ops.chunked), and gradients of
+NaN backwards; linattn treats such zeros as absorbing (see linattn.ops.linear.chunked), and gradients of
 tokens that no used output depends on are exactly 0.
 """
 
 import pytest
 import torch
 
-from linattn.feature_maps import make_feature_map
-from linattn.ops import linear_attention, linear_attention_step, native, reference
-from linattn.positional import RotaryEmbedding
+from linattn.nn.feature_maps import make_feature_map
+from linattn.ops import linear_attention, linear_attention_step, native
+from linattn.ops.linear import reference
+from linattn.nn.positional import RotaryEmbedding
 
 from .conftest import oracle
 
 DT = torch.float64
 BAD = [float("nan"), float("inf"), -float("inf")]
-
-
-@pytest.fixture(params=["fused", "torch ops"])
-def op_path(request, monkeypatch):
-    if request.param == "fused" and not native.available():
-        pytest.skip("the fused CPU kernels could not be built here")
-    monkeypatch.setenv("LINATTN_NATIVE", "1" if request.param == "fused" else "0")
-    return request.param
 
 
 def _inputs(b, h, n, d, e, positive, seed):
@@ -97,7 +90,7 @@ def test_nonfinite_values_with_rope_and_trainable_maps(name, which, monkeypatch)
 
 @pytest.mark.parametrize("j", [0, 5, 63, 64, 100, 139])
 def test_nonfinite_values_at_chunk_and_block_edges(op_path, j, monkeypatch):
-    import linattn.ops.chunked as chunked
+    import linattn.ops.linear.chunked as chunked
 
     monkeypatch.setattr(chunked, "BLOCK_ELEMENTS", 512)  # several blocks on the torch-op path
     _check_prefix("elu", "v", float("nan"), True, n=140, j=j, chunk=16)

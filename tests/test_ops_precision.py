@@ -11,13 +11,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from linattn.feature_maps import EluPlusOne
+from linattn.nn.feature_maps import EluPlusOne
 from linattn.ops import gated_linear_attention, gated_linear_attention_step, linear_attention, linear_attention_step
 from linattn.ops import native, precision
-from linattn.ops.chunked import compute_dtype
+from linattn.ops.linear.chunked import compute_dtype
 from linattn.ops.gated import fused as gated_fused
 from linattn.ops.gated.reference import gated_recurrence
-from linattn.positional import RotaryEmbedding
+from linattn.nn.positional import RotaryEmbedding
 
 from .conftest import oracle
 

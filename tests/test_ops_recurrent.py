@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from linattn.feature_maps import make_feature_map
+from linattn.nn.feature_maps import make_feature_map
 from linattn.ops import linear_attention, linear_attention_step
-from linattn.positional import RotaryEmbedding
+from linattn.nn.positional import RotaryEmbedding
 
 DT = torch.float64
 

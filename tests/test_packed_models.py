@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from linattn.convolution import ShortConvolution
+from linattn.nn.convolution import ShortConvolution
 from linattn.models import ATTENTION_KINDS, LinearTransformerLM
 from linattn.ops import packed
 
@@ -83,8 +83,11 @@ def test_conv_nan_stays_in_its_sequence():
     cu = torch.tensor([0, 5, 9])
     x = torch.randn(1, 9, 3, dtype=DT)
     x[0, 4] = math.nan  # the last token of sequence 0
+    x.requires_grad_()
     y = conv(x, cu_seqlens=cu)
     assert torch.isfinite(y[0, 5:]).all() and torch.isnan(y[0, 4]).all()
+    y[0, 5:].sum().backward()  # a loss over sequence 1: its inputs' gradients stay finite, sequence 0's are 0
+    assert torch.isfinite(x.grad[0, 5:]).all() and not x.grad[0, :5].any()
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -134,7 +137,27 @@ def test_model_packed_learned_positions_and_conv_mixer(kind):
 
 
 def test_model_packed_hybrid_with_favor():
-    _compare_model(_lm(attention=["linear", "softmax"], feature_map="favor", chunk_size=4), [3, 9, 1])
+    """Sequences of one length (5, 5) run as the rows of one batch, in the linear and softmax layers alike."""
+    _compare_model(_lm(attention=["linear", "softmax"], feature_map="favor", chunk_size=4), [5, 9, 5, 1])
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_softmax_layer_packed_with_key_mask(causal):
+    """A key mask on the packed axis: the block-diagonal masked path equals the separate masked calls at
+    the real tokens."""
+    from linattn.nn.attention import SoftmaxAttention
+
+    layer = spread(SoftmaxAttention(16, 2, causal=causal, rope=True)).double().eval()
+    cu, spans = _spans([6, 4, 6])
+    x = torch.randn(1, 16, 16, dtype=DT)
+    mask = torch.ones(1, 16, dtype=torch.bool)
+    mask[0, [2, 7, 12]] = False
+    y, _ = layer(x, mask, cu_seqlens=cu)
+    for s, e in spans:
+        # packed positions are each token's index in its sequence, masked tokens included
+        y_n, _ = layer(x[:, s:e], mask[:, s:e], positions=torch.arange(e - s))
+        real = mask[0, s:e]
+        _close(y[:, s:e][:, real], y_n[:, real], f"tokens {s}..{e}")
 
 
 def test_model_packed_errors():

@@ -12,13 +12,15 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from linattn.feature_maps import make_feature_map
+from linattn.nn.feature_maps import make_feature_map
 from linattn.ops import delta_rule, gated_linear_attention, linear_attention, native, packed
-from linattn.positional import RotaryEmbedding
+from linattn.nn.positional import RotaryEmbedding
 
 DT = torch.float64
 TOL = 1e-10
-LENGTHS = [5, 1, 11, 0, 8]  # chunk 4: a length 1, a length 0, lengths that are not a multiple of 4
+# chunk 4: lengths 1 and 0, lengths that are not a multiple of 4; sequences of one length (5: 0, 2, 3;
+# 1: 1, 7) run as the rows of one batch, in an order that is not the sequences'
+LENGTHS = [5, 1, 5, 5, 11, 0, 8, 1]
 
 
 @pytest.fixture(autouse=True)
@@ -222,6 +224,35 @@ def test_delta_packed_equals_separate(op_path, gated, l2norm, with_state):
                           initial_state=s, return_state=True, chunk_size=4, cu_seqlens=cu)
 
     compare(call, x, state, LENGTHS)
+
+
+@pytest.mark.parametrize("family", ["linear", "gated", "delta"])
+def test_consecutive_sequences_of_one_length(op_path, family):
+    """Sequences of one length that follow each other (one view of the row, no copy) and a last one."""
+    lengths, h, d, e = [4, 4, 4, 3], 2, 4, 3
+    t, n = sum(lengths), len(lengths)
+    gen, x = _delta_inputs(h, t, d, e, 11, True, True)
+    fm = make_feature_map("elu", d)
+    if family == "delta":
+        state = torch.randn(n, h, d, e, generator=gen, dtype=DT)
+
+        def call(x, s, cu):
+            return delta_rule(x["q"], x["k"], x["v"], x["beta"], g=x["g"], qk_l2norm=True, initial_state=s,
+                              return_state=True, chunk_size=4, cu_seqlens=cu)
+    elif family == "gated":
+        state = torch.randn(n, h, d, e, generator=gen, dtype=DT)
+
+        def call(x, s, cu):
+            return gated_linear_attention(x["q"], x["k"], x["v"], x["g"], feature_map=fm, initial_state=s,
+                                          return_state=True, chunk_size=4, cu_seqlens=cu)
+    else:
+        state = (torch.randn(n, h, d, e, generator=gen, dtype=DT), torch.rand(n, h, d, generator=gen, dtype=DT) + 1)
+
+        def call(x, s, cu):
+            return linear_attention(x["q"], x["k"], x["v"], causal=True, feature_map=fm, initial_state=s,
+                                    return_state=True, chunk_size=4, cu_seqlens=cu)
+
+    compare(call, x, state, lengths)
 
 
 # ---------------------------------------------------------------------------------------------------------

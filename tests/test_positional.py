@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from linattn.positional import RotaryEmbedding
+from linattn.nn.positional import RotaryEmbedding
 
 from .conftest import explicit_rotation
 
@@ -66,8 +66,9 @@ def test_low_precision_modules_keep_float32_frequencies(n):
 @pytest.mark.parametrize("native_env", ["1", "0"])
 def test_operators_with_rope_are_float64_at_large_positions(monkeypatch, native_env):
     """The parallel op and the (fused, when built) recurrent step against a float64 reference rotated pair by pair."""
-    from linattn.feature_maps import make_feature_map
-    from linattn.ops import linear_attention, linear_attention_step, reference
+    from linattn.nn.feature_maps import make_feature_map
+    from linattn.ops import linear_attention, linear_attention_step
+    from linattn.ops.linear import reference
 
     monkeypatch.setenv("LINATTN_NATIVE", native_env)
     g = torch.Generator().manual_seed(0)

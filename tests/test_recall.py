@@ -10,12 +10,12 @@ import json
 import pytest
 import torch
 
-from linattn import data as D
-from linattn import recall
+from linattn.training import data as D
+from linattn.eval import recall
 from linattn.cli import main as cli_main
-from linattn.evaluation import kind_model
+from linattn.eval.suite import kind_model
 from linattn.models import LinearTransformerLM, ModelConfig
-from linattn.recall_report import RECORD_KEYS, recall_json, render_recall_markdown, write_recall_report
+from linattn.eval.recall_report import RECORD_KEYS, recall_json, render_recall_markdown, write_recall_report
 from linattn.training.tasks import LMTask, MqarTask
 
 

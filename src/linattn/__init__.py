@@ -3,8 +3,8 @@
     from linattn import linear_attention, make_feature_map, ModelConfig, LinearTransformerLM
 """
 
-from .feature_maps import FEATURE_MAPS, make_feature_map
-from .models import LinearTransformerEncoder, LinearTransformerLM, ModelConfig
+from .nn.feature_maps import FEATURE_MAPS, make_feature_map
+from .models import KINDS, LinearTransformerEncoder, LinearTransformerLM, ModelConfig
 from .ops import (
     delta_rule,
     delta_rule_step,
@@ -14,12 +14,13 @@ from .ops import (
     linear_attention_step,
     softmax_attention,
 )
-from .positional import RotaryEmbedding
+from .nn.positional import RotaryEmbedding
 
 __version__ = "0.1.0"
 
 __all__ = [
     "FEATURE_MAPS",
+    "KINDS",
     "LinearTransformerEncoder",
     "LinearTransformerLM",
     "ModelConfig",

@@ -32,10 +32,6 @@ from .report import args_dict, machine_info, make_table, progress, timestamp, wr
 
 AGREEMENT_MAPS = {"elu": {}, "relu": {}, "favor": {"num_features": 16}, "trig": {"num_features": 8},
                   "cosformer": {"max_len": 1024}, "taylor": {}, "hedgehog": {"num_features": 6}}
-MAP_LABELS = {"elu": "elu+1", "relu": "relu", "favor": "FAVOR+", "trig": "trig RF", "cosformer": "cosFormer",
-              "taylor": "Taylor", "hedgehog": "Hedgehog"}
-
-
 @dataclass
 class DemoConfig:
     """Settings of one demo run. dtype: benchmark dtype and training autocast ("float32"/"bfloat16")."""
@@ -70,7 +66,7 @@ def agreement(*, n: int = 64, batch: int = 2, heads: int = 2, dim: int = 8, chun
     """Max |difference| between the chunked op, the recurrent step loop and the quadratic oracle, in
     float64, for every feature map (φ applied with the token positions) and for softmax (SDPA over the
     whole sequence, one query at a time against a growing KV cache, and the masked-softmax oracle)."""
-    from .feature_maps import make_feature_map
+    from .nn.feature_maps import make_feature_map
     from .ops import linear_attention, linear_attention_step, reference, softmax_attention
 
     dt = torch.float64
@@ -95,7 +91,7 @@ def agreement(*, n: int = 64, batch: int = 2, heads: int = 2, dim: int = 8, chun
                 recurrent = torch.cat(steps, dim=2)
                 qf, kf = fm(q, is_query=True, positions=pos), fm(k, is_query=False, positions=pos)
                 oracle, _ = reference.kernel_attention(qf, kf, v, causal=True)
-            rows.append(_agreement_row(MAP_LABELS[name], fm.feature_dim, chunked, recurrent, oracle))
+            rows.append(_agreement_row(fm.label, fm.feature_dim, chunked, recurrent, oracle))
             bar.advance(task)
         g = torch.Generator().manual_seed(seed)
         q, k, v = (torch.randn(batch, heads, n, dim, dtype=dt, generator=g).to(device) for _ in range(3))
@@ -103,7 +99,7 @@ def agreement(*, n: int = 64, batch: int = 2, heads: int = 2, dim: int = 8, chun
             parallel = softmax_attention(q, k, v, causal=True)
             cached = torch.cat([softmax_attention(q[:, :, t:t + 1], k[:, :, :t + 1], v[:, :, :t + 1], causal=True)
                                 for t in range(n)], dim=2)
-            oracle = reference.softmax_attention(q, k, v, causal=True)
+            oracle = reference.softmax_attention_reference(q, k, v, causal=True)
         rows.append(_agreement_row("softmax (SDPA; KV cache)", None, parallel, cached, oracle))
         bar.advance(task)
     return rows

@@ -13,9 +13,9 @@ import torch.distributed as dist
 
 from linattn import parallel as D
 from linattn.parallel import ops as sp_ops
-from linattn.feature_maps import make_feature_map
+from linattn.nn.feature_maps import make_feature_map
 from linattn.ops import linear_attention, softmax_attention
-from linattn.positional import RotaryEmbedding
+from linattn.nn.positional import RotaryEmbedding
 
 from .harness import launch, setup
 

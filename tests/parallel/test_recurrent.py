@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from linattn import parallel as D
-from linattn.feature_maps import make_feature_map
+from linattn.nn.feature_maps import make_feature_map
 from linattn.ops import delta_rule, gated_linear_attention
 
 from .harness import launch, setup

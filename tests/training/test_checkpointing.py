@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from linattn.checkpoint import CheckpointError
+from linattn.models.checkpoint import CheckpointError
 from linattn.training import find_checkpoint, train
 
 from .helpers import mqar_config

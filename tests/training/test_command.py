@@ -1,4 +1,4 @@
-"""`linattn train` (linattn.commands.train): config file and flags, resume, errors, Ctrl-C."""
+"""`linattn train` (linattn.cli.train): config file and flags, resume, errors, Ctrl-C."""
 
 from __future__ import annotations
 

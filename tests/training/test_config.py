@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from linattn import layers, models
+from linattn.nn import attention as layers
+from linattn import models
 from linattn.training import TrainConfig, build_model, make_task
 from linattn.training import tasks as training_tasks
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from linattn import data as D
+from linattn.training import data as D
 from linattn.models import LinearTransformerLM, ModelConfig
 from linattn.training import TrainConfig, train
 from linattn.training import packing as P

@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from linattn import data as D
-from linattn.checkpoint import CheckpointError
+from linattn.training import data as D
+from linattn.models.checkpoint import CheckpointError
 from linattn.models import LinearTransformerEncoder, LinearTransformerLM
 from linattn.training.tasks import TASK_CLASSES, BytesTask, CopyTask, ListOpsTask, MqarTask, evaluate
 

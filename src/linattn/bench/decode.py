@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from rich.console import Console
 
-from ..feature_maps import EluPlusOne
+from ..nn.feature_maps import EluPlusOne
 from ..ops import delta_rule_step, gated_linear_attention_step, linear_attention_step
 from ..report import fmt_bytes, fmt_time, make_table, plot_loglog, progress
 from .consistency import growing_series, unstable
@@ -28,8 +28,8 @@ from .timing import measure
 
 DEFAULT_CONTEXTS = [256, 512, 1024, 2048, 4096, 8192, 16384]
 DECODE_METHODS = {"linear_step": "linear RNN step", "gated_scalar_step": "gated step, scalar g",
-                  "gated_vector_step": "GLA step, vector g", "deltanet_step": "DeltaNet step",
-                  "gated_deltanet_step": "Gated DeltaNet step", "kv_cache": "softmax + KV cache",
+                  "gated_vector_step": "GLA step, vector g", "delta_step": "DeltaNet step",
+                  "gated_delta_step": "Gated DeltaNet step", "kv_cache": "softmax + KV cache",
                   "no_cache": "softmax, no cache"}
 
 
@@ -157,8 +157,8 @@ def run_decode(cfg: DecodeConfig, console: Console | None = None) -> dict:
                           "gated_scalar_step": lambda: gated_step_fn(cfg.shape, cfg.dtype, device, cfg.seed),
                           "gated_vector_step": lambda: gated_step_fn(cfg.shape, cfg.dtype, device, cfg.seed,
                                                                      per_feature=True),
-                          "deltanet_step": lambda: delta_step_fn(cfg.shape, cfg.dtype, device, cfg.seed),
-                          "gated_deltanet_step": lambda: delta_step_fn(cfg.shape, cfg.dtype, device, cfg.seed,
+                          "delta_step": lambda: delta_step_fn(cfg.shape, cfg.dtype, device, cfg.seed),
+                          "gated_delta_step": lambda: delta_step_fn(cfg.shape, cfg.dtype, device, cfg.seed,
                                                                        gated=True),
                           "kv_cache": lambda: kv_cache_fn(cfg.shape, ctx, cfg.dtype, device, cfg.seed),
                           "no_cache": lambda: no_cache_fn(cfg.shape, ctx, cfg.dtype, device, cfg.seed)}[key]()

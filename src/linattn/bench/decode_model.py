@@ -4,7 +4,7 @@ read its weights once, the bound a step at small batch cannot beat.
 For each model size (d_model × layers), attention kind, context and batch:
 
     eager step        model(tok (B, 1), cache=cache): the layers' torch ops, one fused op per attention
-    fused step        linattn.decoding.FusedDecoder.step: the whole step in one C++ call
+    fused step        linattn.models.decoding.FusedDecoder.step: the whole step in one C++ call
     weight streaming  FusedDecoder.weight_streaming: every matrix-vector product of the step once (one
                       per weight matrix, same kernels and threads), nothing else
 
@@ -25,15 +25,15 @@ from dataclasses import asdict, dataclass, field
 import torch
 from rich.console import Console
 
-from ..decoding import FusedDecoder, fused_decoding_obstacle
-from ..models import LinearTransformerLM, ModelConfig
+from ..models.decoding import FusedDecoder, fused_decoding_obstacle
+from ..models import KINDS, LinearTransformerLM, ModelConfig
 from ..report import fmt_time, make_table, progress
 from .consistency import unstable
 from .methods import short_dtype
 from .timing import Timing, measure
 
 #: the kinds a model row can take: those with a constant-size state (softmax's KV cache grows)
-MODEL_KINDS = ("linear", "retnet", "simple_gla", "gla", "deltanet", "gated_deltanet")
+MODEL_KINDS = tuple(k.name for k in KINDS.values() if k.rnn)
 DEFAULT_MODELS = ["d256x4"]
 DEFAULT_MODEL_KINDS = ["linear", "gated_deltanet"]
 DEFAULT_MODEL_CONTEXTS = [256, 65536]

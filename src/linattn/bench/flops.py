@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from ..ops.chunked import DEFAULT_CHUNK_SIZE
+from ..ops.linear.chunked import DEFAULT_CHUNK_SIZE
 
 from .timing import measure
 

@@ -16,7 +16,7 @@ Three ways to generate, timed on the same shapes:
     softmax, no cache   the paper's softmax baseline: every new token recomputes the forward pass
                         over the whole prefix — O(t²) per token
 
-Linear and KV-cache generation run model.stream, whose steps are fused (linattn.decoding: the whole
+Linear and KV-cache generation run model.stream, whose steps are fused (linattn.models.decoding: the whole
 model's step in one C++ call) for these CPU models; beside them, the time to read every weight once
 (each matrix-vector product of a step alone, measured in the same run) bounds a step at small batch.
 Linear and KV-cache generation always run end to end (a full image, wall clock). Softmax without a
@@ -38,9 +38,9 @@ from dataclasses import asdict, dataclass, field
 import torch
 from rich.console import Console
 
-from ..decoding import FusedDecoder, fused_decoding_obstacle
-from ..generation import sample_next
-from ..models import LinearTransformerLM, ModelConfig
+from ..models.decoding import FusedDecoder, fused_decoding_obstacle
+from ..models.generation import sample_next
+from ..models.lm import LinearTransformerLM, ModelConfig
 from ..report import fmt_bytes, make_table, progress
 from .consistency import growing_series
 from .methods import short_dtype
@@ -227,7 +227,7 @@ def cache_bytes(kind: str, batch: int, tokens: int, layers: int, cfg: GenerateCo
 
 
 def weight_streaming_ms(model, prompt: torch.Tensor, cfg: GenerateConfig) -> float | None:
-    """Milliseconds to read every weight of `model` once at this batch (linattn.decoding: each
+    """Milliseconds to read every weight of `model` once at this batch (linattn.models.decoding: each
     matrix-vector product of a decoding step, alone), the bound a token's step at small batch cannot
     beat; None where the model takes the eager step (fused_decoding_obstacle)."""
     if fused_decoding_obstacle(model) is not None:
@@ -321,7 +321,7 @@ def run_generate(cfg: GenerateConfig, console: Console | None = None) -> dict:
     notes = [
         "Models are untrained: generation speed does not depend on the weights.",
         "Cached generation (linear, softmax + KV cache) runs model.stream's default step: fused "
-        "(linattn.decoding, one C++ call per token) where the model allows it, eager otherwise; "
+        "(linattn.models.decoding, one C++ call per token) where the model allows it, eager otherwise; "
         f"here: {config['decoding']}.",
         "Linear (RNN) and softmax + KV cache always generate whole images end to end; softmax without a cache "
         f"does so up to {cfg.full_no_cache_max} tokens, above which its per-token cost is timed at "
@@ -407,7 +407,7 @@ def render_generate(res: dict, console: Console) -> None:
                          fmt_bytes(m["cache_bytes"]) if k != "no_cache" else "none", how])
     console.print(make_table("time to generate one batch of images", cols, rows,
                              caption="weights once: every matrix-vector product of a decoding step alone (the "
-                                     "time to read the weights, linattn.decoding), measured in the same run; "
+                                     "time to read the weights, linattn.models.decoding), measured in the same run; "
                                      "÷ weights: ms per token (sampling included) over it"))
 
 

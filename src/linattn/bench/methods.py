@@ -6,12 +6,12 @@ The linear ones use the normalized elu+1 feature map unless another is given.
     chunked       linattn.linear_attention(causal=True) — the training/prefill path (fp32, bf16)
     noncausal     linattn.linear_attention(causal=False) — no mask, for scale (not causal)
     recurrent     a Python loop of linattn.linear_attention_step over the tokens (slow; capped)
-    quadratic     linattn.ops.reference.kernel_attention on φ(q), φ(k): the N×N oracle (capped)
+    quadratic     linattn.ops.linear.reference.kernel_attention on φ(q), φ(k): the N×N oracle (capped)
     softmax       F.scaled_dot_product_attention(is_causal=True)
     gated_scalar  linattn.gated_linear_attention, g = logsigmoid(N(0, 1)) per head and token (simple GLA)
     gated_vector  the same with g per key feature (B, H, N, D)                  (GLA)
-    deltanet      linattn.delta_rule(qk_l2norm=True), β = sigmoid(N(0, 1))      (DeltaNet)
-    gated_deltanet  the same with g = logsigmoid(N(0, 1))                       (Gated DeltaNet)
+    delta         linattn.delta_rule(qk_l2norm=True), β = sigmoid(N(0, 1))      (DeltaNet)
+    gated_delta   the same with g = logsigmoid(N(0, 1))                         (Gated DeltaNet)
 
 The gates of the recurrent kinds are fixed tensors in float32, drawn once per shape from a seeded
 generator (`fixed_gates`); gradients are taken with respect to q, k and v only.
@@ -25,10 +25,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..feature_maps import EluPlusOne
+from ..nn.feature_maps import EluPlusOne
 from ..ops import delta_rule, gated_linear_attention, linear_attention, linear_attention_step
-from ..ops.chunked import DEFAULT_CHUNK_SIZE
-from ..ops.reference import kernel_attention
+from ..ops.linear.chunked import DEFAULT_CHUNK_SIZE
+from ..ops.linear.reference import kernel_attention
 from .flops import chunked_linear_flops
 from .memory import nbytes, peak_memory
 from .timing import measure
@@ -94,16 +94,16 @@ def recurrent_methods(*, chunk: int = DEFAULT_CHUNK_SIZE) -> list[Method]:
     def gated_vector(q, k, v):
         return gated_linear_attention(q, k, v, fixed_gates(q, per_feature=True)[1], chunk_size=chunk)
 
-    def deltanet(q, k, v):
+    def delta(q, k, v):
         beta, _ = fixed_gates(q)
         return delta_rule(q, k, v, beta, qk_l2norm=True, chunk_size=chunk)
 
-    def gated_deltanet(q, k, v):
+    def gated_delta(q, k, v):
         beta, g = fixed_gates(q)
         return delta_rule(q, k, v, beta, g=g, qk_l2norm=True, chunk_size=chunk)
 
     return [Method("gated_scalar", "gated, scalar g", gated_scalar), Method("gated_vector", "GLA, vector g", gated_vector),
-            Method("deltanet", "DeltaNet", deltanet), Method("gated_deltanet", "Gated DeltaNet", gated_deltanet)]
+            Method("delta", "DeltaNet", delta), Method("gated_delta", "Gated DeltaNet", gated_delta)]
 
 
 def core_methods(dtype: torch.dtype = torch.float32, *, feature_map=None, head_dim: int = 64,

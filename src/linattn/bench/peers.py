@@ -15,7 +15,7 @@ import inspect
 
 import torch
 
-from ..feature_maps import EluPlusOne
+from ..nn.feature_maps import EluPlusOne
 from .methods import Method
 
 EPS = 1e-6

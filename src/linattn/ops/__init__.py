@@ -2,10 +2,11 @@
 step), gated linear attention (`gated`), the delta rule (DeltaNet, Gated DeltaNet), softmax attention,
 and the quadratic `reference` oracles."""
 
-from . import packed, reference
+from . import packed
+from .linear import reference
 from .delta import delta_rule, delta_rule_step
 from .gated import gated_linear_attention, gated_linear_attention_step
-from .linear import State, linear_attention, linear_attention_step
+from .linear.api import State, linear_attention, linear_attention_step
 from .softmax import softmax_attention
 
 __all__ = ["State", "delta_rule", "delta_rule_step", "gated_linear_attention", "gated_linear_attention_step",

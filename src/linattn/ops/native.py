@@ -38,10 +38,9 @@ from pathlib import Path
 
 import torch
 
-from ..feature_maps import EluPlusOne
 from . import precision
-from ._features import Featurizer
-from .chunked import ChunkedCausalLinearAttention
+from .features import kernel_featurizer, native_code
+from .linear.chunked import ChunkedCausalLinearAttention
 from .nonfinite import all_finite
 
 _CSRC = Path(__file__).with_name("csrc")
@@ -122,13 +121,14 @@ def _build_guard(folder: str):
 
 
 def _build_directory() -> str:
-    """<torch extension cache>/linattn_cpu-<hash of the sources, headers, flags, torch version and headers' path>."""
+    """<torch extension cache>/linattn_cpu-<hash of the sources, their folder, flags, torch version and headers' path>."""
     from torch.utils.cpp_extension import get_default_build_root
 
     from torch.utils.cpp_extension import include_paths
 
-    # the build's command lines name torch's headers: two environments on the same sources get two folders
-    digest = hashlib.sha256(" ".join(_CFLAGS + [torch.__version__, *include_paths()]).encode())
+    # the build's command lines name torch's headers and the sources' paths: two environments, or two
+    # checkouts of the same sources, get two folders (in one folder torch would rebuild at every switch)
+    digest = hashlib.sha256(" ".join(_CFLAGS + [torch.__version__, *include_paths(), str(_CSRC)]).encode())
     for path in sorted(_CSRC.iterdir()):
         if path.suffix in (".cpp", ".h"):
             digest.update(path.name.encode() + path.read_bytes())
@@ -160,11 +160,8 @@ def fused_phi(feature_map, scale, key_padding_mask, state, q, k, v, *, bf16: boo
     state's floating dtype (fp32/fp64; unless bf16=False also bf16 q, k, v on a float32 state), φ the
     identity or elu+1 (neither has parameters), no scale, no mask, and no gradient wanted unless
     train=True (the chunked forward has a fused backward; the step has none)."""
-    if feature_map is None:
-        phi = 0
-    elif type(feature_map) is EluPlusOne:
-        phi = 1
-    else:
+    phi = native_code(feature_map)
+    if phi not in (0, 1):
         return None
     kv, z = state
     low = bf16 and q.dtype is torch.bfloat16 and kv.dtype is torch.float32
@@ -279,8 +276,8 @@ class FusedChunkedCausal(torch.autograd.Function):
 
 def _exact_backward(ctx, inputs, grads):
     """Gradients of (q, k, v, kv0, z0) from the torch-op chunked Function's exact pass (run again
-    here), for a backward whose products met a NaN or Inf (linattn.ops.chunked)."""
-    fz = Featurizer(EluPlusOne(inputs[0].shape[-1]) if ctx.phi == 1 else None)
+    here), for a backward whose products met a NaN or Inf (linattn.ops.linear.chunked)."""
+    fz = kernel_featurizer(ctx.phi)
     with torch.enable_grad():
         xs = [x.detach().requires_grad_() for x in inputs]
         outs = ChunkedCausalLinearAttention.apply(fz, ctx.chunk, ctx.normalize, ctx.eps, True, *xs)

@@ -83,7 +83,7 @@ def select_state(state, index):
 
 
 def stack_states(states: Sequence):
-    """The per-sequence final states (each with leading dim 1) concatenated to leading dim N; tuples
+    """Per-sequence states (each with a leading dim: 1, or a group's G) concatenated on it; tuples
     element by element (None stays None)."""
     first = states[0]
     if isinstance(first, (tuple, list)):
@@ -99,9 +99,18 @@ def gather(x, spans: list[tuple[int, int]], dim: int):
         return None
     if x.dim() == 1:
         x, dim = x[None], 1
+    dim = dim % x.dim()
+    start, length = spans[0][0], spans[0][1] - spans[0][0]
     if len(spans) == 1:
-        return x.narrow(dim, spans[0][0], spans[0][1] - spans[0][0])
+        return x.narrow(dim, start, length)
+    if _consecutive(spans):  # a view: (1, …, G·L, …) -> (G, …, L, …)
+        return x.narrow(dim, start, len(spans) * length).unflatten(dim, (len(spans), length)).movedim(dim, 0).squeeze(1)
     return torch.cat([x.narrow(dim, s, e - s) for s, e in spans], 0)
+
+
+def _consecutive(spans) -> bool:
+    """The spans (of one length) follow each other without a gap, in order."""
+    return all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
 
 
 def run(one: Callable, bounds: list[tuple[int, int]], initial_state, empty_state: Callable, empty_output: Callable):
@@ -119,22 +128,33 @@ def run(one: Callable, bounds: list[tuple[int, int]], initial_state, empty_state
     by_length: dict[int, list[int]] = {}
     for n, (s, e) in enumerate(bounds):
         by_length.setdefault(e - s, []).append(n)
-    outs: list = [None] * len(bounds)
-    finals: list = [None] * len(bounds)
+    blocks: list = []  # (first token, output (1, H, tokens, E)) of runs of consecutive sequences
+    finals: list = []  # final states (leading dim G) of the groups, in the order of `order`
+    order: list[int] = []
     for length, index in by_length.items():
         state = select_state(initial_state, index)
+        order.extend(index)
         if length == 0:
-            for i, n in enumerate(index):
-                finals[n] = empty_state(select_state(state, i))
+            finals.extend(empty_state(select_state(state, i)) for i in range(len(index)))
             continue
-        o, final = one([bounds[n] for n in index], state)
-        pieces = o.split(1, 0) if len(index) > 1 else (o,)
-        for i, n in enumerate(index):
-            outs[n] = pieces[i]
-            finals[n] = final if len(index) == 1 else select_state(final, i)
-    outs = [x for x in outs if x is not None]
-    o = empty_output() if not outs else outs[0] if len(outs) == 1 else torch.cat(outs, 2)
-    return o, stack_states(finals)
+        spans = [bounds[n] for n in index]
+        o, final = one(spans, state)
+        if len(index) == 1:
+            blocks.append((spans[0][0], o))
+        elif _consecutive(spans):  # (G, H, L, E) -> (1, H, G·L, E)
+            blocks.append((spans[0][0], o.movedim(0, -3).flatten(-3, -2).unsqueeze(0)))
+        else:
+            blocks.extend((s, o[i:i + 1]) for i, (s, _) in enumerate(spans))
+        finals.append(final)
+    blocks.sort(key=lambda b: b[0])
+    o = empty_output() if not blocks else blocks[0][1] if len(blocks) == 1 else torch.cat([b[1] for b in blocks], 2)
+    final = finals[0] if len(finals) == 1 else stack_states(finals)
+    if order != sorted(order):  # back to the sequences' order
+        inverse = [0] * len(order)
+        for i, n in enumerate(order):
+            inverse[n] = i
+        final = select_state(final, inverse)
+    return o, final
 
 
 def positions(cu_seqlens: torch.Tensor, length: int | None = None) -> torch.Tensor:

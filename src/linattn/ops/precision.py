@@ -13,7 +13,7 @@ One choice is made per process for each of the two places that multiply:
 - `fused`: linattn's own CPU kernels (csrc/, products by torch's BLAS: MKL's gemm_bf16bf16f32 or
   sgemm), asked through `linattn.ops.native.bf16_compute()`;
 - `torch`: the torch-op paths on the CPU (torch.bmm / matmul, oneDNN for bf16), through
-  `compute_dtype` (linattn.ops.chunked). On CUDA bf16 always stays bf16 (tensor cores).
+  `compute_dtype` (linattn.ops.linear.chunked). On CUDA bf16 always stays bf16 (tensor cores).
 
 The rule (`choose`): the environment variable LINATTN_BF16_PATH=bf16|fp32 forces either (for tests
 and comparisons; auto, the default, decides). Otherwise the CPU's flags decide where they are

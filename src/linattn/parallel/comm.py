@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from .._checks import FLOAT_DTYPES, check_int, check_positive_int, check_tensor
-from ..ops.chunked import state_dtype
+from ..ops.linear.chunked import state_dtype
 from .groups import ShardGroup
 
 _META_LEN = 7  # at least [ok, n_local, B, H, F (or D), E, dtype code]

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from ..ops.affine import apply_transition, transition_grad
-from ..ops.chunked import state_dtype
+from ..ops.linear.chunked import state_dtype
 from .comm import all_gather, comm_stats, sum_after_rank, sum_over_ranks, sum_scatter
 from .groups import ShardGroup
 

@@ -54,8 +54,8 @@ from __future__ import annotations
 import torch
 
 from .._checks import check_bool, check_positions, check_positive_int, check_qkv, check_tensor
-from ..ops.chunked import DEFAULT_CHUNK_SIZE, block_tokens
-from ..ops.linear import advance_schedule, check_arguments, make_featurizer, run_linear_attention, state_readout
+from ..ops.linear.chunked import DEFAULT_CHUNK_SIZE, block_tokens
+from ..ops.linear.api import advance_schedule, check_arguments, make_featurizer, run_linear_attention, state_readout
 from ..ops.softmax import softmax_attention
 from .comm import agree, dtype_code, sum_before_rank
 from .functions import (
@@ -234,7 +234,7 @@ def gather_sequence(x: torch.Tensor, *, group=None, dim: int = 2) -> torch.Tenso
 def sequence_halo(x: torch.Tensor, width: int, *, group=None) -> torch.Tensor:
     """The `width` tokens of the sequence just before this rank's shard: x (B, n_r, C) -> (B, width, C),
     zeros before the sequence's start (all zeros on rank 0). What a causal convolution of kernel
-    width + 1 needs from the earlier shards (the `tail` of linattn.convolution.ShortConvolution).
+    width + 1 needs from the earlier shards (the `tail` of linattn.nn.convolution.ShortConvolution).
     A shard shorter than `width` is bridged: the tokens come from as many earlier ranks as needed.
 
     With autograd: a halo token's gradient returns to the rank that holds the token. Each rank sends

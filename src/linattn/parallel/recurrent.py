@@ -39,7 +39,7 @@ import torch
 
 from .._checks import check_bool, check_eps, check_positive_int
 from ..ops.affine import AffineForm
-from ..ops.chunked import DEFAULT_CHUNK_SIZE, state_dtype
+from ..ops.linear.chunked import DEFAULT_CHUNK_SIZE, state_dtype
 from ..ops.delta import delta_rule_affine_form
 from ..ops.delta.checks import check_arguments as check_delta_arguments
 from ..ops.delta.checks import check_values as check_delta_values
@@ -162,7 +162,7 @@ def sequence_parallel_delta_rule(
     scale: float | None = None,
     qk_l2norm: bool = False,
     initial_state: torch.Tensor | None = None,
-    chunk_size: int = 64,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
 ) -> torch.Tensor:
     """The delta rule (linattn.ops.delta_rule; DeltaNet, Gated DeltaNet with g) over a sequence
     sharded across the ranks of `group` (see the module doc).

@@ -4,7 +4,7 @@
 See training.loop for what a step does and design §10 for the data flow.
 """
 
-from ..checkpoint import CheckpointError
+from ..models.checkpoint import CheckpointError
 from .checkpointing import (CHECKPOINTS, LAST, TRAINER_FORMAT, TRAINER_FORMAT_VERSION, TRAINER_JSON, TRAINER_TENSORS,
                             find_checkpoint, load_training_checkpoint, read_trainer_doc, save_training_checkpoint)
 from .config import DISTRIBUTED, DTYPES, RESUMABLE_CHANGES, TASKS, TrainConfig, build_model, load_config_file, make_task

@@ -3,7 +3,7 @@ checkpoint a run resumes from.
 
 `out_dir/checkpoints/step-XXXXXXXX/` (`last` -> the latest good one)::
 
-    config.json, model.safetensors   the model (linattn.checkpoint.save_pretrained): loadable alone
+    config.json, model.safetensors   the model (linattn.models.checkpoint.save_pretrained): loadable alone
                                      with LinearTransformerLM.from_pretrained(out_dir/"checkpoints/last")
     trainer.safetensors              optimizer tensors ("optim.<param>.<name>") and RNG states ("rng.*")
     trainer.json                     format, step, the TrainConfig, optimizer hyper-parameters and
@@ -36,7 +36,7 @@ from torch import nn
 
 from .._io import (ATOMIC_TEMPORARY, atomic_write, fsync_path, read_json, remove_stale_temporaries, sha256_file,
                    write_text_synced)
-from ..checkpoint import CONFIG_NAME, WEIGHTS_NAME, CheckpointError, load_weights, read_config, save_pretrained
+from ..models.checkpoint import CONFIG_NAME, WEIGHTS_NAME, CheckpointError, load_weights, read_config, save_pretrained
 
 TRAINER_JSON = "trainer.json"
 TRAINER_TENSORS = "trainer.safetensors"

@@ -25,8 +25,8 @@ from .._checks import (
     is_number,
 )
 from .._io import read_config_file
-from ..checkpoint import CheckpointError
-from ..models import ModelConfig
+from ..models.checkpoint import CheckpointError
+from ..models.lm import ModelConfig
 from .tasks import TASK_CLASSES, Task
 
 TASKS = tuple(TASK_CLASSES)
@@ -49,7 +49,7 @@ class TrainConfig:
     model: ModelConfig fields (a dict). Left unset, `vocab_size` (and `num_classes` for ListOps)
         come from the task, `max_len` is the task's sequence length, `seed` is `seed`.
     task: "bytes" (byte-level LM on `corpus`), "copy", "mqar" (decoder LM), "listops" (encoder
-        classifier); task_options go to the generator in linattn.data (copy_task: max_len,
+        classifier); task_options go to the generator in linattn.training.data (copy_task: max_len,
         n_symbols, min_len; mqar_task: seq_len, n_pairs, vocab_size, power_a, random_non_queries;
         listops_task: max_depth, max_args, min_len, max_len).
     corpus / corpus_max_bytes / val_fraction / seq_len: the byte corpus (None: the Python standard

@@ -49,7 +49,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from ..data import mix_seed
+from .data import mix_seed
 from ..parallel import shard_bounds
 from .checkpointing import (CHECKPOINTS, Checkpointer, load_training_checkpoint, read_trainer_doc, resume_point,
                             set_rng_state)

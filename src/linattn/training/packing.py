@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import data as D
+from . import data as D
 
 
 @dataclass

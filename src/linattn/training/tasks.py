@@ -5,7 +5,7 @@ sees exactly the batches an uninterrupted one would), holds fixed validation dat
 task's sizes into the model config, builds the model and scores it:
 
     BytesTask     byte-level LM on a text corpus (vocabulary 256)      -> LinearTransformerLM
-    CopyTask      the copy task (linattn.data.copy_task)               -> LinearTransformerLM
+    CopyTask      the copy task (linattn.training.data.copy_task)               -> LinearTransformerLM
     MqarTask      multi-query associative recall (data.mqar_task)      -> LinearTransformerLM
     ListOpsTask   ListOps classification (data.listops_task)           -> LinearTransformerEncoder
 
@@ -26,10 +26,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import data as D
-from ..checkpoint import CheckpointError
-from ..data import mix_seed
-from ..models import LinearTransformerEncoder, LinearTransformerLM, ModelConfig
+from . import data as D
+from ..models.checkpoint import CheckpointError
+from .data import mix_seed
+from ..models.lm import LinearTransformerEncoder, LinearTransformerLM, ModelConfig
 from . import packing as P
 
 _CORPUS_CACHE: dict = {}
@@ -255,11 +255,11 @@ class BytesTask(LMTask):
 
 
 class _GeneratedTask:
-    """Data drawn by a generator of linattn.data: training batch `step` from the seed
+    """Data drawn by a generator of linattn.training.data: training batch `step` from the seed
     mix_seed(seed, "train", step), a fixed validation set of `eval_samples` examples from
     mix_seed(seed, "validation"). `options` go to the generator over `defaults`."""
 
-    generate = None  # a linattn.data generator: (n, **options, seed) -> batch
+    generate = None  # a linattn.training.data generator: (n, **options, seed) -> batch
     defaults: dict = {}
 
     def __init__(self, options: dict | None = None, *, batch_size: int, seed: int, eval_samples: int,

@@ -23,7 +23,7 @@ import os
 import torch
 
 from ..._checks import FLOAT_DTYPES
-from ...ops.chunked import state_dtype
+from ...ops.linear.chunked import state_dtype
 
 #: environment switch: "0" keeps every call on linattn's kernels, even on CUDA with `fla` installed
 HANDOVER_ENV = "LINATTN_COMPAT_FLA"

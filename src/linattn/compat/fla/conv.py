@@ -1,6 +1,6 @@
 """Dao's causal-conv1d (`causal_conv1d.causal_conv1d_fn`, `causal_conv1d_update`), the short
 convolution that transformers' linear-attention models (Qwen3.5, Qwen3-Next, …) call, on linattn's
-depthwise causal convolution (`linattn.convolution.depthwise_causal`, design §14).
+depthwise causal convolution (`linattn.nn.convolution.depthwise_causal`, design §14).
 
 Channel-first, as Dao's kernels and transformers pass it: x (B, C, L), weight (C, W), bias (C,):
 
@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ...convolution import ShortConvolution, depthwise_causal
+from ...nn.convolution import ShortConvolution, depthwise_causal
 from ._edge import hands_over, refuse
 
 ACTIVATIONS = (None, "silu", "swish")
@@ -69,7 +69,7 @@ def causal_conv1d_fn(
 
     seq_idx (B, L) integer: packed sequences, each row's runs of equal ids one sequence (ids must
     not decrease along a row); no tap crosses from one run to the next (the packed path of
-    `linattn.ShortConvolution`, row by row). As in Dao's kernel it excludes initial_states and
+    `linattn.nn.ShortConvolution`, row by row). As in Dao's kernel it excludes initial_states and
     return_final_states."""
     _check(x, weight, bias, activation)
     if seq_idx is not None:

@@ -19,7 +19,7 @@ import warnings
 import torch
 
 from ...ops import gated_linear_attention, gated_linear_attention_step, linear_attention
-from ...ops.chunked import state_dtype
+from ...ops.linear.chunked import state_dtype
 from ._edge import (
     check_head_vector,
     check_per_head,

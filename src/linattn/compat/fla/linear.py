@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from ...ops import linear_attention, linear_attention_step
-from ...ops.chunked import state_dtype
+from ...ops.linear.chunked import state_dtype
 from ._edge import (
     check_qkv,
     expand_heads,

@@ -5,6 +5,6 @@ chunked torch-op path with its explicit backward (`chunked`), the wrappers of th
 (`reference`)."""
 
 from . import reference
-from .rule import delta_rule, delta_rule_affine_form, delta_rule_step
+from .api import delta_rule, delta_rule_affine_form, delta_rule_step
 
 __all__ = ["delta_rule", "delta_rule_affine_form", "delta_rule_step", "reference"]

@@ -8,7 +8,7 @@ import math
 import torch
 
 from ..._checks import check_qkv, check_tensor
-from ..chunked import state_dtype
+from ..linear.chunked import state_dtype
 
 
 def check_arguments(q, k, v, beta, g, scale, qk_l2norm, state, state_name: str = "initial_state") -> None:

@@ -24,7 +24,7 @@ and the gate: every factor e^{±b} adds "value · its gradient" to ∂L/∂b (ro
 adds e^{b_c} Σ S ⊙ R to b_c), and Γ adds the row sums of G = dP ⊙ P + dA ⊙ A to b_i and subtracts its
 column sums from b_j; ∂L/∂g is the reverse cumulative sum of ∂L/∂b in the chunk.
 
-The sequence is walked in blocks of whole chunks (`linattn.ops.chunked._blocks`): inside a block the
+The sequence is walked in blocks of whole chunks (`linattn.ops.linear.chunked._blocks`): inside a block the
 chunk-local products and the triangular inverses are batched over its chunks; only the state update
 V'_n = U_n − W_n S, S ← e^{b_c} S + K_lᵀ V'_n (U = L⁻¹ diag(β) V, W = L⁻¹ diag(β e^b) K) is a loop over
 them. Saved for backward: q, k, v, β, g and the state entering each block; the backward recomputes a
@@ -38,7 +38,7 @@ import functools
 
 import torch
 
-from ..chunked import _blocks, state_dtype
+from ..linear.chunked import _blocks, state_dtype
 from .reference import L2_EPS
 
 

@@ -13,8 +13,8 @@ import torch
 from ..._checks import check_bool, check_eps, check_positive_int
 from .. import native, packed
 from ..affine import AffineForm
-from ..chunked import DEFAULT_CHUNK_SIZE, state_dtype
-from ..linear import advance_schedule, check_arguments, make_featurizer
+from ..linear.chunked import DEFAULT_CHUNK_SIZE, state_dtype
+from ..linear.api import advance_schedule, check_arguments, make_featurizer
 from ..nonfinite import all_finite
 from . import fused
 from .checks import check_gate, check_gate_values, check_gated_state
@@ -45,7 +45,7 @@ def gated_linear_attention(
     q, k: (B, H, N, D); v: (B, H, N, E); g: (B, H, N) or (B, H, N, F), g ≤ 0 and finite -> o (B, H, N, E)
     in q's dtype.
 
-    feature_map: φ (a linattn.feature_maps module) or None when q, k are already features.
+    feature_map: φ (a linattn.nn.feature_maps module) or None when q, k are already features.
     scale: multiplies q before φ (None: no scaling).
     initial_state: kv (B, H, F, E), or (kv, z) with normalize, from an earlier call; gradients flow
         into it. return_state: also return the final state; the result is then (o, state).

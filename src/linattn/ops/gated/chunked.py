@@ -41,7 +41,7 @@ the long sum cancel: at N = 65,536, g = −5, fp32, 1e-7 instead of 2e-4 relativ
 v, g, o, the denominators and the state entering each block; features and chunk states are
 recomputed block by block (nothing of size N·F·E, nothing N·C beyond a block).
 
-NaN and Inf respect causality as in `linattn.ops.chunked`: a pass whose final state (forward) or
+NaN and Inf respect causality as in `linattn.ops.linear.chunked`: a pass whose final state (forward) or
 initial-state gradient (backward) comes out non-finite runs again exact. The exact pass takes the
 products where a structural zero meets a factor (a masked score, a zero cotangent, a masked key) with
 0·NaN = 0 (`nonfinite.Products`), masks the scores and P by selection, and carries the chunk states
@@ -58,8 +58,8 @@ from typing import NamedTuple
 
 import torch
 
-from .._features import Featurizer
-from ..chunked import (
+from ..features import Featurizer
+from ..linear.chunked import (
     BLOCK_ELEMENTS,
     _blocks,
     _chunks,

@@ -20,9 +20,8 @@ from __future__ import annotations
 
 import torch
 
-from ...feature_maps import EluPlusOne
 from .. import native
-from .._features import Featurizer
+from ..features import kernel_featurizer
 from ..nonfinite import all_finite
 from .chunked import ChunkedGatedLinearAttention
 
@@ -80,7 +79,7 @@ class FusedGatedChunked(torch.autograd.Function):
 def _exact_backward(ctx, inputs, grads):
     """Gradients of (q, k, v, g, kv0, z0) from the torch-op Function's exact pass (run again here), for a
     backward whose products met a NaN or Inf (linattn.ops.gated.chunked)."""
-    fz = Featurizer(EluPlusOne(inputs[0].shape[-1]) if ctx.phi == 1 else None)
+    fz = kernel_featurizer(ctx.phi)
     normalize = inputs[-1] is not None
     with torch.enable_grad():
         xs = [None if x is None else x.detach().requires_grad_() for x in inputs]

@@ -1,0 +1,5 @@
+"""`python -m linattn.cli`: the `linattn` command."""
+
+from .app import main
+
+raise SystemExit(main())

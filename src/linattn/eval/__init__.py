@@ -1,0 +1,2 @@
+"""Evaluation: the task suite (`linattn eval --preset quick|paper`), associative recall
+(`--preset recall`) and their reports."""

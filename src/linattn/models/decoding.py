@@ -1,0 +1,343 @@
+"""Fused decoding: one token of a whole LM in one C++ call (linattn_cpu.DecodePlan, csrc/model_step.cpp).
+
+The eager decoding step (`model(tok (B, 1), cache=cache)`) runs some ten torch operators per layer,
+and at small batches its time goes to their dispatch, not to reading the weights. `FusedDecoder`
+builds, once per decoding run, a plan of the model's step from its modules and its cache:
+
+    ids (B,) ─ embedding (+ positions) ─ per block: [norm₁ → q|k|v (+ gate, β, decay) products] →
+    attention per (row, head) on the cached state → [W_o + residual] → [norm₂ → FFN up, SwiGLU / GELU]
+    → [FFN down + residual] (conv_mixer blocks: [norm₁ → gated convolution + residual], then the
+    attention after norm₂) ─ final norm ─ LM head ─ logits (B, V)
+
+and `step(ids)` runs it: no tensor is allocated per token, the caches (linear (kv, z), gated and
+delta-rule S, short-convolution and gated-convolution tails, KV caches) are updated in place, so the model's ModelCache
+stays the one the eager path would hold and either path can continue it. The eager path is the
+reference: the fused step computes the same values, in float32 (the state dtype), and differs only by
+the order of the float sums (tests/test_decoding.py).
+
+What the fused step takes (`fused_decoding_obstacle` says why a model is refused; generation then
+runs the eager step): CPU LinearTransformerLM models in float32 or bfloat16 with transformer or
+conv_mixer blocks; every attention kind of linattn.models.KINDS with a fused mixer (Kind.fused: linear
+with every φ that has a native code, softmax with its KV cache, the gated and delta-rule kinds);
+RoPE, learned or no positions; short convolutions on q, k, v; the output gate; RMSNorm or LayerNorm;
+SwiGLU or GELU; biases; left-padded batches.
+
+`weight_streaming()` runs every matrix-vector product of a step and nothing else (same kernels,
+threads and column shares): the time to read every weight once, the bound a step at small batch cannot
+beat (linattn bench decode reports the step's time beside it).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..nn.attention import Block, ConvMixerBlock, KVCache, RMSNorm
+from ..nn.decay import FeatureDecay, FixedDecay, ScalarDecay
+from ..ops import native
+from ..ops.features import native_code
+from .kinds import kind_of
+
+#: C++ codes (csrc/model_ops.h, model_mixers.h)
+_NORMS = {RMSNorm: 1, nn.LayerNorm: 2}
+_STORE, _RESIDUAL, _SWIGLU, _GELU, _GATED_CONV = 0, 1, 2, 3, 4
+_FIXED_DECAY, _SCALAR_DECAY, _FEATURE_DECAY = 1, 2, 3
+_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def fused_decoding_obstacle(model) -> str | None:
+    """Why `model` cannot decode through FusedDecoder (None: it can)."""
+    if not all(hasattr(model, name) for name in ("tok_emb", "pos_emb", "blocks", "norm", "lm_head", "new_cache")):
+        return f"fused decoding takes a LinearTransformerLM, got {type(model).__name__}"
+    params = list(model.parameters())
+    if any(p.device.type != "cpu" for p in params):
+        return "fused decoding runs on the CPU only"
+    dtypes = {p.dtype for p in params}
+    if len(dtypes) != 1 or next(iter(dtypes)) not in _DTYPES:
+        return f"fused decoding takes float32 or bfloat16 models, got {sorted(str(d) for d in dtypes)}"
+    if not (native.enabled() and native.load() and hasattr(torch.classes.linattn_cpu, "DecodePlan")):
+        return "the fused CPU kernels are not available (linattn.ops.native)"
+    for i, block in enumerate(model.blocks):
+        if not isinstance(block, (Block, ConvMixerBlock)):
+            return f"block {i}: {type(block).__name__} blocks take the eager path"
+        if type(block.norm1) not in _NORMS or type(block.norm2) not in _NORMS:
+            return f"block {i}: norm {type(block.norm1).__name__} takes the eager path"
+        attn = block.attn
+        kind = kind_of(attn)
+        if kind is None:
+            return f"block {i}: attention {type(attn).__name__} is no kind of linattn.models.KINDS"
+        if kind.fused is None:
+            return f"block {i}: kind {kind.name} has no fused mixer"
+        if kind.fused == "linear" and native_code(attn.feature_map) is None:
+            return f"block {i}: feature map {type(attn.feature_map).__name__} takes the eager path"
+        decay = getattr(attn, "decay", None)
+        if kind.fused == "delta" and decay is not None and not isinstance(decay, ScalarDecay):
+            return f"block {i}: decay {type(decay).__name__} takes the eager path"
+        if attn.output_gate is not None and type(attn.output_gate.norm) is not RMSNorm:
+            return f"block {i}: output gate norm takes the eager path"
+    if type(model.norm) not in _NORMS:
+        return f"final norm {type(model.norm).__name__} takes the eager path"
+    return None
+
+
+def _weight(linear: nn.Linear) -> dict:
+    """A Linear's weight as the plan reads it: 'kn' (Wt (in, out) contiguous: linattn.nn.attention.column_major)
+    or 'nk' (W (out, in) contiguous), and its bias."""
+    w = linear.weight.detach()
+    t = {"weight": w.t()} if w.t().is_contiguous() else {"weight": w.contiguous()}
+    kn = int(w.t().is_contiguous())
+    if linear.bias is not None:
+        t["bias"] = linear.bias.detach()
+    return t, kn
+
+
+def _norm(prefix: str, norm: nn.Module | None):
+    """(tensors, ints, floats) of a norm spec named `prefix` in the plan (None: no norm)."""
+    if norm is None:
+        return {}, {f"{prefix}_kind": 0}, {}
+    t = {f"{prefix}_weight": norm.weight.detach()}
+    if getattr(norm, "bias", None) is not None:
+        t[f"{prefix}_bias"] = norm.bias.detach()
+    return t, {f"{prefix}_kind": _NORMS[type(norm)]}, {f"{prefix}_eps": float(norm.eps)}
+
+
+class FusedDecoder:
+    """One decoding step of `model` for a batch whose caches `cache` (a ModelCache, after the prefill)
+    holds, run as one fused C++ call.
+
+    step(ids (B,) long) -> logits (B, V) in the model's dtype: a buffer the next step overwrites (clone
+    it to keep it). Advances `cache` (states, tails, KV caches, position counters) by one token, as
+    model(ids[:, None], cache=cache) would. `reserve`: tokens to make room for in the KV caches of
+    softmax layers (they do not grow during fused steps; a step past it raises). Build one per
+    decoding run: the plan reads the weight matrices in place but keeps float copies of the small
+    parameters of bf16 models (norms, biases, convolution kernels, decays).
+
+    Threads: every op of a step ends at a barrier of torch's intra-op threads (about five per
+    layer). With more threads than idle cores a descheduled thread holds the others at each
+    barrier: on a loaded machine run decoding with fewer threads (torch.set_num_threads)."""
+
+    def __init__(self, model, cache, *, reserve: int = 0):
+        obstacle = fused_decoding_obstacle(model)
+        if obstacle is not None:
+            raise ValueError(f"fused decoding: {obstacle}")
+        if model.training:  # dropout and feature redraws would make the eager step differ
+            raise ValueError("fused decoding: the model is in training mode; call model.eval() first")
+        self.model, self.cache = model, cache
+        c = model.config
+        self.dtype = next(model.parameters()).dtype
+        self.bf16 = self.dtype == torch.bfloat16
+        self.batch = b = self._batch(cache)
+        positions = cache.next_positions(1, None, "cpu").reshape(-1).expand(b).contiguous()
+        self.positions = positions
+        self.counters = torch.tensor([cache.length], dtype=torch.long)
+        self.plan = torch.classes.linattn_cpu.DecodePlan(b, self.bf16, self.positions, self.counters)
+        f32 = dict(dtype=torch.float32)
+        self.x = torch.zeros(b, c.d_model, **f32)
+        self.logits = torch.zeros(b, c.vocab_size, dtype=self.dtype)
+        self._ropes: dict = {}
+        self._keep: list = []  # tensors the plan reads (kept alive with it)
+        self._add_ropes()
+        emb = {"table": model.tok_emb.weight.detach(), "x": self.x}
+        if model.pos_emb is not None:
+            emb["positions"] = model.pos_emb.weight.detach()
+        self._add("embed", emb, {"bf16": int(self.bf16)})
+        for block, layer_cache in zip(model.blocks, cache.layers):
+            self._add_block(block, layer_cache, reserve)
+        self._group(self.x, model.norm)
+        self._product(model.lm_head, self.logits)
+
+    # ---- building
+    @staticmethod
+    def _batch(cache) -> int:
+        for lc in cache.layers:
+            lc = getattr(lc, "attn", lc)  # a conv_mixer block's attention cache
+            state = getattr(lc, "state", None) if not isinstance(lc, KVCache) else lc.k
+            if state is not None:
+                return (state[0] if isinstance(state, tuple) else state).shape[0]
+        raise ValueError("fused decoding: the cache is empty; run the prefill (model(ids, cache=...)) first")
+
+    def _add(self, kind: str, tensors: dict, ints: dict | None = None, floats: dict | None = None):
+        self._keep.append(tensors)
+        # "_": TorchScript cannot type an empty dict, and the plan ignores names it does not read
+        self.plan.add(kind, tensors, {"_": 0, **(ints or {})}, {"_": 0.0, **(floats or {})})
+
+    def _buffer(self, width: int) -> torch.Tensor:
+        return torch.zeros(self.batch, width, dtype=torch.float32)
+
+    def _rope(self, dim: int, base: float, bf16: bool):
+        key = (dim, base, bf16)
+        if key not in self._ropes:
+            self._ropes[key] = (self._buffer(dim), self._buffer(dim))
+        return self._ropes[key]
+
+    def _add_ropes(self):
+        """The RoPE tables every layer reads, computed once per step (before the embedding)."""
+        for block in self.model.blocks:
+            attn = block.attn
+            if getattr(attn, "rope", None) is not None:
+                # linear layers rotate φ's features in their dtype; the others q, k in the model dtype
+                self._rope(attn.rope.dim, attn.rope.base, self._rotated_bf16(attn))
+        for (dim, base, bf16), (cos, sin) in self._ropes.items():
+            self._add("rope", {"cos": cos, "sin": sin}, {"dim": dim, "bf16": int(bf16)}, {"base": base})
+
+    def _rotated_bf16(self, attn) -> bool:
+        """Whether the eager path holds what RoPE rotates in this layer (q, k or φ's features) in bf16."""
+        if kind_of(attn).fused == "linear":
+            return self.bf16 and not attn.feature_map.float32_features
+        return self.bf16
+
+    def _group(self, inp: torch.Tensor, norm: nn.Module | None):
+        t, i, f = _norm("norm", norm)
+        self._add("group", {"input": inp, **t}, i, f)
+
+    def _product(self, linear: nn.Linear, out: torch.Tensor, epilogue: int = _STORE):
+        t, kn = _weight(linear)
+        self._add("product", {**t, "out": out}, {"kn": kn, "epilogue": epilogue})
+
+    def _add_block(self, block, lc, reserve: int):
+        if isinstance(block, ConvMixerBlock):  # x += GatedConv(norm₁(x)); x += Attn(norm₂(x))
+            if lc.conv is None:
+                raise ValueError("fused decoding: a gated convolution's cache is missing; run the prefill first")
+            self._group(self.x, block.norm1)
+            t, kn = _weight(block.conv.proj)
+            conv = block.conv.conv
+            self._add("product", {**t, "out": self.x, "conv_weight": conv.weight.detach(),
+                                  "conv_bias": conv.bias.detach(), "tail": lc.conv},
+                      {"kn": kn, "epilogue": _GATED_CONV})
+            self._add_attention(block.attn, block.norm2, lc.attn, reserve)
+            return
+        self._add_attention(block.attn, block.norm1, lc, reserve)
+        ffn = block.ffn
+        h = self._buffer(ffn.down.in_features)
+        self._group(self.x, block.norm2)
+        self._product(ffn.up, h, _SWIGLU if ffn.activation == "swiglu" else _GELU)
+        self._group(h, None)
+        self._product(ffn.down, self.x, _RESIDUAL)
+
+    def _add_attention(self, attn, norm: nn.Module, lc, reserve: int):
+        """x += Attn(norm(x)): the input group, the attention op, the output product."""
+        qkv = self._buffer(attn.qkv.out_features)
+        o = self._buffer(attn.n_heads * attn.head_dim)
+        t = {"qkv": qkv, "out": o}
+        i = {"heads": attn.n_heads, "qk_dim": attn.qk_dim, "v_dim": attn.head_dim}
+        f: dict = {}
+        self._group(self.x, norm)
+        self._product(attn.qkv, qkv)
+        if attn.output_gate is not None:
+            gate = self._buffer(attn.n_heads * attn.head_dim)
+            self._product(attn.output_gate.proj, gate)
+            t.update(gate=gate, gate_norm_weight=attn.output_gate.norm.weight.detach())
+            f["gate_norm_eps"] = float(attn.output_gate.norm.eps)
+        if attn.conv is not None:
+            if lc.conv is None or not lc.conv.is_contiguous():
+                raise ValueError("fused decoding: the short convolution's cache is missing; run the prefill first")
+            t.update(conv_weight=attn.conv.weight.detach(), tail=lc.conv)
+        if getattr(attn, "rope", None) is not None and kind_of(attn).fused != "linear":
+            t["rope_cos"], t["rope_sin"] = self._rope(attn.rope.dim, attn.rope.base, self.bf16)
+        kind = self._mixer(attn, lc, t, i, f, reserve)
+        self._add(kind, t, i, f)
+        self._group(o, None)
+        self._product(attn.out, self.x, _RESIDUAL)
+
+    def _mixer(self, attn, lc, t: dict, i: dict, f: dict, reserve: int) -> str:
+        """The attention op's own arguments (into t, i, f); returns its mixer (Kind.fused)."""
+        mixer = kind_of(attn).fused
+        if mixer == "linear":
+            fm = attn.feature_map
+            kv, z = self._state(lc, "state", tuple)
+            t.update(kv=kv, z=z)
+            features_bf16 = self._rotated_bf16(attn)
+            i.update(feature_map=native_code(fm), feature_dim=fm.feature_dim,
+                     normalize=int(attn.normalize), features_bf16=int(features_bf16),
+                     stabilize=int(getattr(fm, "stabilize", False)), max_len=int(getattr(fm, "max_len", 0)))
+            f.update(eps=attn.eps, map_eps=float(getattr(fm, "eps", 0.0)))
+            t.update(fm.native_tensors())
+            if attn.rope is not None:
+                t["feature_rope_cos"], t["feature_rope_sin"] = self._rope(attn.rope.dim, attn.rope.base,
+                                                                          features_bf16)
+            return "linear"
+        if mixer == "softmax":
+            self._reserve_kv(lc, reserve)
+            t.update(k_cache=lc.k, v_cache=lc.v)
+            if lc.mask is not None:
+                t["key_mask"] = lc.mask
+            return "softmax"
+        t["state"] = self._state(lc, "state", torch.Tensor)
+        f["scale"] = float(attn.scale)
+        decay = attn.decay if hasattr(attn, "decay") else None
+        if isinstance(decay, FixedDecay):
+            i["decay"] = _FIXED_DECAY
+            t["log_decay"] = decay(torch.zeros(1, 1, 1, dtype=self.dtype))[0, :, 0].float()
+        elif isinstance(decay, ScalarDecay):
+            i["decay"] = _SCALAR_DECAY
+            proj = self._buffer(decay.n_heads)
+            self._product(decay.proj, proj)
+            t.update(decay_proj=proj, A_log=decay.A_log.detach(), dt_bias=decay.dt_bias.detach())
+        elif isinstance(decay, FeatureDecay):
+            i["decay"] = _FEATURE_DECAY
+            down = self._buffer(decay.down.out_features)
+            self._product(decay.down, down)
+            t.update(decay_down=down, decay_up_weight=decay.up.weight.detach(), decay_up_bias=decay.up.bias.detach())
+            f["temperature"] = decay.temperature
+        if mixer == "delta":
+            beta = self._buffer(attn.n_heads)
+            self._product(attn.beta_proj, beta)
+            t["beta"] = beta
+        return mixer
+
+    def _state(self, lc, name: str, kind):
+        state = getattr(lc, name)
+        if state is None:
+            raise ValueError("fused decoding: a layer's cache is empty; run the prefill first")
+        parts = state if isinstance(state, tuple) else (state,)
+        if any(p.dtype != torch.float32 for p in parts):
+            raise ValueError(f"fused decoding: states must be float32, got {[p.dtype for p in parts]}")
+        parts = tuple(p.contiguous() for p in parts)  # updated in place: the cache must hold these tensors
+        setattr(lc, name, parts if isinstance(state, tuple) else parts[0])
+        return parts if isinstance(state, tuple) else parts[0]
+
+    def _reserve_kv(self, lc: KVCache, reserve: int):
+        """Grows the KV cache to hold `reserve` more tokens (the plan writes into it in place)."""
+        if lc.k is None:
+            raise ValueError("fused decoding: a KV cache is empty; run the prefill first")
+        b, h, cap, _ = lc.k.shape
+        need = lc.length + max(reserve, 1) + 1
+        if cap < need:
+            for name in ("k", "v"):
+                old = getattr(lc, name)
+                new = old.new_empty(b, h, need, old.shape[-1])
+                new[:, :, :lc.length] = old[:, :, :lc.length]
+                setattr(lc, name, new)
+            if lc.mask is not None:
+                m = torch.ones(b, need, dtype=torch.bool)
+                m[:, :lc.length] = lc.mask[:, :lc.length]
+                lc.mask = m
+
+    # ---- running
+    def step(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids (B,) (or (B, 1)) token ids -> logits (B, V); advances the cache by one token."""
+        ids = ids.reshape(-1)
+        if ids.dtype != torch.long or not ids.is_contiguous():
+            ids = ids.long().contiguous()
+        if ids.numel() != self.batch:
+            raise ValueError(f"ids must hold one token per row (B={self.batch}), got shape {tuple(ids.shape)}")
+        self.plan.step(ids)
+        for counter in (self.cache, *self._layer_counters()):
+            counter.advance(1, None)
+        return self.logits
+
+    def _layer_counters(self):
+        for lc in self.cache.layers:
+            yield getattr(lc, "attn", lc)
+
+    def weight_streaming(self) -> None:
+        """Every matrix-vector product of a step once, nothing else (for timing)."""
+        self.plan.stream()
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of the weights a step reads."""
+        return int(self.plan.weight_bytes())
+
+
+__all__ = ["FusedDecoder", "fused_decoding_obstacle"]

