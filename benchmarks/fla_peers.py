@@ -1,6 +1,6 @@
 """linattn.compat.fla against the peers' own torch code, side by side in one run (issue 24).
 
-    .venv/bin/python benchmarks/fla_peers.py [--lengths 512,2048,8192] [--other-lengths 512,2048]
+    .venv/bin/python benchmarks/fla_peers.py [--lengths 512,2048,8192] [--fwd-bwd-lengths …] [--other-lengths 512,2048]
                   [--threads 1,2] [--dtypes fp32,bf16] [--min-run-time 0.2] [--skip-others] [--json PATH]
 
 B=1, H=16, K=V=128 (Qwen3.5's linear-attention heads), q/k L2-normalized in the op where the peer
@@ -34,17 +34,36 @@ import torch.nn.functional as F
 from torch.utils import benchmark
 
 import linattn.compat.fla as C
-from linattn.cli import int_list, positive_float
 from linattn.report import cpu_model, make_console, make_table
 
 B, H, D = 1, 16, 128
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
+def int_list(text: str) -> list[int]:
+    """'512,2048' -> [512, 2048] (positive ints)."""
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return value
+
+
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--lengths", type=int_list, default=[512, 2048, 8192],
                    help="T of the gated delta rule rows (default: 512,2048,8192)")
+    p.add_argument("--fwd-bwd-lengths", type=int_list, default=None,
+                   help="T of the gated delta rule's forward+backward rows (default: --lengths)")
     p.add_argument("--other-lengths", type=int_list, default=[512, 2048],
                    help="T of the other families' rows (default: 512,2048; FLA's naive references are slow)")
     p.add_argument("--threads", type=int_list, default=[1, 2], help="torch threads (default: 1,2)")
@@ -137,7 +156,9 @@ def other_pairs(P, x):
     t = x["q"].shape[1]
     gamma = (1 - 2.0 ** (-5.0 - torch.arange(H, dtype=torch.float))).log()
     g_ret = gamma.expand(B, t, H)
-    hf = {n: x[n].transpose(1, 2).to(x["q"].dtype).contiguous() for n in ("q", "kn", "v", "beta")}
+    # delta_rule_chunkwise runs in float32 only (its torch.eye promotes bf16 products to float32, then
+    # a float32 @ bf16 product fails), so it gets float32 copies
+    hf = {n: x[n].transpose(1, 2).float().contiguous() for n in ("q", "kn", "v", "beta")}
     return {
         "linear (normalize)": (lambda: P["linear"].naive_chunk_linear_attn(x["qp"], x["kp"], x["v"], normalize=True),
                                lambda: C.chunk_linear_attn(x["qp"], x["kp"], x["v"], normalize=True)),
@@ -170,15 +191,21 @@ def run(args, console) -> list[dict]:
             for t in args.lengths:
                 x = inputs(t, dtype)
                 cases.append(("Gated DeltaNet fwd", t, "torch_chunk_gated_delta_rule", gdn_pairs(P, x, False), 5.0))
-                cases.append(("Gated DeltaNet fwd+bwd", t, "torch_chunk_gated_delta_rule", gdn_pairs(P, x, True), 5.0))
+                if t in (args.fwd_bwd_lengths or args.lengths):
+                    cases.append(("Gated DeltaNet fwd+bwd", t, "torch_chunk_gated_delta_rule", gdn_pairs(P, x, True),
+                                  5.0))
             for t in [] if args.skip_others else args.other_lengths:
                 for fam, pair in other_pairs(P, inputs(t, dtype)).items():
                     cases.append((f"{fam} fwd", t, "FLA naive", pair, 5.0))
             cases.append(("Gated DeltaNet step", 1, "torch_recurrent_gated_delta_rule", step_pair(P, dtype), 10.0))
             for what, t, peer, (fp, fo), target in cases:
                 grad = "fwd+bwd" in what
-                with torch.set_grad_enabled(grad):
-                    tp, to = timed(fp, threads, args.min_run_time), timed(fo, threads, args.min_run_time)
+                try:
+                    with torch.set_grad_enabled(grad):
+                        tp, to = timed(fp, threads, args.min_run_time), timed(fo, threads, args.min_run_time)
+                except RuntimeError as err:  # a peer that cannot run this case: say so, go on
+                    console.print(f"  {threads} thr {dname} {what} T={t}: not measured ({err})", highlight=False)
+                    continue
                 rows.append(dict(threads=threads, dtype=dname, case=what, T=t, peer=peer, peer_s=tp, linattn_s=to,
                                  ratio=tp / to, target=target))
                 console.print(f"  {threads} thr {dname} {what:28s} T={t:5d}: {peer} {tp * 1e3:9.2f} ms, "

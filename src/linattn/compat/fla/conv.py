@@ -69,7 +69,7 @@ def causal_conv1d_fn(
 
     seq_idx (B, L) integer: packed sequences, each row's runs of equal ids one sequence (ids must
     not decrease along a row); no tap crosses from one run to the next (the packed path of
-    `linattn.ShortConvolution`, row by row). As in Dao's kernel it excludes initial_states and
+    `linattn.nn.ShortConvolution`, row by row). As in Dao's kernel it excludes initial_states and
     return_final_states."""
     _check(x, weight, bias, activation)
     if seq_idx is not None:
