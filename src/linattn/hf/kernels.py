@@ -23,6 +23,11 @@ package implementation, plus packing):
   layers derive `cu_seq_lens_q` from them, so the linear layers keep documents apart as the
   softmax layers (transformers' block-diagonal mask) do.
 
+Where linattn's operators do not apply, the layer keeps transformers' own function for that call:
+β > 1 (OLMo-Hybrid's linear_allow_neg_eigval, the default there, doubles β into (0, 2); linattn's
+delta rule takes β ∈ (0, 1]) runs transformers' torch rule, with a RuntimeWarning. Kimi Linear's
+KDA functions are patched only where linattn.compat.fla has chunk_kda / fused_recurrent_kda.
+
 Numbers do not change beyond fp32 rounding: tests/test_hf_kernels.py compares logits, greedy
 tokens and gradients with transformers' torch fallbacks on tiny random configs.
 """
