@@ -63,9 +63,16 @@ MODEL_TYPES = {
 
 
 def _compat(name: str):
-    """linattn.compat.fla's function `name` (None where that package lacks it, e.g. KDA)."""
+    """linattn.compat.fla's function `name`, from the package or its kda module (None where
+    neither has it)."""
     fla = importlib.import_module("linattn.compat.fla")
-    return getattr(fla, name, None)
+    fn = getattr(fla, name, None)
+    if fn is None and name.endswith("_kda"):
+        try:
+            fn = getattr(importlib.import_module("linattn.compat.fla.kda"), name, None)
+        except ImportError:
+            fn = None
+    return fn
 
 
 def _named_params(fn) -> frozenset:
