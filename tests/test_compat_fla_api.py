@@ -1,10 +1,10 @@
 """linattn.compat.fla's surface: FLA's signatures (names, order, defaults), refusals that name the
 argument, checks in FLA's layout, no import of `fla` on the way in, and the CUDA handover rule."""
 
-import importlib
 import inspect
 import subprocess
 import sys
+import types
 
 import pytest
 import torch
@@ -54,7 +54,7 @@ def test_cpu_tensors_never_hand_over(monkeypatch):
     """The handover needs CUDA tensors: on the CPU the body runs even when the peer is importable."""
     calls = []
     monkeypatch.setattr(_edge, "_importable", lambda package: True)
-    monkeypatch.setattr(importlib, "import_module", lambda name: calls.append(name))
+    monkeypatch.setattr(_edge, "importlib", types.SimpleNamespace(import_module=calls.append))
     x = make(t=5, hv=2)
     o, _ = C.chunk_simple_gla(x["q"], x["k"], x["v"], x["g"])
     assert o.shape == (2, 5, 2, 6) and calls == []
@@ -73,7 +73,10 @@ def test_refused_options_name_the_argument():
         (lambda: C.chunk_simple_gla(q, k, v, head_first=True), "head_first"),
         (lambda: C.chunk_simple_gla(q, k, v, g, g_gamma=torch.zeros(2)), "g_gamma"),
         (lambda: C.chunk_gated_delta_rule(q, k, v, g, beta, use_gate_in_kernel=True), "A_log"),
-        (lambda: C.causal_conv1d_fn(q[..., 0], torch.randn(4, 3), seq_idx=torch.zeros(2, 2)), "seq_idx"),
+        (lambda: C.causal_conv1d_fn(q[..., 0], torch.randn(4, 3), seq_idx=torch.zeros(2, 2, dtype=torch.int32),
+                                    return_final_states=True), "return_final_states"),
+        (lambda: C.causal_conv1d_fn(q[..., 0], torch.randn(4, 3), seq_idx=torch.tensor([[0, 1], [1, 0]])),
+         "seq_idx must not decrease"),
         (lambda: C.causal_conv1d_update(q[:, 0, 0], torch.zeros(2, 2, 3), torch.randn(2, 4),
                                         cache_seqlens=torch.zeros(2)), "cache_seqlens"),
         (lambda: C.causal_conv1d_fn(q[..., 0], torch.randn(4, 3), activation="gelu"), "activation"),
@@ -118,3 +121,30 @@ def test_outputs_are_views_in_flas_layout():
     o, S = C.chunk_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], output_final_state=True)
     assert o.shape == (2, 6, 4, 6) and S.shape == (2, 4, 8, 6)
     assert o.transpose(1, 2).is_contiguous()
+
+
+class _LooksLikeCuda(torch.Tensor):
+    """A CPU tensor that says it is on CUDA (to exercise the handover without a GPU)."""
+
+    @property
+    def is_cuda(self):
+        return True
+
+
+def test_cuda_tensors_hand_over_with_the_same_arguments(monkeypatch):
+    seen = {}
+
+    def peer_fn(*args, **kwargs):
+        seen.update(args=args, kwargs=kwargs)
+        return "from the peer"
+
+    modules = {"fla.ops.gated_delta_rule": types.SimpleNamespace(chunk_gated_delta_rule=peer_fn)}
+    monkeypatch.setattr(_edge, "_importable", lambda package: package == "fla")
+    monkeypatch.setattr(_edge, "importlib", types.SimpleNamespace(import_module=modules.__getitem__))
+    x = make(t=3, hv=2)
+    q = torch.Tensor._make_subclass(_LooksLikeCuda, x["q"])
+    out = C.chunk_gated_delta_rule(q, x["k"], x["v"], x["g"], x["beta"], use_qk_l2norm_in_kernel=True)
+    assert out == "from the peer" and seen["args"][0] is q and seen["kwargs"] == {"use_qk_l2norm_in_kernel": True}
+    monkeypatch.setenv(_edge.HANDOVER_ENV, "0")
+    o, _ = C.chunk_gated_delta_rule(q, x["k"], x["v"], x["g"], x["beta"])  # LINATTN_COMPAT_FLA=0: linattn runs
+    assert isinstance(o, torch.Tensor) and o.shape == (2, 3, 2, 6)

@@ -28,6 +28,7 @@ from torch.utils.checkpoint import checkpoint
 
 from .._checks import check_positions
 from ..nn.attention import Block, ConvMixerBlock, PositionCounter, make_norm, token_positions
+from ..ops import packed
 from .checkpoint import CONFIG_NAME, CheckpointError, load_model, read_config, save_pretrained
 from .config import ModelConfig
 from .kinds import KINDS
@@ -151,12 +152,15 @@ class _Transformer(nn.Module):
                 raise ValueError(f"ids must be token ids in [0, vocab_size={self.config.vocab_size}), got {bad} at "
                                  f"ids{list(where)}")
 
-    def _trunk(self, ids, mask=None, cache: ModelCache | None = None, positions=None):
+    def _trunk(self, ids, mask=None, cache: ModelCache | None = None, positions=None, cu_seqlens=None):
         """ids (B, N) -> hidden (B, N, d) after the final norm; advances the cache. positions: (N,) or
         (B, N) global token indices (default: counted from each row's first real token, or by the
-        cache; required under sequence parallelism)."""
+        cache; required under sequence parallelism). cu_seqlens: packed sequences (see
+        LinearTransformerLM.forward)."""
         self._check_ids(ids, mask)
         n = ids.shape[1]
+        if cu_seqlens is not None:
+            return self._packed_trunk(ids, mask, cache, positions, cu_seqlens)
         if positions is not None:
             if cache is not None:
                 raise ValueError("positions: a cache counts the positions itself; pass positions or a cache")
@@ -188,6 +192,33 @@ class _Transformer(nn.Module):
             cache.advance(n, mask)
         return self.norm(x)
 
+    def _packed_trunk(self, ids, mask, cache, positions, cu_seqlens):
+        """_trunk on N documents packed in one row (ids (1, T)): every layer keeps them apart and
+        positions (default) restart at 0 at each document (linattn.ops.packed; the layers derive
+        them where they need them, so that a linear layer's operator can share one arange(L) among
+        the sequences of one length)."""
+        if cache is not None or self.sequence_parallel_group is not None:
+            raise ValueError("cu_seqlens (packed sequences) takes neither a cache nor sequence parallelism")
+        n = ids.shape[1]
+        packed.boundaries(cu_seqlens, batch=ids.shape[0], length=n)
+        if positions is not None:
+            check_positions(positions, ids.shape[0], n, ids.device)
+        x = self.tok_emb(ids)
+        if self.pos_emb is not None:
+            pos = packed.positions(cu_seqlens, n).to(ids.device) if positions is None else positions
+            if not torch.compiler.is_compiling() and int(pos.max()) >= self.config.max_len:
+                raise ValueError(f"position {int(pos.max())} is beyond max_len={self.config.max_len}")
+            x = x + self.pos_emb(pos)
+        if self.drop.p and self.training:
+            x = self.drop(x)
+        for block in self.blocks:
+            if self.activation_checkpointing and self.training:
+                x, _ = checkpoint(block, x, mask, None, positions, cu_seqlens=cu_seqlens, use_reentrant=False,
+                                  context_fn=lambda b=block: (contextlib.nullcontext(), _no_redraw(b)))
+            else:
+                x, _ = block(x, mask, None, positions, cu_seqlens=cu_seqlens)
+        return self.norm(x)
+
 
 class LinearTransformerLM(_Transformer):
     """Decoder-only language model with linear (and optionally softmax) attention layers.
@@ -199,6 +230,10 @@ class LinearTransformerLM(_Transformer):
     logits are (B, P, V) for those positions only: the output projection runs on P rows instead of N.
     positions: the tokens' global indices, needed under sequence parallelism (see
     set_sequence_parallel_group).
+    cu_seqlens: packed documents (design §16, linattn.ops.packed): ids (1, T) holds N documents end to
+    end, cu_seqlens the 1-D integer tensor [N+1] of their cumulative lengths. Every layer keeps them
+    apart (states reset, convolution taps and softmax attention stay inside a document) and RoPE and
+    learned positions restart at 0 at each document; the logits equal those of N separate calls.
     """
 
     causal = True
@@ -216,24 +251,43 @@ class LinearTransformerLM(_Transformer):
 
     def forward(self, ids: torch.Tensor, mask: torch.Tensor | None = None, cache: ModelCache | None = None,
                 last_only: bool = False, positions: torch.Tensor | None = None,
-                logits_at: torch.Tensor | None = None):
+                logits_at: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None):
         if logits_at is not None:
             if last_only:
                 raise ValueError("pass last_only or logits_at, not both")
             logits_at = _check_logits_at(logits_at, ids)
-        h = self._trunk(ids, mask, cache, positions)
+        h = self._trunk(ids, mask, cache, positions, cu_seqlens)
         if last_only:
             h = h[:, -1:]
         elif logits_at is not None:
             h = h.gather(1, logits_at[..., None].expand(-1, -1, h.shape[-1]))
         return self.lm_head(h), cache
 
-    def loss(self, ids: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Mean next-token cross-entropy over real targets: predict ids[:, 1:] from ids[:, :-1]."""
+    def loss(self, ids: torch.Tensor, mask: torch.Tensor | None = None,
+             cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+        """Mean next-token cross-entropy over real targets: predict ids[:, 1:] from ids[:, :-1].
+        cu_seqlens: documents packed in ids (1, T) (`packed_loss`)."""
+        if cu_seqlens is not None:
+            return self.packed_loss(ids, cu_seqlens, mask)
         logits, _ = self(ids[:, :-1], None if mask is None else mask[:, :-1])
         targets = ids[:, 1:]
         if mask is not None:
             targets = targets.masked_fill(~(mask[:, 1:] & mask[:, :-1]), -100)
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1), ignore_index=-100)
+
+    def packed_loss(self, ids: torch.Tensor, cu_seqlens: torch.Tensor, mask: torch.Tensor | None = None):
+        """Mean next-token cross-entropy of N documents packed in one row, ids (1, T), cu_seqlens [N+1]:
+        every token predicts the next one of its own document (a document's last token predicts
+        nothing), so the loss is that of the documents trained one by one, summed over their
+        T − N targets (mask (1, T): True = real token, as in `loss`)."""
+        bounds = packed.boundaries(cu_seqlens, batch=ids.shape[0], length=ids.shape[1])
+        logits, _ = self(ids, mask, cu_seqlens=cu_seqlens)
+        targets = torch.cat((ids[:, 1:], ids.new_full((ids.shape[0], 1), -100)), 1)
+        last = torch.tensor([e - 1 for s, e in bounds if e > s], dtype=torch.long, device=ids.device)
+        targets[:, last] = -100
+        if mask is not None:
+            nxt = torch.cat((mask[:, 1:], mask.new_zeros(mask.shape[0], 1)), 1)
+            targets = targets.masked_fill(~(mask & nxt), -100)
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1), ignore_index=-100)
 
     def generate(self, prompt_ids, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,

@@ -33,7 +33,7 @@ from torch import nn
 from .._checks import check_bool, check_int, check_number, check_positive_int
 from .convolution import ShortConvolution
 from .feature_maps import make_feature_map
-from ..ops import linear_attention, linear_attention_step, native, softmax_attention
+from ..ops import linear_attention, linear_attention_step, native, packed, softmax_attention
 from ..ops.linear.chunked import DEFAULT_CHUNK_SIZE
 from ..parallel import sequence_halo, sequence_parallel_linear_attention, sequence_parallel_softmax_attention
 from .positional import RotaryEmbedding
@@ -220,16 +220,22 @@ class _Attention(nn.Module):
         #: set by LinearTransformerLM.set_sequence_parallel_group; used when no cache is given.
         self.sequence_parallel_group = None
 
-    def _project(self, x: torch.Tensor, mask: torch.Tensor | None = None, cache: LayerCache | None = None):
+    def _project(self, x: torch.Tensor, mask: torch.Tensor | None = None, cache: LayerCache | None = None,
+                 cu_seqlens: torch.Tensor | None = None):
         """q, k, v of x; with a short convolution, padded tokens enter it as zeros and the cache's
         tail (the last K−1 projected inputs) continues the sequence and is updated; under sequence
-        parallelism the tail is the K−1 inputs before the shard, from the earlier ranks."""
+        parallelism the tail is the K−1 inputs before the shard, from the earlier ranks. With
+        cu_seqlens (packed sequences, x (1, T, d)) no tap of the convolution crosses a boundary."""
         if x.dim() != 3 or x.shape[-1] != self.d_model:
             raise ValueError(f"x must have shape (B, N, d_model={self.d_model}), got {tuple(x.shape)}")
         b, n, _ = x.shape
+        if cu_seqlens is not None and (cache is not None or self.sequence_parallel_group is not None):
+            raise ValueError("cu_seqlens (packed sequences) takes neither a cache nor sequence parallelism")
         y = self.qkv(x)
         if self.conv is not None:
-            if cache is None:
+            if cu_seqlens is not None:
+                y = self.conv(y, mask, cu_seqlens=cu_seqlens)
+            elif cache is None:
                 y = self.conv(y, mask, shard_halo(y, self.conv.kernel_size, self.sequence_parallel_group))
             else:
                 y, cache.conv = self.conv(y, mask, cache.conv, return_tail=True)
@@ -304,11 +310,17 @@ class LinearAttention(_Attention):
         return LinearAttentionCache()
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None, cache: LinearAttentionCache | None = None,
-                positions: torch.Tensor | None = None):
+                positions: torch.Tensor | None = None, *, cu_seqlens: torch.Tensor | None = None):
         """x (B, N, d), mask (B, N) bool or None, positions (N,) or (B, N) or None (derived from the
-        mask and the cache). Returns (y (B, N, d), cache)."""
+        mask and the cache). cu_seqlens: packed sequences in x (1, T, d) (linattn.ops.packed; causal
+        only; positions then default to each token's index in its sequence). Returns (y (B, N, d), cache)."""
         self._check_mask(mask, x)
-        q, k, v = self._project(x, mask, cache)
+        q, k, v = self._project(x, mask, cache, cu_seqlens)
+        if cu_seqlens is not None:
+            o = linear_attention(q, k, v, causal=self.causal, key_padding_mask=mask, positions=positions,
+                                 chunk_size=self.chunk_size, cu_seqlens=cu_seqlens, feature_map=self.feature_map,
+                                 normalize=self.normalize, eps=self.eps, rope=self.rope)
+            return self._merge(o, x), None
         n = x.shape[1]
         if positions is None and self._needs_positions and (cache is not None or mask is not None):
             positions = (cache.next_positions(n, mask, x.device) if cache is not None
@@ -365,17 +377,23 @@ class SoftmaxAttention(_Attention):
         return KVCache()
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None, cache: KVCache | None = None,
-                positions: torch.Tensor | None = None):
-        """x (B, N, d), mask (B, N) bool or None, positions (N,) or (B, N) or None. Returns (y, cache)."""
+                positions: torch.Tensor | None = None, *, cu_seqlens: torch.Tensor | None = None):
+        """x (B, N, d), mask (B, N) bool or None, positions (N,) or (B, N) or None. cu_seqlens: packed
+        sequences in x (1, T, d): a block-diagonal mask keeps them apart (positions default to each
+        token's index in its sequence). Returns (y, cache)."""
         self._check_mask(mask, x)
-        q, k, v = self._project(x, mask, cache)
+        q, k, v = self._project(x, mask, cache, cu_seqlens)
         n = x.shape[1]
+        if cu_seqlens is not None and positions is None:
+            positions = packed.positions(cu_seqlens, n).to(x.device)
         if self.rope is not None:
             if positions is None:
                 positions = (cache.next_positions(n, mask, x.device) if cache is not None
                              else token_positions(n, mask, device=x.device))
             q, k = self.rope.rotate(q, positions), self.rope.rotate(k, positions)
         p = self.dropout_p if self.training else 0.0
+        if cu_seqlens is not None:
+            return self._merge(_packed_softmax_attention(q, k, v, cu_seqlens, mask, self.causal, p), x), None
         if cache is not None:
             if not self.causal:
                 raise ValueError("a cache (recurrent decoding) needs a causal SoftmaxAttention")
@@ -398,6 +416,34 @@ class SoftmaxAttention(_Attention):
     def extra_repr(self) -> str:
         return (f"d_model={self.d_model}, n_heads={self.n_heads}, qk_dim={self.qk_dim}, causal={self.causal}, "
                 f"rope={self.rope is not None}")
+
+
+def _packed_softmax_attention(q, k, v, cu_seqlens, key_mask, causal: bool, dropout_p: float):
+    """softmax attention on packed sequences (q, k, v (1, H, T, ·)): query i sees key j only in its
+    own sequence. Without a key mask the sequences of each length run as the rows of one SDPA call
+    (O(Σ L²) work, not O(T²)); with one (1, T), a block-diagonal boolean mask of real keys, a query
+    that would see no key at all (padding) seeing itself."""
+    n = q.shape[2]
+    if key_mask is None:
+        bounds = packed.boundaries(cu_seqlens, batch=q.shape[0], length=n)
+        by_length: dict[int, list[tuple[int, int]]] = {}
+        for s, e in bounds:
+            if e > s:
+                by_length.setdefault(e - s, []).append((s, e))
+        o = q.new_empty(*q.shape[:3], v.shape[-1])
+        for spans in by_length.values():
+            part = F.scaled_dot_product_attention(*(packed.gather(x, spans, 2) for x in (q, k, v)),
+                                                  is_causal=causal and spans[0][1] - spans[0][0] > 1,
+                                                  dropout_p=dropout_p)
+            for i, (s, e) in enumerate(spans):
+                o[:, :, s:e] = part[i:i + 1]
+        return o
+    seq = packed.sequence_ids(cu_seqlens, n).to(q.device)
+    allowed = seq[:, None] == seq[None, :]
+    if causal:
+        allowed = allowed & torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+    allowed = (allowed & key_mask[0][None, :]) | torch.eye(n, dtype=torch.bool, device=q.device)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, dropout_p=dropout_p)
 
 
 def _padded_softmax_attention(q, k, v, key_mask, causal: bool, dropout_p: float):
@@ -523,8 +569,11 @@ class Block(nn.Module):
         """The attention layer's empty cache."""
         return self.attn.new_cache()
 
-    def forward(self, x, mask=None, cache=None, positions=None):
-        a, cache = self.attn(self.norm1(x), mask, cache, positions)
+    def forward(self, x, mask=None, cache=None, positions=None, *, cu_seqlens=None):
+        if cu_seqlens is not None:
+            a, cache = self.attn(self.norm1(x), mask, cache, positions, cu_seqlens=cu_seqlens)
+        else:
+            a, cache = self.attn(self.norm1(x), mask, cache, positions)
         x = x + a
         x = x + self.ffn(self.norm2(x))
         return x, cache
@@ -546,8 +595,8 @@ class GatedConvolution(nn.Module):
         self.proj = column_major(nn.Linear(d_model, d_model, bias=True))
 
     def forward(self, u: torch.Tensor, mask: torch.Tensor | None = None, tail: torch.Tensor | None = None,
-                return_tail: bool = False):
-        c = self.conv(u, mask, tail, return_tail)
+                return_tail: bool = False, *, cu_seqlens: torch.Tensor | None = None):
+        c = self.conv(u, mask, tail, return_tail, cu_seqlens=cu_seqlens)
         if return_tail:
             c, tail = c
         y = torch.addcmul(u, c, self.proj(u))
@@ -589,7 +638,13 @@ class ConvMixerBlock(nn.Module):
     def new_cache(self) -> ConvMixerCache:
         return ConvMixerCache(attn=self.attn.new_cache())
 
-    def forward(self, x, mask=None, cache=None, positions=None):
+    def forward(self, x, mask=None, cache=None, positions=None, *, cu_seqlens=None):
+        if cu_seqlens is not None:
+            if cache is not None or self.sequence_parallel_group is not None:
+                raise ValueError("cu_seqlens (packed sequences) takes neither a cache nor sequence parallelism")
+            x = x + self.conv(self.norm1(x), mask, cu_seqlens=cu_seqlens)
+            a, _ = self.attn(self.norm2(x), mask, None, positions, cu_seqlens=cu_seqlens)
+            return x + a, None
         if cache is None:
             u = self.norm1(x)
             x = x + self.conv(u, mask, shard_halo(u, self.conv.conv.kernel_size, self.sequence_parallel_group))

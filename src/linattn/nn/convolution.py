@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .._checks import check_positive_int
+from ..ops import packed
 
 
 def depthwise_causal(xp: torch.Tensor, weight: torch.Tensor, n: int) -> torch.Tensor:
@@ -43,6 +44,10 @@ class ShortConvolution(nn.Module):
             row gives, at its real tokens, the output of the row alone.
         tail: (B, K−1, C), the last K−1 inputs of the tokens before x (None: the sequence starts
             here, zeros before it); tail' is the tail after x, for the next call.
+        cu_seqlens: packed sequences (design §16, linattn.ops.packed): x (1, T, C) holds N sequences
+            end to end, cu_seqlens the 1-D integer tensor [N+1] of their cumulative lengths; no tap
+            crosses a boundary (each sequence reads zeros, or its own tail, before its first token)
+            and tail, tail' are per sequence, (N, K−1, C).
     Weights: w (C, K), initialized like torch's Conv1d, U(−1/√K, 1/√K); optional bias (C).
     """
 
@@ -70,9 +75,11 @@ class ShortConvolution(nn.Module):
         return torch.zeros(batch, self.kernel_size - 1, self.channels, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None, tail: torch.Tensor | None = None,
-                return_tail: bool = False):
+                return_tail: bool = False, *, cu_seqlens: torch.Tensor | None = None):
         if x.dim() != 3 or x.shape[-1] != self.channels:
             raise ValueError(f"x must have shape (B, N, C={self.channels}), got {tuple(x.shape)}")
+        if cu_seqlens is not None:
+            return self._packed(x, mask, tail, return_tail, cu_seqlens)
         b, n, _ = x.shape
         if mask is not None:
             x = x.masked_fill(~mask[..., None], 0.0)
@@ -91,6 +98,51 @@ class ShortConvolution(nn.Module):
         if not return_tail:
             return y
         return y, xp[:, xp.shape[1] - (k - 1):].clone()  # a copy: the cache must not keep xp alive
+
+    def _packed(self, x, mask, tail, return_tail: bool, cu_seqlens):
+        """forward on N packed sequences. Without tails: the convolution of the whole row, then the
+        first K−1 tokens of every sequence (whose taps reached into the sequence before) replaced by
+        their sums with zeros before the sequence (chosen with `where`; the replaced values get no
+        gradient, so a NaN in one sequence reaches no other); the sums are the ones of separate
+        calls, bit for bit. With a tail or return_tail: sequence by sequence."""
+        bounds = packed.boundaries(cu_seqlens, batch=x.shape[0], length=x.shape[1])
+        k = self.kernel_size
+        if tail is not None or return_tail:
+            if tail is not None and tuple(tail.shape) != (len(bounds), k - 1, self.channels):
+                raise ValueError(f"tail must have shape (N, K−1, C) = {(len(bounds), k - 1, self.channels)} with "
+                                 f"cu_seqlens, got {tuple(tail.shape)}")
+            ys, tails = [], []
+            for i, (s, e) in enumerate(bounds):
+                t_i = None if tail is None else tail[i:i + 1]
+                if e == s:
+                    tails.append(self.new_tail(1, dtype=x.dtype, device=x.device) if t_i is None else t_i.to(x.dtype))
+                    continue
+                y_i, t_i = self.forward(x[:, s:e], None if mask is None else mask[:, s:e], t_i, True)
+                ys.append(y_i)
+                tails.append(t_i)
+            y = torch.cat(ys, 1) if ys else x.new_zeros(x.shape)
+            return (y, torch.cat(tails, 0)) if return_tail else y
+        if mask is not None:
+            x = x.masked_fill(~mask[..., None], 0.0)
+        n = x.shape[1]
+        xp = F.pad(x, (0, 0, k - 1, 0))
+        w = self.weight if self.weight.dtype == x.dtype else self.weight.to(x.dtype)
+        y = xp[:, :n] * w[:, 0]
+        for j in range(1, k):
+            y = torch.addcmul(y, xp[:, j:j + n], w[:, j])
+        pos = packed.positions(cu_seqlens, n).to(x.device)  # index of each token in its sequence
+        fix = (pos < k - 1).nonzero().reshape(-1)  # the tokens whose taps reach before their sequence
+        if k > 1 and fix.numel():  # their sums again, taps before the sequence reading zeros
+            taps = xp[:, fix[:, None] + torch.arange(k, device=x.device)]  # (1, M, K, C)
+            inside = (k - 1 - torch.arange(k, device=x.device))[None, :] <= pos[fix][:, None]
+            taps = torch.where(inside[None, :, :, None], taps, x.new_zeros(()))
+            y_fix = taps[:, :, 0] * w[:, 0]
+            for j in range(1, k):
+                y_fix = torch.addcmul(y_fix, taps[:, :, j], w[:, j])
+            y = y.index_put((torch.zeros_like(fix), fix), y_fix[0])  # replaces (its gradient there is 0)
+        if self.bias is not None:
+            y = y + self.bias.to(x.dtype)
+        return y
 
     def extra_repr(self) -> str:
         return f"channels={self.channels}, kernel_size={self.kernel_size}, bias={self.bias is not None}"

@@ -41,7 +41,7 @@ from torch import nn
 from .._checks import check_positive_int
 from .decay import FeatureDecay, FixedDecay, ScalarDecay
 from .attention import LayerCache, _Attention, token_positions
-from ..ops import delta_rule, delta_rule_step, gated_linear_attention, gated_linear_attention_step
+from ..ops import delta_rule, delta_rule_step, gated_linear_attention, gated_linear_attention_step, packed
 from ..ops.linear.chunked import DEFAULT_CHUNK_SIZE, state_dtype
 from ..parallel import sequence_parallel_delta_rule, sequence_parallel_gated_linear_attention
 from .positional import RotaryEmbedding
@@ -82,14 +82,23 @@ class _RecurrentAttention(_Attention):
         return q, k, v
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None, cache: RecurrentCache | None = None,
-                positions: torch.Tensor | None = None):
+                positions: torch.Tensor | None = None, *, cu_seqlens: torch.Tensor | None = None):
         """x (B, N, d), mask (B, N) bool or None, positions (N,) or (B, N) or None (derived from the
-        mask and the cache). Returns (y (B, N, d), cache)."""
+        mask and the cache). cu_seqlens: packed sequences in x (1, T, d) (linattn.ops.packed; the
+        state resets at each boundary, positions default to each token's index in its sequence).
+        Returns (y (B, N, d), cache)."""
         self._check_mask(mask, x)
         if cache is None and self.sequence_parallel_group is not None and mask is not None:
             raise ValueError("sequence parallelism does not take a padding mask")
-        q, k, v = self._activate(*self._project(x, mask, cache))
+        q, k, v = self._activate(*self._project(x, mask, cache, cu_seqlens))
         n = x.shape[1]
+        if cu_seqlens is not None:
+            if self.rope is not None:
+                if positions is None:
+                    positions = packed.positions(cu_seqlens, n).to(x.device)
+                q, k = self.rope.rotate(q, positions), self.rope.rotate(k, positions)
+            o, _ = self._mix(x, q, k, v, mask, None, False, cu_seqlens=cu_seqlens)
+            return self._merge(o, x), None
         if self.rope is not None:
             if positions is None:
                 positions = (cache.next_positions(n, mask, x.device) if cache is not None
@@ -101,9 +110,10 @@ class _RecurrentAttention(_Attention):
             cache.advance(n, mask)
         return self._merge(o, x), cache
 
-    def _mix(self, x, q, k, v, mask, state, stateful: bool):
+    def _mix(self, x, q, k, v, mask, state, stateful: bool, *, cu_seqlens=None):
         """(o (B, H, N, E), state after x or None); runs sequence-parallel over
-        `sequence_parallel_group` when one is set and there is no cache (not stateful)."""
+        `sequence_parallel_group` when one is set and there is no cache (not stateful); cu_seqlens
+        (not stateful): packed sequences, passed to the operator."""
         raise NotImplementedError
 
     def extra_repr(self) -> str:
@@ -120,9 +130,12 @@ class _GatedAttention(_RecurrentAttention):
 
     decay: nn.Module
 
-    def _mix(self, x, q, k, v, mask, state, stateful: bool):
+    def _mix(self, x, q, k, v, mask, state, stateful: bool, *, cu_seqlens=None):
         g = self.decay(x)
         q = q * self.scale
+        if cu_seqlens is not None:
+            return gated_linear_attention(q, k, v, g, key_padding_mask=mask, chunk_size=self.chunk_size,
+                                          cu_seqlens=cu_seqlens), None
         if not stateful and self.sequence_parallel_group is not None:
             return sequence_parallel_gated_linear_attention(q, k, v, g, group=self.sequence_parallel_group,
                                                             chunk_size=self.chunk_size), None
@@ -188,7 +201,7 @@ class DeltaNetAttention(_RecurrentAttention):
     def _log_decay(self, x):
         return None
 
-    def _mix(self, x, q, k, v, mask, state, stateful: bool):
+    def _mix(self, x, q, k, v, mask, state, stateful: bool, *, cu_seqlens=None):
         sdt = state_dtype(x.dtype)
         # β in the state dtype, kept above the smallest normal number: a sigmoid that underflows to 0 would
         # fail the operator's (0, 1] check, and β that small writes nothing either way
@@ -199,6 +212,8 @@ class DeltaNetAttention(_RecurrentAttention):
             k = k * keep[..., None].to(k.dtype)
             g = None if g is None else g.masked_fill(~keep, 0.0)
         opts = dict(g=g, scale=self.scale, qk_l2norm=True)
+        if cu_seqlens is not None:
+            return delta_rule(q, k, v, beta, chunk_size=self.chunk_size, cu_seqlens=cu_seqlens, **opts), None
         if not stateful and self.sequence_parallel_group is not None:
             return sequence_parallel_delta_rule(q, k, v, beta, group=self.sequence_parallel_group,
                                                 chunk_size=self.chunk_size, **opts), None

@@ -2,6 +2,7 @@
 step), gated linear attention (`gated`), the delta rule (DeltaNet, Gated DeltaNet), softmax attention,
 and the quadratic `reference` oracles."""
 
+from . import packed
 from .linear import reference
 from .delta import delta_rule, delta_rule_step
 from .gated import gated_linear_attention, gated_linear_attention_step
@@ -9,4 +10,4 @@ from .linear.api import State, linear_attention, linear_attention_step
 from .softmax import softmax_attention
 
 __all__ = ["State", "delta_rule", "delta_rule_step", "gated_linear_attention", "gated_linear_attention_step",
-           "linear_attention", "linear_attention_step", "reference", "softmax_attention"]
+           "linear_attention", "linear_attention_step", "packed", "reference", "softmax_attention"]

@@ -54,6 +54,10 @@ class TrainConfig:
         listops_task: max_depth, max_args, min_len, max_len).
     corpus / corpus_max_bytes / val_fraction / seq_len: the byte corpus (None: the Python standard
         library) and its window length; task "bytes" only.
+    packing: pack documents (one corpus file = one document) into full rows and keep them apart
+        with cu_seqlens (linattn.training.packing): no padding, no state or prediction across
+        documents. None (default): on for task "bytes" (off with sequence_parallel > 1); True is
+        for task "bytes" only.
     batch_size: the *global* batch in sequences per optimizer step (over all processes and
         accumulation micro-steps); it must be divisible by world_size · grad_accum.
     lr, min_lr_ratio, warmup_steps: linear warm-up from 0 to lr over warmup_steps, then cosine decay
@@ -88,6 +92,7 @@ class TrainConfig:
     corpus_max_bytes: int | None = None
     val_fraction: float = 0.05
     seq_len: int = 256
+    packing: bool | None = None
     batch_size: int = 16
     grad_accum: int = 1
     steps: int = 1000
@@ -223,6 +228,12 @@ def _check_fields(cfg: TrainConfig) -> None:
         hint = " (float16 would need loss scaling; use bfloat16)" if cfg.dtype == "float16" else ""
         raise ValueError(f"dtype must be one of {DTYPES}, got {cfg.dtype!r}{hint}")
     check_bool("activation_checkpointing", cfg.activation_checkpointing)
+    if cfg.packing is not None:
+        check_bool("packing", cfg.packing)
+        if cfg.packing and cfg.task != "bytes":
+            raise ValueError(f"packing=True is for task 'bytes' (documents of a corpus), got task {cfg.task!r}")
+        if cfg.packing and cfg.sequence_parallel > 1:
+            raise ValueError("packing=True does not combine with sequence_parallel > 1 (cu_seqlens takes no shards)")
     check_device("device", cfg.device)
     check_choice("distributed", cfg.distributed, DISTRIBUTED)
     check_choice("backend", cfg.backend, (None, "gloo", "nccl"))

@@ -187,9 +187,10 @@ def corpus_files(paths: PathLike | Sequence[PathLike] | None = None, suffixes: S
     return out
 
 
-def _read_files(files: Sequence[Path], max_bytes: int | None) -> tuple[bytes, int]:
+def _read_files(files: Sequence[Path], max_bytes: int | None, starts: list | None = None) -> tuple[bytes, int]:
     """Concatenate the files' bytes (no separator), stopping once ``max_bytes`` are read; the
-    last file may be cut. Returns the bytes and the number of files that contributed."""
+    last file may be cut. Returns the bytes and the number of files that contributed; ``starts``,
+    if given, receives the offset at which each contributing file begins (its documents)."""
     if max_bytes is not None:
         check_int("max_bytes", max_bytes, minimum=1)
     chunks, total, used = [], 0, 0
@@ -200,6 +201,8 @@ def _read_files(files: Sequence[Path], max_bytes: int | None) -> tuple[bytes, in
         if max_bytes is not None:
             data = data[: max_bytes - total]
         if data:
+            if starts is not None:
+                starts.append(total)
             chunks.append(data)
             total += len(data)
             used += 1
@@ -232,7 +235,8 @@ class Corpus:
 
     Fields: ``train`` and ``validation`` (1-D ``torch.uint8``), ``n_files`` (files that
     contributed bytes), ``n_bytes`` (total), ``source`` (what was read, in words),
-    ``val_fraction``.
+    ``val_fraction``, ``doc_starts`` (1-D int64: the offset in the concatenation at which each
+    file begins, its document boundaries; None when unknown).
     """
 
     train: torch.Tensor
@@ -241,6 +245,7 @@ class Corpus:
     n_bytes: int
     source: str
     val_fraction: float
+    doc_starts: torch.Tensor | None = None
 
     vocab_size = 256
 
@@ -255,7 +260,8 @@ class Corpus:
         """Read the corpus (see :func:`corpus_files`, :func:`load_corpus`) and split it."""
         check_number("val_fraction", val_fraction, minimum=0, maximum=1, low_open=True, high_open=True)
         files = corpus_files(paths, suffixes)
-        data, n_files = _read_files(files, max_bytes)
+        starts: list[int] = []
+        data, n_files = _read_files(files, max_bytes, starts)
         if len(data) < 2:
             raise ValueError(f"corpus has {len(data)} bytes; it needs at least 2 to be split")
         if paths is None:
@@ -266,7 +272,8 @@ class Corpus:
         n_val = min(len(data) - 1, max(1, int(len(data) * val_fraction)))
         tensor = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         split = len(data) - n_val
-        return cls(tensor[:split], tensor[split:], n_files, len(data), source, float(val_fraction))
+        return cls(tensor[:split], tensor[split:], n_files, len(data), source, float(val_fraction),
+                   torch.tensor(starts, dtype=torch.long))
 
     def describe(self) -> str:
         """One line: source, files, bytes, and the split."""

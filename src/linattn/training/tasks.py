@@ -30,6 +30,7 @@ from . import data as D
 from ..models.checkpoint import CheckpointError
 from .data import mix_seed
 from ..models.lm import LinearTransformerEncoder, LinearTransformerLM, ModelConfig
+from . import packing as P
 
 _CORPUS_CACHE: dict = {}
 
@@ -161,7 +162,10 @@ class LMTask(Task):
         return int((batch.targets != D.IGNORE_INDEX).sum())
 
     def loss_stats(self, model, batch, positions=None):
-        logits, _ = model(batch.inputs, positions=positions)
+        if isinstance(batch, P.PackedBatch):  # the rows as one row of packed documents
+            logits, _ = model(batch.inputs.reshape(1, -1), cu_seqlens=batch.cu_seqlens())
+        else:
+            logits, _ = model(batch.inputs, positions=positions)
         logits = logits.float().flatten(0, 1)
         targets = batch.targets.flatten()
         loss = F.cross_entropy(logits, targets, ignore_index=D.IGNORE_INDEX, reduction="sum")
@@ -170,6 +174,8 @@ class LMTask(Task):
         return loss, correct
 
     def rows(self, batch, start, end):
+        if isinstance(batch, P.PackedBatch):
+            return batch.rows(start, end)
         return D.TaskBatch(batch.inputs[start:end], batch.targets[start:end], batch.vocab_size)
 
     def columns(self, batch, start: int, end: int):
@@ -181,16 +187,18 @@ class LMTask(Task):
 class BytesTask(LMTask):
     """Byte-level language modelling on a corpus (None: the Python standard library): random
     windows of seq_len + 1 bytes (data.ByteLMBatches), validation on the first `eval_batches`
-    batches of consecutive windows of the held-out part. Metrics add bpb = loss / ln 2."""
+    batches of consecutive windows of the held-out part. Metrics add bpb = loss / ln 2. With
+    packing (training.packing), the same windows with the documents (files) kept apart."""
 
     name = "bytes"
     vocab_size = 256
     bits = True
 
     def __init__(self, *, seq_len: int, batch_size: int, seed: int, eval_batches: int, corpus=None,
-                 corpus_max_bytes: int | None = None, val_fraction: float = 0.05, eval_batch_size=None):
+                 corpus_max_bytes: int | None = None, val_fraction: float = 0.05, eval_batch_size=None,
+                 packing: bool = False):
         super().__init__(batch_size=batch_size, seed=seed, eval_batch_size=eval_batch_size)
-        self.seq_len, self.eval_batches = seq_len, eval_batches
+        self.seq_len, self.eval_batches, self.packing = seq_len, eval_batches, bool(packing)
         self.paths, self.max_bytes, self.val_fraction = corpus, corpus_max_bytes, val_fraction
         self._stream = None
 
@@ -200,7 +208,8 @@ class BytesTask(LMTask):
             raise ValueError(f"task 'bytes' takes no task_options (use corpus, seq_len), got {cfg.task_options}")
         return cls(seq_len=cfg.seq_len, batch_size=cfg.batch_size, seed=cfg.seed, eval_batches=cfg.eval_batches,
                    corpus=cfg.corpus, corpus_max_bytes=cfg.corpus_max_bytes, val_fraction=cfg.val_fraction,
-                   eval_batch_size=cfg.eval_batch_size)
+                   eval_batch_size=cfg.eval_batch_size,
+                   packing=cfg.sequence_parallel == 1 if cfg.packing is None else cfg.packing)
 
     @property
     def corpus(self) -> D.Corpus:
@@ -216,13 +225,19 @@ class BytesTask(LMTask):
         self.stream  # noqa: B018 - reads the corpus
 
     def describe(self) -> str:
-        return self.corpus.describe()
+        return self.corpus.describe() + ("; documents (files) packed into full rows" if self.packing else "")
 
     def train_batch(self, step):
+        if self.packing:
+            return P.packed_stream_batch(self.stream, step, P.split_starts(self.corpus, "train"))
         x, y = self.stream.batch(step)
         return D.TaskBatch(x, y, 256)
 
     def validation_batches(self, batch_size):
+        if self.packing:
+            yield from P.packed_eval_batches(self.corpus.validation, self.seq_len, batch_size,
+                                             P.split_starts(self.corpus, "validation"), self.eval_batches)
+            return
         for x, y in D.eval_batches(self.corpus.validation, self.seq_len, batch_size, max_batches=self.eval_batches):
             yield D.TaskBatch(x, y, 256)
 

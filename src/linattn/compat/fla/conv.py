@@ -1,6 +1,6 @@
 """Dao's causal-conv1d (`causal_conv1d.causal_conv1d_fn`, `causal_conv1d_update`), the short
 convolution that transformers' linear-attention models (Qwen3.5, Qwen3-Next, …) call, on linattn's
-depthwise causal convolution (`linattn.convolution.depthwise_causal`, design §14).
+depthwise causal convolution (`linattn.nn.convolution.depthwise_causal`, design §14).
 
 Channel-first, as Dao's kernels and transformers pass it: x (B, C, L), weight (C, W), bias (C,):
 
@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ...nn.convolution import depthwise_causal
+from ...nn.convolution import ShortConvolution, depthwise_causal
 from ._edge import hands_over, refuse
 
 ACTIVATIONS = (None, "silu", "swish")
@@ -65,9 +65,17 @@ def causal_conv1d_fn(
     """The parallel form (module docstring). x (B, C, L) -> out (B, C, L), or (out, final_states)
     with return_final_states: the last W−1 inputs (B, C, W−1), zeros where the sequence was shorter,
     written into final_states_out when given. initial_states (B, C, W−1): the inputs before x.
-    Gradients reach x, weight, bias and initial_states. seq_idx is refused."""
-    refuse("causal_conv1d_fn", seq_idx=seq_idx)
+    Gradients reach x, weight, bias and initial_states.
+
+    seq_idx (B, L) integer: packed sequences, each row's runs of equal ids one sequence (ids must
+    not decrease along a row); no tap crosses from one run to the next (the packed path of
+    `linattn.nn.ShortConvolution`, row by row). As in Dao's kernel it excludes initial_states and
+    return_final_states."""
     _check(x, weight, bias, activation)
+    if seq_idx is not None:
+        refuse("causal_conv1d_fn (with seq_idx)", initial_states=initial_states,
+               return_final_states=return_final_states)
+        return _finish(_packed_rows(x, weight, seq_idx), bias, activation, x.dtype)
     b, c, n = x.shape
     w = weight.shape[1]
     cdt = weight.dtype
@@ -87,6 +95,30 @@ def causal_conv1d_fn(
         return out, final.contiguous()
     final_states_out.copy_(final)
     return out, final_states_out
+
+
+def seq_idx_to_cu_seqlens(ids: torch.Tensor) -> torch.Tensor:
+    """One row of seq_idx (L,) -> cu_seqlens [N+1] of its runs of equal ids (ids non-decreasing)."""
+    step = ids[1:] - ids[:-1]
+    if bool((step < 0).any()):
+        raise ValueError("seq_idx must not decrease along a row (each sequence one run of equal ids)")
+    starts = torch.nonzero(step).flatten() + 1
+    ends = torch.tensor([0, ids.numel()], dtype=torch.long, device=ids.device)
+    return torch.cat((ends[:1], starts.long(), ends[1:]))
+
+
+def _packed_rows(x, weight, seq_idx):
+    """The convolution without bias and activation, (B, L, C) in weight's dtype, each row by its
+    sequences (ShortConvolution's packed path with `weight` as its parameter)."""
+    b, c, n = x.shape
+    if not isinstance(seq_idx, torch.Tensor) or tuple(seq_idx.shape) != (b, n) or seq_idx.is_floating_point():
+        got = tuple(seq_idx.shape) if isinstance(seq_idx, torch.Tensor) else type(seq_idx).__name__
+        raise ValueError(f"seq_idx must be an integer tensor (batch, seqlen) = {(b, n)}, got {got}")
+    conv = ShortConvolution(c, weight.shape[1]).to(device=x.device, dtype=weight.dtype)
+    xs = x.transpose(1, 2).to(weight.dtype)
+    rows = [torch.func.functional_call(conv, {"weight": weight}, (xs[r:r + 1],),
+                                       {"cu_seqlens": seq_idx_to_cu_seqlens(seq_idx[r])}) for r in range(b)]
+    return torch.cat(rows, 0)
 
 
 @hands_over("causal_conv1d", "causal_conv1d_update")

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from ..._checks import check_positive_int
+from .. import packed
 from ..affine import AffineForm
 from ..linear.chunked import DEFAULT_CHUNK_SIZE, state_dtype
 from ..nonfinite import all_finite
@@ -37,6 +38,7 @@ def delta_rule(
     initial_state: torch.Tensor | None = None,
     return_state: bool = False,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
+    cu_seqlens: torch.Tensor | None = None,
 ):
     """The delta rule over a whole sequence (causal), in the chunked WY/UT form (design §13).
 
@@ -50,6 +52,10 @@ def delta_rule(
         the tokens before; a sequence split in two and resumed from the state gives the same output.
         Gradients flow into it.
     chunk_size: tokens per chunk (any positive int; N need not be a multiple).
+    cu_seqlens: packed sequences (design §16, linattn.ops.packed): a 1-D integer tensor [N+1] of
+        cumulative lengths (0 … T) of N sequences laid end to end in a batch of 1; each runs as its own
+        call (the state resets at every boundary); initial_state and the returned state are per
+        sequence, S (N, H, D, E).
 
     Gradients reach q, k, v, beta, g and initial_state. On the CPU, fp32, fp64 and bf16 inputs run
     as fused operators forward and backward (csrc/delta.cpp); other devices and dtypes (and
@@ -59,6 +65,9 @@ def delta_rule(
     over those outputs (such a call runs an exact, slower pass: `linattn.ops.delta.exact`).
     """
     check_positive_int("chunk_size", chunk_size)
+    if cu_seqlens is not None:
+        return _packed(q, k, v, beta, cu_seqlens, g=g, scale=scale, qk_l2norm=qk_l2norm, initial_state=initial_state,
+                       return_state=return_state, chunk_size=chunk_size)
     check_arguments(q, k, v, beta, g, scale, qk_l2norm, initial_state)
     check_values(beta, g)
     sdt = state_dtype(q.dtype)
@@ -76,6 +85,28 @@ def delta_rule(
     grads = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, beta, g, S0))
     if not all_finite(S) or (grads and not all_finite(q)):  # a NaN or Inf: the exact pass (ops.delta.exact)
         o, S = exact_delta_rule(run, q, k, v, beta, g, S0)
+    return (o, S) if return_state else o
+
+
+def _packed(q, k, v, beta, cu_seqlens, *, g, scale, qk_l2norm, initial_state, return_state, chunk_size):
+    """delta_rule on N packed sequences (cu_seqlens), each one by itself (linattn.ops.packed)."""
+    check_arguments(q, k, v, beta, g, scale, qk_l2norm, None)
+    bounds = packed.boundaries(cu_seqlens, batch=q.shape[0], length=q.shape[2])
+    if initial_state is not None:
+        packed.check_state_count(initial_state, len(bounds))
+    check_values(beta, g)
+    b, h, _, d = q.shape
+    e = v.shape[-1]
+
+    def one(spans, state):
+        return delta_rule(*(packed.gather(x, spans, 2) for x in (q, k, v, beta)), g=packed.gather(g, spans, 2),
+                          scale=scale, qk_l2norm=qk_l2norm, initial_state=state, return_state=True,
+                          chunk_size=chunk_size)
+
+    def empty(state):
+        return state if state is not None else q.new_zeros(1, h, d, e, dtype=state_dtype(q.dtype))
+
+    o, S = packed.run(one, bounds, initial_state, empty, lambda: q.new_zeros(b, h, 0, e))
     return (o, S) if return_state else o
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..._checks import check_bool, check_eps, check_positive_int
-from .. import native
+from .. import native, packed
 from ..affine import AffineForm
 from ..linear.chunked import DEFAULT_CHUNK_SIZE, state_dtype
 from ..linear.api import advance_schedule, check_arguments, make_featurizer
@@ -35,6 +35,7 @@ def gated_linear_attention(
     return_state: bool = False,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     key_padding_mask: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
 ):
     """Causal gated linear attention, per (batch, head), with q̃ = φ(scale·q), k̃ = φ(k):
 
@@ -51,6 +52,10 @@ def gated_linear_attention(
     chunk_size: rows per chunk of the chunked algorithm (any positive int).
     key_padding_mask: (B, N) bool, True where the key is real; a masked token leaves the state as it
         was (no key added, no decay), so padding anywhere gives the state of the sequence without it.
+    cu_seqlens: packed sequences (design §16, linattn.ops.packed): a 1-D integer tensor [N+1] of
+        cumulative lengths (0 … T) of N sequences laid end to end in a batch of 1; each runs as its own
+        call (the state resets at every boundary), initial_state and the returned state are per
+        sequence: kv (N, H, F, E), or (kv, z (N, H, F)) with normalize.
 
     Gradients flow to q, k, v, g, the initial state and φ's parameters. On the CPU, φ elu+1 or None
     without scale or mask and fp32/fp64/bf16 inputs run as fused operators, forward and backward
@@ -66,6 +71,18 @@ def gated_linear_attention(
     for name, flag in (("normalize", normalize), ("return_state", return_state)):
         check_bool(name, flag, error=TypeError)
     check_eps("eps", eps)
+    if cu_seqlens is not None:
+        return _packed(q, k, v, g, cu_seqlens, feature_map=feature_map, normalize=normalize, eps=eps, scale=scale,
+                       initial_state=initial_state, return_state=return_state, chunk_size=chunk_size,
+                       key_padding_mask=key_padding_mask)
+    return _gated_linear_attention(q, k, v, g, feature_map=feature_map, normalize=normalize, eps=eps, scale=scale,
+                                   initial_state=initial_state, return_state=return_state, chunk_size=chunk_size,
+                                   key_padding_mask=key_padding_mask)
+
+
+def _gated_linear_attention(q, k, v, g, *, feature_map, normalize, eps, scale, initial_state, return_state,
+                            chunk_size, key_padding_mask):
+    """gated_linear_attention on one batch of checked options, φ's schedule already advanced."""
     fz, kv0, z0 = _prepare(q, k, v, g, feature_map=feature_map, scale=scale, key_padding_mask=key_padding_mask,
                            state=initial_state, normalize=normalize, name="initial_state")
     check_gate_values(g)
@@ -90,6 +107,35 @@ def gated_linear_attention(
     if not return_state:
         return o
     return o, ((kv, z) if normalize else kv)
+
+
+def _packed(q, k, v, g, cu_seqlens, *, initial_state, return_state, key_padding_mask, **options):
+    """gated_linear_attention on N packed sequences (cu_seqlens), each one by itself (linattn.ops.packed)."""
+    check_gated_arguments(q, k, v, g, feature_map=options["feature_map"], scale=options["scale"],
+                          key_padding_mask=key_padding_mask)
+    bounds = packed.boundaries(cu_seqlens, batch=q.shape[0], length=q.shape[2])
+    normalize = options["normalize"]
+    if initial_state is not None:
+        if normalize and (not isinstance(initial_state, (tuple, list)) or len(initial_state) != 2):
+            raise TypeError("initial_state must be a tuple (kv (N, H, F, E), z (N, H, F)) with normalize and cu_seqlens")
+        packed.check_state_count(initial_state, len(bounds))
+    b, h = q.shape[:2]
+    feat = q.shape[3] if options["feature_map"] is None else options["feature_map"].feature_dim
+    e, sdt = v.shape[-1], state_dtype(q.dtype)
+
+    def one(spans, state):
+        return _gated_linear_attention(*(packed.gather(x, spans, 2) for x in (q, k, v, g)), initial_state=state,
+                                       return_state=True, key_padding_mask=packed.gather(key_padding_mask, spans, 1),
+                                       **options)
+
+    def empty(state):
+        if state is not None:
+            return state
+        kv = q.new_zeros(1, h, feat, e, dtype=sdt)
+        return (kv, q.new_zeros(1, h, feat, dtype=sdt)) if normalize else kv
+
+    o, state = packed.run(one, bounds, initial_state, empty, lambda: q.new_zeros(b, h, 0, e))
+    return (o, state) if return_state else o
 
 
 def gated_linear_attention_step(

@@ -25,7 +25,7 @@ from ..._checks import (
     check_state,
     check_state_dtype,
 )
-from .. import native
+from .. import native, packed
 from ..features import Featurizer
 from .chunked import DEFAULT_CHUNK_SIZE, ChunkedCausalLinearAttention, compute_dtype, state_dtype
 from ..nonfinite import all_finite
@@ -116,6 +116,7 @@ def linear_attention(
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     positions: torch.Tensor | None = None,
     rope=None,
+    cu_seqlens: torch.Tensor | None = None,
 ):
     """Linear attention O_i = Σ_j φ(q_i)ᵀφ(k_j) v_j / (Σ_j φ(q_i)ᵀφ(k_j) + ε), j ≤ i when causal.
 
@@ -134,6 +135,11 @@ def linear_attention(
     positions: (N,) or (B, N) absolute token indices for RoPE / cosFormer (default arange(N); must
         be given when resuming from a state with either).
     rope: a linattn.nn.positional.RotaryEmbedding of dim F, applied to the numerator features only.
+    cu_seqlens: packed sequences (causal only; design §16, linattn.ops.packed): a 1-D integer tensor
+        [N+1] of cumulative lengths (0 … T) of N sequences laid end to end in a batch of 1. Each
+        sequence runs as its own call: states reset at every boundary, positions (default) restart
+        at 0, positions / key_padding_mask given are read on the packed time axis, initial_state
+        and the returned state are per sequence, kv (N, H, F, E) and z (N, H, F).
 
     On the CPU, a causal call with φ elu+1 or None, no RoPE, mask or scale and fp32/fp64/bf16 inputs
     runs as fused operators, forward and backward (linattn.ops.native; the same numbers up to rounding).
@@ -143,6 +149,11 @@ def linear_attention(
     key slot changes nothing whatever it holds.
     """
     advance_schedule(feature_map)
+    if cu_seqlens is not None:
+        return _packed_linear_attention(q, k, v, cu_seqlens, causal=causal, feature_map=feature_map,
+                                        normalize=normalize, eps=eps, scale=scale, key_padding_mask=key_padding_mask,
+                                        initial_state=initial_state, return_state=return_state,
+                                        chunk_size=chunk_size, positions=positions, rope=rope)
     return _linear_attention(q, k, v, causal=causal, feature_map=feature_map, normalize=normalize, eps=eps,
                              scale=scale, key_padding_mask=key_padding_mask, initial_state=initial_state,
                              return_state=return_state, chunk_size=chunk_size, positions=positions, rope=rope)
@@ -162,6 +173,36 @@ def _linear_attention(q, k, v, *, causal, feature_map, normalize, eps, scale, ke
     o, (kv, z) = run_linear_attention(fz, state, q, k, v, causal=causal, normalize=normalize, eps=eps,
                                       chunk_size=chunk_size)
     return (o, (kv, z)) if return_state else o
+
+
+def _packed_linear_attention(q, k, v, cu_seqlens, *, causal, initial_state, return_state, key_padding_mask,
+                             positions, **options):
+    """linear_attention on N packed sequences (cu_seqlens), each one by itself (linattn.ops.packed)."""
+    check_bool("causal", causal, error=TypeError)
+    if not causal:
+        raise ValueError("cu_seqlens needs causal=True (packed sequences are defined for the causal op)")
+    check_qkv(q, k, v)
+    bounds = packed.boundaries(cu_seqlens, batch=q.shape[0], length=k.shape[2])
+    if q.shape[2] != k.shape[2]:
+        raise ValueError(f"causal linear attention needs q and k of equal length, got {q.shape[2]} and {k.shape[2]}")
+    if initial_state is not None:
+        if not isinstance(initial_state, (tuple, list)) or len(initial_state) != 2:
+            raise TypeError("initial_state must be a tuple (kv (N, H, F, E), z (N, H, F)) with cu_seqlens")
+        packed.check_state_count(initial_state, len(bounds))
+    b, h, _, d = q.shape
+    feat, e, sdt = _feature_dim(options["feature_map"], d), v.shape[-1], state_dtype(q.dtype)
+
+    def one(spans, state):
+        return _linear_attention(
+            packed.gather(q, spans, 2), packed.gather(k, spans, 2), packed.gather(v, spans, 2), causal=True,
+            initial_state=state, return_state=True, key_padding_mask=packed.gather(key_padding_mask, spans, 1),
+            positions=packed.gather(positions, spans, -1), **options)
+
+    def empty(state):
+        return state if state is not None else (q.new_zeros(1, h, feat, e, dtype=sdt), q.new_zeros(1, h, feat, dtype=sdt))
+
+    o, state = packed.run(one, bounds, initial_state, empty, lambda: q.new_zeros(b, h, 0, e))
+    return (o, state) if return_state else o
 
 
 def run_linear_attention(fz: Featurizer, state: State, q, k, v, *, causal: bool, normalize: bool, eps: float,
