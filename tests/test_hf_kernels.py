@@ -110,7 +110,7 @@ def test_prefill_and_decode_logits_match_the_fallback(model_type):
 def test_greedy_generate_gives_identical_tokens(model_type):
     model = build(model_type, seed=1)
     x = tokens(2, 9, seed=1)
-    kw = dict(max_new_tokens=10, do_sample=False, eos_token_id=None)
+    kw = dict(max_new_tokens=6, do_sample=False, eos_token_id=None)
     with fallback(model_type):
         ref = model.generate(x, **kw)
     with H.use_linattn_kernels(model_type):
@@ -143,7 +143,7 @@ def test_training_step_gives_the_same_gradients(model_type):
 @pytest.mark.parametrize("model_type", TYPES)
 def test_packed_rows_equal_separate_documents(model_type, how):
     """Padding-free rows: two documents in one row give each document's logits (and gradients
-    flow); transformers' own torch path refuses cu_seq_lens_q."""
+    flow); transformers' torch rule (undecorated; its hub wrapper refuses packed rows) mixes them."""
     model = build(model_type, seed=3)
     a, b = tokens(1, 7, seed=4), tokens(1, 12, seed=5)
     row = torch.cat([a, b], 1)
@@ -161,9 +161,9 @@ def test_packed_rows_equal_separate_documents(model_type, how):
         loss = model(row, labels=row, use_cache=False, **extra).loss
         loss.backward()
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
-    if how == "cu_seq_lens_q":
-        with fallback(model_type), pytest.raises(ValueError, match="packed"):
-            model(row, use_cache=False, **extra)
+    with torch.no_grad(), fallback(model_type):  # transformers' torch rule ignores the boundaries
+        leaky = model.eval()(row, use_cache=False, **extra).logits
+    assert not torch.allclose(leaky[:, 7:], alone[:, 7:], atol=1e-3)
 
 
 def test_cu_seqlens_from_position_ids():

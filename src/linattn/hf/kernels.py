@@ -23,6 +23,11 @@ package implementation, plus packing):
   layers derive `cu_seq_lens_q` from them, so the linear layers keep documents apart as the
   softmax layers (transformers' block-diagonal mask) do.
 
+Where linattn's operators do not apply, the layer keeps transformers' own function for that call:
+β > 1 (OLMo-Hybrid's linear_allow_neg_eigval, the default there, doubles β into (0, 2); linattn's
+delta rule takes β ∈ (0, 1]) runs transformers' torch rule, with a RuntimeWarning. Kimi Linear's
+KDA functions are patched only where linattn.compat.fla has chunk_kda / fused_recurrent_kda.
+
 Numbers do not change beyond fp32 rounding: tests/test_hf_kernels.py compares logits, greedy
 tokens and gradients with transformers' torch fallbacks on tiny random configs.
 """
@@ -58,9 +63,16 @@ MODEL_TYPES = {
 
 
 def _compat(name: str):
-    """linattn.compat.fla's function `name` (None where that package lacks it, e.g. KDA)."""
+    """linattn.compat.fla's function `name`, from the package or its kda module (None where
+    neither has it)."""
     fla = importlib.import_module("linattn.compat.fla")
-    return getattr(fla, name, None)
+    fn = getattr(fla, name, None)
+    if fn is None and name.endswith("_kda"):
+        try:
+            fn = getattr(importlib.import_module("linattn.compat.fla.kda"), name, None)
+        except ImportError:
+            fn = None
+    return fn
 
 
 def _named_params(fn) -> frozenset:
