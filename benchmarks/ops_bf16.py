@@ -35,7 +35,7 @@ from ops_core import _spread, check  # noqa: E402  (the table helpers of the cor
 from torch.utils import benchmark  # noqa: E402
 
 from linattn.bench.methods import Method, Shape, forward_fn, fwd_bwd_fn, make_inputs  # noqa: E402
-from linattn.cli import int_list, positive_float, positive_int  # noqa: E402
+from linattn.cli.args import int_list, positive_float, positive_int  # noqa: E402
 from linattn.nn.feature_maps import EluPlusOne  # noqa: E402
 from linattn.ops import gated_linear_attention, linear_attention, native, precision  # noqa: E402
 from linattn.report import fmt_time, machine_info, make_console, make_table, progress, write_json  # noqa: E402

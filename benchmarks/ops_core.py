@@ -34,7 +34,7 @@ from linattn.bench.decode import kv_cache_fn, linear_step_fn
 from linattn.bench.flops import matmul_peak
 from linattn.bench.methods import Shape, core_methods, measure_method
 from linattn.bench.timing import measure
-from linattn.cli import int_list, positive_float, positive_int
+from linattn.cli.args import int_list, positive_float, positive_int
 from linattn.report import fmt_bytes, fmt_time, machine_info, make_console, make_table, progress, write_json
 
 LENGTHS = [256, 512, 1024, 2048, 4096, 8192, 16384]

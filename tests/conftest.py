@@ -2,6 +2,12 @@ import os
 
 import pytest
 import torch
+from hypothesis import settings
+
+# CI runs every property test on the same examples (CI=true there); a local run keeps exploring
+settings.register_profile("ci", derandomize=True, print_blob=True)
+if os.environ.get("CI"):
+    settings.load_profile("ci")
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 

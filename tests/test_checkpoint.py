@@ -182,7 +182,7 @@ def _edit_config(directory, **fields):
 @pytest.fixture
 def built_blocks(monkeypatch):
     """The device of the first parameter of every Block the models build (meta: a shape-only build)."""
-    import linattn.models as models
+    import linattn.models.lm as models
 
     devices = []
     real = models.Block

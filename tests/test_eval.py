@@ -6,6 +6,8 @@ import json
 import math
 
 import pytest
+
+from linattn.models import KINDS
 import torch
 
 from linattn.cli import main as cli_main
@@ -43,7 +45,7 @@ def test_every_kind_and_task_of_the_presets_makes_a_valid_config(preset):
                 assert mc.layer_kinds[-1] == "softmax" and mc.layer_kinds.count("softmax") == max(1, mc.n_layers // 4)
             elif kind in MIXER_KINDS:
                 assert mc.layer_kinds == [kind] * mc.n_layers
-                assert mc.positions == ("rope" if kind == "retnet" else "none")  # as in the papers
+                assert mc.positions == KINDS[kind].positions  # as in the papers (the kinds table)
                 assert (applies(kind, task) is None) == (task.task != "listops")
             else:
                 assert set(mc.layer_kinds) == {"linear"} and mc.feature_map == kind

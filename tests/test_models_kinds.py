@@ -8,6 +8,7 @@ import torch
 from linattn.nn.recurrent import RecurrentCache
 from linattn.nn.attention import Block, ConvMixerBlock, ConvMixerCache, KVCache
 from linattn.models import (
+    KINDS,
     ATTENTION_KINDS,
     RECURRENT_KINDS,
     LinearTransformerEncoder,
@@ -25,7 +26,8 @@ def _one_thread(one_thread):
 
 
 tiny = tiny_config
-NEW_KINDS = list(RECURRENT_KINDS)
+#: the kinds with a RecurrentCache (gated and delta-rule families)
+NEW_KINDS = [k for k in RECURRENT_KINDS if KINDS[k].family in ("gated", "delta")]
 
 
 def lm(dtype=torch.float64, **kw):

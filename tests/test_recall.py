@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from linattn.training import data as D
-from linattn.eval import recall
+from linattn.eval import recall, recall_stats
 from linattn.cli import main as cli_main
 from linattn.eval.suite import kind_model
 from linattn.models import LinearTransformerLM, ModelConfig
@@ -156,16 +156,16 @@ def test_the_lr_sweep_keeps_the_best_run():
 
 
 def test_criteria():
-    good = {"softmax": 0.99, "taylor": 0.95, "deltanet": 0.91, "gated_deltanet": 0.92, "elu": 0.7, "favor": 0.2,
-            "cosformer": 0.05}
+    good = {"softmax": 0.99, "taylor": 0.95, "elu": 0.7, "favor": 0.2, "cosformer": 0.05,
+            **{k: 0.91 for k in recall_stats.DELTA_KINDS}}
     out = recall.check_criteria([_rec(k, 1e-2, a) for k, a in good.items()])
-    assert len(out) == 7 and all(c["holds"] and c["holds_every_seed"] for c in out)
+    assert len(out) == len(recall.CRITERIA) and all(c["holds"] and c["holds_every_seed"] for c in out)
     bad = recall.check_criteria([_rec(k, 1e-2, a) for k, a in {**good, "elu": 0.8, "softmax": 0.9}.items()])
     failed = {c["check"] for c in bad if not c["holds"]}
     assert failed == {"softmax ≥ 0.95", "elu+1 ≤ Taylor − 0.20"}
     assert recall.check_criteria([_rec(k, 1e-2, a, p=4) for k, a in good.items()]) == []  # < 8 pairs: no claim
     partial = recall.check_criteria([_rec("softmax", 1e-2, 0.99)])
-    assert [c["holds"] for c in partial] == [True, None, None, None, None, None, None]
+    assert [c["holds"] for c in partial] == [True] + [None] * (len(recall.CRITERIA) - 1)
 
 
 def test_early_stop_ends_a_run_at_the_first_validation_that_reaches_it():

@@ -127,11 +127,13 @@ def test_frontier_preset_runs_each_kind_at_three_overlapping_state_sizes():
     qk = {}
     for kind, n, _p, _lr, cfg, meta in plan:
         qk.setdefault(kind, set()).add(cfg.model_config().qk_dim)
-    for kind in ("elu", "taylor", "deltanet", "gated_deltanet"):
+    for kind in ("elu", "taylor", *recall_frontier.DELTA_KINDS):
         assert len(qk[kind]) == 3
-    # pending kinds are skipped with a line, unknown ones rejected
-    _, skipped = recall.recall_plan(p, ["deltanet", "kda"])
-    assert any("KDA" in s for s in skipped) or "kda" in recall.ATTENTION_KINDS
+    windows = {}
+    for kind, n, _p, _lr, cfg, meta in plan:
+        if kind in recall_frontier.WINDOW_KINDS:
+            windows.setdefault(kind, set()).add(cfg.model_config().kind_options[kind]["window"])
+    assert all(len(w) == 3 for w in windows.values()) and set(windows) == set(recall_frontier.WINDOW_KINDS)
     with pytest.raises(ValueError, match="unknown recall kind"):
         recall.recall_plan(p, ["relu"])
 

@@ -13,7 +13,7 @@ import torch
 from linattn.ops import delta_rule, delta_rule_step
 from linattn.ops.delta.reference import delta_rule_recurrent
 
-from .test_ops_delta import op_path  # noqa: F401  (autouse fixture: both CPU paths)
+from .test_ops_delta import _both_paths  # noqa: F401  (autouse fixture: both CPU paths)
 
 STRONG = [-1e4, -1e8, -1e30]
 TOL = {torch.float32: 2e-5, torch.float64: 1e-12}

@@ -16,7 +16,7 @@ from linattn.ops import (delta_rule, delta_rule_step, gated_linear_attention, ga
                          linear_attention)
 from linattn.ops.delta.reference import delta_rule_recurrent
 
-from .test_ops_delta import op_path  # noqa: F401  (autouse fixture: both CPU paths)
+from .test_ops_delta import _both_paths  # noqa: F401  (autouse fixture: both CPU paths)
 
 
 def _delta_inputs(b, h, n, d, e, dtype=torch.float32, seed=0):

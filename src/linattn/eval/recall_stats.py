@@ -66,17 +66,21 @@ def summarize_seeds(records: list) -> list[dict]:
     fewer mean steps, then the lower lr), "seeds", "accuracies" (per seed, that lr), "mean", "sd"
     (sample sd, None for one seed), "worst" (lowest accuracy), "worst_seed", "plateau_seeds" (seeds
     that never left the plateau), "steps" (per seed), "steps_to_stop" (per seed, None if never),
-    "state_size" (mean over seeds, rounded), "lr_means" {lr: (mean, number of seeds)}}.
+    "state_size" (mean over seeds, rounded), "lr_means" {lr: (mean, number of seeds)}}. A run that
+    was interrupted before any validation (status "interrupted", accuracy None) was not run: it is
+    left out (a diverged run counts as 0).
     """
     groups: dict = {}
     for r in records:
+        if r.get("status") == "interrupted" and r.get("accuracy") is None:
+            continue
         key = (r["seq_len"], r["n_pairs"], r["kind"], r.get("variant", ""))
         groups.setdefault(key, {}).setdefault(r["lr"], []).append(r)
     out = []
     for (n, p, kind, variant), by_lr in groups.items():
         def rank(item):
             lr, runs = item
-            return (statistics.fmean(_acc(r) for r in runs), -statistics.fmean(r["steps"] for r in runs), -lr)
+            return (statistics.fmean(_acc(r) for r in runs), -statistics.fmean(r.get("steps") or 0 for r in runs), -lr)
 
         lr, runs = max(by_lr.items(), key=rank)
         runs = sorted(runs, key=lambda r: r.get("seed", 0))
@@ -87,8 +91,8 @@ def summarize_seeds(records: list) -> list[dict]:
                     "mean": statistics.fmean(accs), "sd": _sd(accs), "worst": accs[worst],
                     "worst_seed": runs[worst].get("seed", 0),
                     "plateau_seeds": [r.get("seed", 0) for r in runs if on_plateau(r)],
-                    "steps": [r["steps"] for r in runs], "steps_to_stop": [r["steps_to_stop"] for r in runs],
-                    "state_size": round(statistics.fmean(r["state_size"] for r in runs)),
+                    "steps": [r.get("steps") for r in runs], "steps_to_stop": [r.get("steps_to_stop") for r in runs],
+                    "state_size": round(statistics.fmean(r.get("state_size") or 0 for r in runs)),
                     "lr_means": {lr_: (statistics.fmean(_acc(r) for r in rs), len(rs)) for lr_, rs in by_lr.items()}})
     return out
 

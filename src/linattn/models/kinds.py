@@ -104,10 +104,10 @@ _ROWS = (
          output_gate=True, positions="none", fused="delta"),
     Kind("kda", KimiDeltaAttention, "KDA", "delta", rnn=True, causal_only=True, short_conv=4, output_gate=True,
          positions="none"),
-    Kind("swa", SlidingWindowAttention, "sliding window", "window", rnn=True, causal_only=True,
+    Kind("swa", SlidingWindowAttention, "sliding window", "window", rnn=True, causal_only=True, positions="rope",
          options={"window": DEFAULT_WINDOW}, build=_windowed),
     Kind("lolcats", LoLCATsAttention, "LoLCATs (window + linear)", "window", rnn=True, causal_only=True,
-         options={"window": DEFAULT_WINDOW, "feature_map": "hedgehog"}, build=_windowed),
+         positions="rope", options={"window": DEFAULT_WINDOW, "feature_map": "hedgehog"}, build=_windowed),
 )
 
 #: kind name -> Kind, in table order

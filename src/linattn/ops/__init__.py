@@ -6,11 +6,10 @@ from .linear import reference
 from . import packed
 from .delta import delta_rule, delta_rule_step
 from .gated import gated_linear_attention, gated_linear_attention_step
-from .kda import kda, kda_step
 from .linear.api import State, linear_attention, linear_attention_step
 from .softmax import softmax_attention
 from .swa import sliding_window_attention, sliding_window_attention_step
 
 __all__ = ["State", "delta_rule", "delta_rule_step", "gated_linear_attention", "gated_linear_attention_step",
-           "kda", "kda_step", "linear_attention", "linear_attention_step", "packed", "reference",
+           "linear_attention", "linear_attention_step", "packed", "reference",
            "sliding_window_attention", "sliding_window_attention_step", "softmax_attention"]
