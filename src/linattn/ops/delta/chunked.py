@@ -24,7 +24,7 @@ and the gate: every factor e^{±b} adds "value · its gradient" to ∂L/∂b (ro
 adds e^{b_c} Σ S ⊙ R to b_c), and Γ adds the row sums of G = dP ⊙ P + dA ⊙ A to b_i and subtracts its
 column sums from b_j; ∂L/∂g is the reverse cumulative sum of ∂L/∂b in the chunk.
 
-The sequence is walked in blocks of whole chunks (`linattn.ops.linear.chunked._blocks`): inside a block the
+The sequence is walked in blocks of whole chunks (`linattn.ops.linear.chunked.chunk_blocks`): inside a block the
 chunk-local products and the triangular inverses are batched over its chunks; only the state update
 V'_n = U_n − W_n S, S ← e^{b_c} S + K_lᵀ V'_n (U = L⁻¹ diag(β) V, W = L⁻¹ diag(β e^b) K) is a loop over
 them. Saved for backward: q, k, v, β, g and the state entering each block; the backward recomputes a
@@ -44,7 +44,7 @@ import functools
 
 import torch
 
-from ..linear.chunked import _blocks, state_dtype
+from ..linear.chunked import chunk_blocks, state_dtype
 from ..autodiff import first_order
 from .reference import L2_EPS
 
@@ -197,7 +197,7 @@ class ChunkedDeltaRule(torch.autograd.Function):
     def forward(ctx, chunk, scale, l2norm, q, k, v, beta, g, S0):
         b, h, n, d = q.shape
         e, bh, sdt = v.shape[-1], b * h, state_dtype(q.dtype)
-        blocks = _blocks(n, chunk, bh, max(d, e, chunk, d * e // chunk))
+        blocks = chunk_blocks(n, chunk, bh, max(d, e, chunk, d * e // chunk))
         o = torch.empty(b, h, n, e, dtype=q.dtype, device=q.device)
         S = S0.to(sdt).reshape(bh, d, e)
         S_in = []

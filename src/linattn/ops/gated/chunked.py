@@ -62,14 +62,14 @@ from ..features import Featurizer
 from ..autodiff import first_order
 from ..linear.chunked import (
     BLOCK_ELEMENTS,
-    _blocks,
-    _chunks,
-    _output_grads,
-    _store,
-    _target,
+    block_target,
     chain_feature_grads,
+    chunk_blocks,
+    chunk_view,
     compute_dtype,
+    output_grads,
     state_dtype,
+    store_block,
 )
 from ..nonfinite import Products, all_finite
 
@@ -97,9 +97,9 @@ def _max_chunks(bh: int, width: int) -> int:
 
 
 def gated_blocks(n: int, chunk: int, bh: int, feat: int, value: int, vector: bool) -> list[tuple[int, int, int]]:
-    """The blocks of `ops.chunked._blocks`, with at most `_max_chunks` chunks each."""
+    """The blocks of `ops.linear.chunked.chunk_blocks`, with at most `_max_chunks` chunks each."""
     nc = _max_chunks(bh, feat if vector else 1)
-    return _blocks(n, chunk, bh, max(feat, value, chunk, -(-BLOCK_ELEMENTS // (bh * nc * chunk))))
+    return chunk_blocks(n, chunk, bh, max(feat, value, chunk, -(-BLOCK_ELEMENTS // (bh * nc * chunk))))
 
 
 def split_block(g: torch.Tensor | None, s: int, t: int, c: int) -> list[tuple[int, int, int]]:
@@ -243,13 +243,13 @@ class ChunkedGatedLinearAttention(torch.autograd.Function):
                     segments.append((s, t, c))
                     S_in.append(S)
                     z_in.append(z)
-                    Q = _chunks(featurize(q[:, :, s:t], s, t, True)[0], c, cdt)
-                    K = _chunks(featurize(k[:, :, s:t], s, t, False)[0], c, cdt)
-                    V = _chunks(v[:, :, s:t], c, cdt)
+                    Q = chunk_view(featurize(q[:, :, s:t], s, t, True)[0], c, cdt)
+                    K = chunk_view(featurize(k[:, :, s:t], s, t, False)[0], c, cdt)
+                    V = chunk_view(v[:, :, s:t], c, cdt)
                     terms = chunk_terms(Q, K, _gates(g, s, t, c), exact)
                     S_before, S = decay_scan(S, mm.mm(terms.Kw.mT, V), terms.lam, exact=exact)
                     o_blk = o[:, :, s:t]
-                    U = _target(o_blk, c, cdt)
+                    U = block_target(o_blk, c, cdt)
                     mm.addmm_(torch.bmm(terms.Qe, S_before.to(cdt), out=U), terms.A, V)
                     if normalize:
                         z_before, z = decay_scan(z, terms.Kw.sum(1, dtype=sdt), terms.lam, exact=exact)
@@ -261,7 +261,7 @@ class ChunkedGatedLinearAttention(torch.autograd.Function):
                         else:
                             torch.div(U.view(b, h, t - s, e), den.view(b, h, t - s, 1), out=o_blk)
                     else:
-                        _store(o_blk, U)
+                        store_block(o_blk, U)
         kv = S.reshape(b, h, feat, e)
         z_out = z.reshape(b, h, feat) if normalize else None
         ctx.featurize, ctx.normalize, ctx.segments, ctx.exact = featurize, normalize, segments, exact
@@ -342,25 +342,25 @@ def _segment_backward(ctx, segment, inputs, do_blk, den, S0, z0, R, r, params, o
         qb = q[:, :, s:t].detach().requires_grad_(out.dq is not None and not local)
         kb = k[:, :, s:t].detach().requires_grad_(out.dk is not None and not local)
         feats = (*featurize(qb, s, t, True), *featurize(kb, s, t, False))
-    Q, K = (_chunks(f.detach(), c, cdt) for f in (feats[0], feats[2]))
-    V = _chunks(v[:, :, s:t], c, cdt)
+    Q, K = (chunk_view(f.detach(), c, cdt) for f in (feats[0], feats[2]))
+    V = chunk_view(v[:, :, s:t], c, cdt)
     tm = chunk_terms(Q, K, _gates(g, s, t, c), exact)
     S_before, S_after = decay_scan(S0, mm.mm(tm.Kw.mT, V), tm.lam, exact=exact)
     gam = None
     if normalize:
-        G, gam = _output_grads(do_blk, o[:, :, s:t], den.view(b, h, m, 1), c, cdt, sdt, exact)
+        G, gam = output_grads(do_blk, o[:, :, s:t], den.view(b, h, m, 1), c, cdt, sdt, exact)
         z_before, z_after = decay_scan(z0, tm.Kw.sum(1, dtype=sdt), tm.lam, exact=exact)
     else:
-        G = _chunks(do_blk, c, cdt)
+        G = chunk_view(do_blk, c, cdt)
     R_after, R = decay_scan(R, mm.mm(tm.Qe.mT, G), tm.lam, reverse=True, exact=exact)
     # each chunk's final-state term of the identity: Σ_e S_out ⊙ R_out (+ z_out ⊙ r_out)
     S_out = torch.cat([S_before.view(bh, -1, feat, e)[:, 1:], S_after[:, None]], 1).view(S_before.shape)
     ends = mm.mul(S_out.double(), R_after).sum(-1)  # (X, F)
     R_after = R_after.to(cdt)
     # ∂V = Aᵀ G + (K ⊙ e^{λ−β}) R
-    dV = _target(out.dv[:, :, s:t], c, cdt)
+    dV = block_target(out.dv[:, :, s:t], c, cdt)
     mm.addmm_(mm.mm(tm.A.mT, G, out=dV), tm.Kw, R_after)
-    _store(out.dv[:, :, s:t], dV)
+    store_block(out.dv[:, :, s:t], dV)
     P = mm.mm(G, V.mT)
     inter_q = mm.mm(G, S_before.to(cdt).mT)  # G Sᵀ (+ γ zᵀ)
     inter_k = mm.mm(V, R_after.mT)  # V Rᵀ (+ 1 rᵀ)

@@ -23,7 +23,7 @@ float64 from g clamped at FLOOR = −80 (e^{−80} ≈ 2e-35 underflows anyway i
 rounding in float64): after one g = −1e30 the differences of a float64 b without the floor
 lose the small gates (design §13).
 
-Autograd: `ChunkedKDA` runs the blocks of whole chunks (`linattn.ops.linear.chunked._blocks`) without a graph
+Autograd: `ChunkedKDA` runs the blocks of whole chunks (`linattn.ops.linear.chunked.chunk_blocks`) without a graph
 and saves q, k, v, β, g and the state entering each block; its backward recomputes one block at a
 time with autograd from that state and the gradient R = ∂L/∂S after the block, so temporaries are
 bounded by the block (nothing of size N·c or N·s·D is kept). Computed in the state dtype (float32;
@@ -37,7 +37,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from ..linear.chunked import _blocks, state_dtype
+from ..linear.chunked import chunk_blocks, state_dtype
 from ..delta.chunked import normalize_rows
 
 #: g is clamped at this floor before the cumulative sums (e^{−80} ≈ 2e-35: below every rounding).
@@ -148,7 +148,7 @@ class ChunkedKDA(torch.autograd.Function):
     def forward(ctx, chunk, scale, l2norm, q, k, v, beta, g, S0):
         b, h, n, d = q.shape
         e, bh, sdt = v.shape[-1], b * h, state_dtype(q.dtype)
-        blocks = _blocks(n, chunk, bh, max(d, e, chunk, d * e // chunk))
+        blocks = chunk_blocks(n, chunk, bh, max(d, e, chunk, d * e // chunk))
         o = torch.empty(b, h, n, e, dtype=q.dtype, device=q.device)
         S = S0.to(sdt).reshape(bh, d, e)
         S_in = []

@@ -68,7 +68,7 @@ def compute_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
     """Matmul dtype of the torch-op paths: fp16 is upcast to fp32 because its range cannot hold states
     that grow like N; fp64 stays fp64 (used by the tests); bf16 stays bf16 on CUDA (tensor cores) and
     on the CPU is what `precision.torch_choice` found faster here: bf16, or fp32 on each block widened
-    as it is cut into chunks (`_chunks`), only the outputs rounded to bf16."""
+    as it is cut into chunks (`chunk_view`), only the outputs rounded to bf16."""
     if dtype == torch.bfloat16:
         return compute_dtype_cpu(dtype) if device.type == "cpu" else dtype
     if dtype == torch.float64:
@@ -87,7 +87,7 @@ def block_tokens(bh: int, width: int, chunk: int) -> int:
     return per
 
 
-def _blocks(n: int, chunk: int, bh: int, width: int) -> list[tuple[int, int, int]]:
+def chunk_blocks(n: int, chunk: int, bh: int, width: int) -> list[tuple[int, int, int]]:
     """(start, end, chunk size) of each block: the whole chunks in blocks of `block_tokens`, then the
     tail of n mod chunk tokens as one block of one chunk."""
     main = n - n % chunk
@@ -104,7 +104,7 @@ def _strict_lower(n: int, dtype: torch.dtype, device: torch.device) -> torch.Ten
     return torch.ones(n, n, dtype=dtype, device=device).tril_(-1)
 
 
-def _chunks(x: torch.Tensor, c: int, dtype: torch.dtype) -> torch.Tensor:
+def chunk_view(x: torch.Tensor, c: int, dtype: torch.dtype) -> torch.Tensor:
     """(B, H, m, w) -> (B·H·m/c, c, w) in `dtype`: a view when x is contiguous in that dtype."""
     return x.to(dtype).reshape(-1, c, x.shape[-1])
 
@@ -150,7 +150,7 @@ def _denominator(Ad, Qd, z_before, eps: float):
     return den.add_(eps)
 
 
-def _target(dst: torch.Tensor, c: int, dtype: torch.dtype) -> torch.Tensor:
+def block_target(dst: torch.Tensor, c: int, dtype: torch.dtype) -> torch.Tensor:
     """A (B·H·m/c, c, w) buffer to compute a (B, H, m, w) result into: dst's own memory when it can."""
     if dst.is_contiguous() and dst.dtype == dtype:
         return dst.view(-1, c, dst.shape[-1])
@@ -158,13 +158,13 @@ def _target(dst: torch.Tensor, c: int, dtype: torch.dtype) -> torch.Tensor:
     return torch.empty(dst.numel() // w, w, dtype=dtype, device=dst.device).view(-1, c, w)
 
 
-def _store(dst: torch.Tensor, buf: torch.Tensor) -> None:
-    """Copies a `_target` buffer into dst unless it is dst's memory."""
+def store_block(dst: torch.Tensor, buf: torch.Tensor) -> None:
+    """Copies a `block_target` buffer into dst unless it is dst's memory."""
     if buf.data_ptr() != dst.data_ptr():
         dst.copy_(buf.view(dst.shape))
 
 
-def _output_grads(do_blk, o_blk, den, c: int, cdt, sdt, exact: bool):
+def output_grads(do_blk, o_blk, den, c: int, cdt, sdt, exact: bool):
     """G = ∂L/∂U = dO / (d+ε) (BH·nc, c, E) in cdt and g = ∂L/∂d = −Σ_e dO ⊙ O / (d+ε) (BH·nc, c, 1)
     in sdt, from dO and O (B, H, m, E) and the saved d + ε (B, H, m, 1). Exact pass: an entry with
     dO = 0 contributes 0 to both, also against a NaN or Inf in O or d (an output the loss does not
@@ -239,7 +239,7 @@ class ChunkedCausalLinearAttention(torch.autograd.Function):
         cdt, sdt = compute_dtype(q.dtype, q.device), state_dtype(q.dtype)
         S = kv0.to(sdt).reshape(bh, feat, e)
         z = z0.to(sdt).reshape(bh, feat)
-        blocks = _blocks(n, chunk, bh, max(feat, e, chunk))
+        blocks = chunk_blocks(n, chunk, bh, max(feat, e, chunk))
         o = torch.empty(b, h, n, e, dtype=q.dtype, device=q.device)
         dens, S_in, z_in = [], [], []
         last = None
@@ -250,11 +250,11 @@ class ChunkedCausalLinearAttention(torch.autograd.Function):
                 z_in.append(z)
                 qr, qd = featurize(q[:, :, s:t], s, t, True)
                 kr, kd = featurize(k[:, :, s:t], s, t, False)
-                Q, K, V = _chunks(qr, c, cdt), _chunks(kr, c, cdt), _chunks(v[:, :, s:t], c, cdt)
-                Qd, Kd = (Q, K) if qd is None else (_chunks(qd, c, cdt), _chunks(kd, c, cdt))
+                Q, K, V = chunk_view(qr, c, cdt), chunk_view(kr, c, cdt), chunk_view(v[:, :, s:t], c, cdt)
+                Qd, Kd = (Q, K) if qd is None else (chunk_view(qd, c, cdt), chunk_view(kd, c, cdt))
                 S_before, S, z_before, z, A = _block_states(Q, K, V, Kd, S, z, exact)
                 o_blk = o[:, :, s:t]
-                U = _target(o_blk, c, cdt)
+                U = block_target(o_blk, c, cdt)
                 mm.mm(A, V, out=U).baddbmm_(Q, S_before.to(cdt))
                 if normalize:
                     Ad = A if qd is None else torch.bmm(Qd, Kd.mT).tril_()
@@ -265,7 +265,7 @@ class ChunkedCausalLinearAttention(torch.autograd.Function):
                     else:
                         torch.div(U.view(b, h, t - s, e), den.view(b, h, t - s, 1), out=o_blk)
                 else:
-                    _store(o_blk, U)
+                    store_block(o_blk, U)
                 if i == len(blocks) - 1 and featurize.local_grad:
                     # the backward starts with this block: keep its tensors (bounded by the block size)
                     last = (Q, K, V, Qd, Kd, S_before, z_before, A)
@@ -323,24 +323,24 @@ def _backward(ctx, saved, do, dkv, dz, exact: bool):
                 kb = k[:, :, s:t].detach().requires_grad_(want_k and not local)
                 feats = (*featurize(qb, s, t, True), *featurize(kb, s, t, False))
             qr, qd, kr, kd = (None if f is None else f.detach() for f in feats)
-            Q, K, V = _chunks(qr, c, cdt), _chunks(kr, c, cdt), _chunks(v[:, :, s:t], c, cdt)
-            Qd, Kd = (Q, K) if qd is None else (_chunks(qd, c, cdt), _chunks(kd, c, cdt))
+            Q, K, V = chunk_view(qr, c, cdt), chunk_view(kr, c, cdt), chunk_view(v[:, :, s:t], c, cdt)
+            Qd, Kd = (Q, K) if qd is None else (chunk_view(qd, c, cdt), chunk_view(kd, c, cdt))
             S_before, _, z_before, _, A = _block_states(Q, K, V, Kd, S_in[i], z_in[i], exact)
         do_blk = do[:, :, s:t] if do is not None else torch.zeros(b, h, m, e, dtype=q.dtype, device=q.device)
         g = None
         if normalize:
-            G, g = _output_grads(do_blk, o[:, :, s:t], dens[i].view(b, h, m, 1), c, cdt, sdt, exact)
+            G, g = output_grads(do_blk, o[:, :, s:t], dens[i].view(b, h, m, 1), c, cdt, sdt, exact)
         else:
-            G = _chunks(do_blk, c, cdt)
+            G = chunk_view(do_blk, c, cdt)
         R_after, R = _prefix(R, mm.mm(Q.mT, G), reverse=True, exact=exact)
         R_after = R_after.to(cdt)
         if g is not None:
             r_after, r = _prefix(r, mm.mm(Qd.mT, g.to(cdt)).squeeze(-1), reverse=True, exact=exact)
         else:
             r_after = r.view(bh, 1, feat).expand(bh, m // c, feat)
-        dV = _target(dv[:, :, s:t], c, cdt)
+        dV = block_target(dv[:, :, s:t], c, cdt)
         grads = _feature_grads(mm, Q, K, V, Qd, Kd, A, G, g, S_before, z_before, R_after, r_after, dV)
-        _store(dv[:, :, s:t], dV)
+        store_block(dv[:, :, s:t], dV)
         del A
         if exact and featurize.key_padding_mask is not None:
             # a masked key's features are the constant 0: their gradient is 0 (a NaN v there made it NaN)
