@@ -8,12 +8,10 @@ from __future__ import annotations
 
 import torch
 
-from .._checks import check_positive_int
 from ..ops.linear.chunked import DEFAULT_CHUNK_SIZE
 from ..ops.kda import kda_affine_form
 from ..ops.kda.checks import check_arguments, check_values
-from .groups import resolve_group
-from .recurrent import _agree, _initial_on_rank0, _run_shard
+from .recurrent import run_delta_family
 
 
 def sequence_parallel_kda(
@@ -36,17 +34,11 @@ def sequence_parallel_kda(
     dtype, equal to shard r of kda on the whole sequence. initial_state: S (B, H, D, E) in the state
     dtype, on rank 0 only. Gradients reach q, k, v, beta, g and the initial state.
     """
-    shard = resolve_group(group)
-    error = None
-    try:
-        check_positive_int("chunk_size", chunk_size)
+    def check():
         check_arguments(q, k, v, beta, g, scale, qk_l2norm, initial_state)
         check_values(beta, g)
-        _initial_on_rank0(shard, initial_state)
-    except (ValueError, TypeError) as exc:
-        error = exc
-    feat = q.shape[-1] if error is None else 0
-    any_grad = _agree(shard, error, q, v, feat, ("g (1: per channel)", "qk_l2norm"), (1, int(qk_l2norm is True)),
-                      (q, k, v, beta, g, initial_state))
-    form = kda_affine_form(q, k, v, beta, g, scale=scale, qk_l2norm=qk_l2norm, chunk_size=chunk_size)
-    return _run_shard(shard, form, initial_state, any_grad)
+
+    return run_delta_family(group, check, chunk_size, ("g (1: per channel)", "qk_l2norm"),
+                            (1, int(qk_l2norm is True)), (q, k, v, beta, g, initial_state),
+                            lambda: kda_affine_form(q, k, v, beta, g, scale=scale, qk_l2norm=qk_l2norm,
+                                                    chunk_size=chunk_size))

@@ -178,20 +178,33 @@ def sequence_parallel_delta_rule(
     forward, P·B·H·D·E backward. bf16 inputs: o⁰ and q̄ are rounded to bf16 once before the initial
     state's share is added.
     """
+    def check():
+        check_delta_arguments(q, k, v, beta, g, scale, qk_l2norm, initial_state)
+        check_delta_values(beta, g)
+
+    return run_delta_family(group, check, chunk_size, ("g (0: None, 1: given)", "qk_l2norm"),
+                            (int(g is not None), int(qk_l2norm is True)), (q, k, v, beta, g, initial_state),
+                            lambda: delta_rule_affine_form(q, k, v, beta, g=g, scale=scale, qk_l2norm=qk_l2norm,
+                                                           chunk_size=chunk_size))
+
+
+def run_delta_family(group, check, chunk_size: int, flag_names: tuple, flags: tuple, tensors: tuple, make_form):
+    """A delta-family operator sequence-parallel over `group`: `check()` (and the chunk size and the
+    initial state's rank) on every rank, one agreement on errors, shapes and `flags` (named
+    `flag_names`), then this rank's shard as `make_form()` (an AffineForm) run through the state
+    exchange. tensors: (q, k, v, …, initial_state), the inputs whose gradients are wanted anywhere."""
     shard = resolve_group(group)
+    q, v, initial_state = tensors[0], tensors[2], tensors[-1]
     error = None
     try:
         check_positive_int("chunk_size", chunk_size)
-        check_delta_arguments(q, k, v, beta, g, scale, qk_l2norm, initial_state)
-        check_delta_values(beta, g)
+        check()
         _initial_on_rank0(shard, initial_state)
     except (ValueError, TypeError) as exc:
         error = exc
     feat = q.shape[-1] if error is None else 0
-    any_grad = _agree(shard, error, q, v, feat, ("g (0: None, 1: given)", "qk_l2norm"),
-                      (int(g is not None), int(qk_l2norm is True)), (q, k, v, beta, g, initial_state))
-    form = delta_rule_affine_form(q, k, v, beta, g=g, scale=scale, qk_l2norm=qk_l2norm, chunk_size=chunk_size)
-    return _run_shard(shard, form, initial_state, any_grad)
+    any_grad = _agree(shard, error, q, v, feat, flag_names, flags, tensors)
+    return _run_shard(shard, make_form(), initial_state, any_grad)
 
 
 def transition_exchange_bytes(batch: int, heads: int, feature_dim: int, value_dim: int, world_size: int, *,

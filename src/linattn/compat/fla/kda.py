@@ -16,13 +16,19 @@ from __future__ import annotations
 
 import torch
 
-from ...ops.linear.chunked import state_dtype
 from ...ops.kda import kda, kda_gate, kda_lowerbound_gate
-
-def _refuse(fn: str, **given) -> None:
-    for name, value in given.items():
-        if value:
-            raise ValueError(f"{fn}: {name}={value!r} is not supported by linattn's KDA")
+from ...ops.linear.chunked import state_dtype
+from ._edge import (
+    check_per_head,
+    check_qkv,
+    expand_heads,
+    heads_first,
+    refuse,
+    resolve_scale,
+    state_count,
+    state_in,
+    state_out,
+)
 
 
 def _gate(fn, g, A_log, dt_bias, use_gate_in_kernel, safe_gate, lower_bound):
@@ -37,30 +43,22 @@ def _gate(fn, g, A_log, dt_bias, use_gate_in_kernel, safe_gate, lower_bound):
     return kda_gate(g, A_log, dt_bias)
 
 
-def _run(fn, q, k, v, g, beta, scale, initial_state, output_final_state, l2norm, cu_seqlens, chunk_size=64):
-    for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(x).__name__}")
-    if q.dim() != 4 or k.shape != q.shape or v.dim() != 4 or v.shape[:2] != q.shape[:2]:
-        raise ValueError(f"{fn}: q, k must be [B, T, H, K] and v [B, T, HV, V], got {tuple(q.shape)}, "
-                         f"{tuple(k.shape)}, {tuple(v.shape)}")
-    b, t, h, dk = q.shape
-    hv = v.shape[2]
-    if hv % h:
-        raise ValueError(f"{fn}: v's heads HV = {hv} must be a multiple of q's H = {h}")
-    if tuple(g.shape) != (b, t, hv, dk):
-        raise ValueError(f"{fn}: g must be [B, T, HV, K] = {(b, t, hv, dk)}, got {tuple(g.shape)}")
-    if tuple(beta.shape) != (b, t, hv):
-        raise ValueError(f"{fn}: beta must be [B, T, HV] = {(b, t, hv)}, got {tuple(beta.shape)}")
-    if hv != h:  # grouped value heads: q/k head h serves value heads h·G … h·G + G − 1
-        q, k = q.repeat_interleave(hv // h, dim=2), k.repeat_interleave(hv // h, dim=2)
+def _run(fn, q, k, v, g, beta, scale, initial_state, output_final_state, l2norm, cu_seqlens, beta_sigmoid,
+         chunk_size=64):
+    """The checks and the crossing of linattn.compat.fla (_edge), then linattn.ops.kda.kda;
+    beta_sigmoid: β ← sigmoid(β), in float32 for 16-bit β."""
+    _, hv = check_qkv(q, k, v)
+    check_per_head("g", g, q, hv, last=q.shape[3])
+    check_per_head("beta", beta, q, hv)
+    if beta_sigmoid:
+        beta = torch.sigmoid(beta.float() if beta.dtype in (torch.float16, torch.bfloat16) else beta)
+    q, k = expand_heads(q, k, hv)
+    S0 = state_in("initial_state", initial_state, q, state_count(q, cu_seqlens), hv, q.shape[3], v.shape[3])
     sdt = state_dtype(q.dtype)
-    scale = dk ** -0.5 if scale is None else float(scale)
-    first = lambda x: x.transpose(1, 2)  # noqa: E731  [B, T, H, ·] -> (B, H, T, ·) views
-    S0 = None if initial_state is None else initial_state.to(sdt)
-    o, S = kda(first(q), first(k), first(v), beta.transpose(1, 2).to(sdt), first(g).to(sdt), scale=scale,
-               qk_l2norm=l2norm, initial_state=S0, return_state=True, chunk_size=chunk_size, cu_seqlens=cu_seqlens)
-    return o.transpose(1, 2), (S if output_final_state else None)
+    o, S = kda(heads_first(q), heads_first(k), heads_first(v), heads_first(beta).to(sdt), heads_first(g).to(sdt),
+               scale=resolve_scale(scale, k), qk_l2norm=l2norm, initial_state=S0, return_state=True,
+               chunk_size=chunk_size, cu_seqlens=cu_seqlens)
+    return o.transpose(1, 2), state_out(S, output_final_state)
 
 
 def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
@@ -71,17 +69,15 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     """FLA's `chunk_kda` (module doc); A_log [HV] and dt_bias [HV·K] come as keyword arguments with
     use_gate_in_kernel, as in FLA; chunk_size (default 64) may be given too."""
     fn = "chunk_kda"
-    _refuse(fn, allow_neg_eigval=allow_neg_eigval, return_intermediate_states=return_intermediate_states,
+    refuse(fn, allow_neg_eigval=allow_neg_eigval, return_intermediate_states=return_intermediate_states,
             state_v_first=state_v_first, cp_context=cp_context)
     A_log, dt_bias = kwargs.pop("A_log", None), kwargs.pop("dt_bias", None)
     chunk_size = kwargs.pop("chunk_size", 64)
     if kwargs:
         raise TypeError(f"{fn}: unexpected keyword arguments {sorted(kwargs)}")
     g = _gate(fn, g, A_log, dt_bias, use_gate_in_kernel, safe_gate, lower_bound)
-    if use_beta_sigmoid_in_kernel:
-        beta = torch.sigmoid(beta.float() if beta.dtype in (torch.float16, torch.bfloat16) else beta)
     return _run(fn, q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens,
-                chunk_size)
+                use_beta_sigmoid_in_kernel, chunk_size)
 
 
 def fused_recurrent_kda(q, k, v, g, beta, A_log=None, dt_bias=None, scale=None, initial_state=None,
@@ -91,7 +87,7 @@ def fused_recurrent_kda(q, k, v, g, beta, A_log=None, dt_bias=None, scale=None, 
     """FLA's `fused_recurrent_kda` (module doc): the same recurrence, run by linattn's chunked operator
     (the same numbers as a token-by-token loop up to rounding)."""
     fn = "fused_recurrent_kda"
-    _refuse(fn, allow_neg_eigval=allow_neg_eigval, state_v_first=state_v_first)
+    refuse(fn, allow_neg_eigval=allow_neg_eigval, state_v_first=state_v_first)
     for name in ("ssm_state_indices", "num_accepted_tokens", "out"):
         if kwargs.pop(name, None) is not None:
             raise ValueError(f"{fn}: {name} is not supported by linattn's KDA")
@@ -99,9 +95,8 @@ def fused_recurrent_kda(q, k, v, g, beta, A_log=None, dt_bias=None, scale=None, 
     if kwargs:
         raise TypeError(f"{fn}: unexpected keyword arguments {sorted(kwargs)}")
     g = _gate(fn, g, A_log, dt_bias, use_gate_in_kernel, lower_bound is not None, lower_bound)
-    if use_beta_sigmoid_in_kernel:
-        beta = torch.sigmoid(beta.float() if beta.dtype in (torch.float16, torch.bfloat16) else beta)
-    return _run(fn, q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens)
+    return _run(fn, q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens,
+                use_beta_sigmoid_in_kernel)
 
 
 __all__ = ["chunk_kda", "fused_recurrent_kda"]
