@@ -58,9 +58,10 @@ def test_fla_naive_recurrent_and_chunk():
     torch.testing.assert_close(S, cS, atol=1e-4, rtol=1e-4)
 
 
-def test_strong_gate_gradients_finite_where_fla_chunk_is_not():
-    """At g = −1e4 FLA's naive_chunk_kda forms e^{−b} and its gradients overflow; ours stay finite and
-    equal the (finite) gradients of FLA's token-by-token recurrence."""
+def test_strong_gate_gradients_finite_and_equal_flas_recurrence():
+    """At g = −1e4 our gradients stay finite and equal the (finite) gradients of FLA's token-by-token
+    recurrence. (FLA 0.6's naive_chunk_kda forms e^{−b} there and its gradients overflow: a weakness of
+    that reference, not asserted here, so that a fixed FLA does not fail linattn's tests.)"""
     naive = _fla_naive()
     xs = [x.double().requires_grad_() for x in _inputs(seed=1, strong=-1e4)]
     o, S = naive.naive_recurrent_kda(*xs[:5], initial_state=xs[5], output_final_state=True)
@@ -71,11 +72,6 @@ def test_strong_gate_gradients_finite_where_fla_chunk_is_not():
     for a, b in zip(got, ref):
         assert torch.isfinite(a).all()
         torch.testing.assert_close(a.double(), b, atol=2e-3, rtol=2e-3)
-    zs = [x.detach().float()[:, :32].requires_grad_() if x.dim() > 3 or x.shape[1] == T else
-          x.detach().float().requires_grad_() for x in xs]
-    o, S = naive.naive_chunk_kda(*zs[:5], initial_state=zs[5], output_final_state=True, chunk_size=16)
-    theirs = torch.autograd.grad(o.sum() + S.sum(), zs)
-    assert not all(torch.isfinite(x).all() for x in theirs), "FLA's naive_chunk_kda became finite at -1e4"
 
 
 def test_fla_gates():

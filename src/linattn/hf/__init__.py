@@ -18,7 +18,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from .cache import LinattnCache
 from .config import LinattnConfig
-from .kernels import KernelPatch, undo_linattn_kernels, use_linattn_kernels
+from .kernels import KernelPatch, KernelPatchError, undo_linattn_kernels, use_linattn_kernels
 from .modeling import LinattnForCausalLM, LinattnPreTrainedModel
 from .tokenizer import ByteTokenizer
 
@@ -34,6 +34,7 @@ _register()
 __all__ = [
     "ByteTokenizer",
     "KernelPatch",
+    "KernelPatchError",
     "LinattnCache",
     "LinattnConfig",
     "LinattnForCausalLM",

@@ -25,8 +25,11 @@ package implementation, plus packing):
 
 Where linattn's operators do not apply, the layer keeps transformers' own function for that call:
 β > 1 (OLMo-Hybrid's linear_allow_neg_eigval, the default there, doubles β into (0, 2); linattn's
-delta rule takes β ∈ (0, 1]) runs transformers' torch rule, with a RuntimeWarning. Kimi Linear's
-KDA functions are patched only where linattn.compat.fla has chunk_kda / fused_recurrent_kda.
+delta rule takes β ∈ (0, 1]) runs transformers' torch rule, with a RuntimeWarning.
+
+Where a transformers release renames or moves one of the functions (or the decoder layer) this
+module rebinds, use_linattn_kernels raises KernelPatchError naming it and the transformers version,
+rather than leave the slow path in place without a word.
 
 Numbers do not change beyond fp32 rounding: tests/test_hf_kernels.py compares logits, greedy
 tokens and gradients with transformers' torch fallbacks on tiny random configs.
@@ -191,15 +194,20 @@ def _layer_forward_adapter(forward):
 _BOUND: dict[tuple[int, str], list] = {}
 
 
+class KernelPatchError(RuntimeError):
+    """transformers no longer has a function (or module, or decoder layer) that use_linattn_kernels
+    rebinds: it was renamed or moved in this transformers release. Raised instead of leaving the slow
+    path in place silently; nothing stays patched."""
+
+
 class KernelPatch:
-    """What use_linattn_kernels changed: `patched` {model type: [names]}, `missing` {model type:
-    why not}; undo() releases them (idempotent): a name gets its original back once no active
-    patch holds it, whatever the order patches are undone in. A context manager."""
+    """What use_linattn_kernels changed: `patched` {model type: [names]}; undo() releases them
+    (idempotent): a name gets its original back once no active patch holds it, whatever the order
+    patches are undone in. A context manager."""
 
     def __init__(self):
         self._keys: list[tuple[int, str]] = []
         self.patched: dict[str, list[str]] = {}
-        self.missing: dict[str, str] = {}
 
     def _set(self, owner, name: str, value) -> None:
         key = (id(owner), name)
@@ -229,42 +237,55 @@ class KernelPatch:
         return False
 
     def __repr__(self) -> str:
-        return f"KernelPatch(patched={sorted(self.patched)}, missing={self.missing})"
+        return f"KernelPatch(patched={sorted(self.patched)})"
 
 
 _ACTIVE: set = set()
 
 
-def _patch_module(patch: KernelPatch, model_type: str, module, names: dict) -> None:
-    done = []
+def _transformers_version() -> str:
+    try:
+        return importlib.import_module("transformers").__version__
+    except ImportError:  # pragma: no cover - the modules below import it
+        return "?"
+
+
+def _missing(what: str) -> KernelPatchError:
+    return KernelPatchError(f"use_linattn_kernels: {what} in transformers {_transformers_version()}: renamed or moved "
+                            "in this release, so linattn cannot rebind it (the layers would silently keep "
+                            "transformers' slow path); use the transformers versions linattn is tested with "
+                            "(pyproject.toml) or report it")
+
+
+def _plan_module(model_type: str, module, names: dict) -> list:
+    """[(owner, name, replacement)] for one modeling module; KernelPatchError before anything is
+    rebound when a function or the decoder layer is not where linattn expects it."""
+    plan = []
     for glob, compat_name in names.items():
         fn = _compat(compat_name)
         if fn is None:
-            patch.missing[model_type] = f"linattn.compat.fla has no {compat_name}"
-            continue
+            raise KernelPatchError(f"use_linattn_kernels({model_type!r}): linattn.compat.fla has no {compat_name}")
         if not hasattr(module, glob):
-            patch.missing[model_type] = f"{module.__name__} has no {glob}"
-            continue
+            raise _missing(f"{module.__name__} has no function {glob!r} ({model_type})")
         adapter = _ADAPTERS.get(compat_name)
-        patch._set(module, glob, adapter(fn) if adapter else _rule_adapter(fn, getattr(module, glob)))
-        done.append(glob)
-    for cls in vars(module).values():
-        if isinstance(cls, type) and cls.__module__ == module.__name__ and cls.__name__.endswith("DecoderLayer") \
-                and "forward" in cls.__dict__:
-            patch._set(cls, "forward", _layer_forward_adapter(cls.__dict__["forward"]))
-            done.append(f"{cls.__name__}.forward")
-    if done:
-        patch.patched[model_type] = done
+        plan.append((module, glob, adapter(fn) if adapter else _rule_adapter(fn, getattr(module, glob))))
+    layers = [cls for cls in vars(module).values() if isinstance(cls, type) and cls.__module__ == module.__name__
+              and cls.__name__.endswith("DecoderLayer") and "forward" in cls.__dict__]
+    if not layers:
+        raise _missing(f"{module.__name__} has no *DecoderLayer class with a forward ({model_type}; linattn derives "
+                       "packed documents from position_ids there)")
+    plan += [(cls, "forward", _layer_forward_adapter(cls.__dict__["forward"])) for cls in layers]
+    return plan
 
 
 def use_linattn_kernels(model_types=None) -> KernelPatch:
     """Rebinds the gated-delta-rule / KDA and short-convolution functions of transformers'
     modeling files to linattn.compat.fla (module docstring). model_types: names from
-    MODEL_TYPES (None: all). A model type that the installed transformers lacks is skipped and
-    listed in the returned patch's `missing`, as is one whose kernels linattn.compat.fla lacks (the
-    functions that exist are patched). Returns a KernelPatch; undo() (or leaving its `with` block)
-    restores the original functions. Models already built pick the change up at their next call
-    (the layers look the functions up at call time)."""
+    MODEL_TYPES (None: all). Where the installed transformers lacks a modeling module, a function
+    or the decoder layer that linattn rebinds (renamed or moved), KernelPatchError names it and the
+    transformers version, and nothing is patched. Returns a KernelPatch; undo() (or leaving its
+    `with` block) restores the original functions. Models already built pick the change up at their
+    next call (the layers look the functions up at call time)."""
     if model_types is None:
         model_types = list(MODEL_TYPES)
     elif isinstance(model_types, str):
@@ -272,15 +293,19 @@ def use_linattn_kernels(model_types=None) -> KernelPatch:
     unknown = [m for m in model_types if m not in MODEL_TYPES]
     if unknown:
         raise ValueError(f"model_types: unknown {unknown}; known {sorted(MODEL_TYPES)}")
-    patch = KernelPatch()
+    plans = {}
     for model_type in model_types:
         path, names = MODEL_TYPES[model_type]
         try:
             module = importlib.import_module(path)
         except ImportError as exc:
-            patch.missing[model_type] = f"transformers has no {path} ({exc.__class__.__name__})"
-            continue
-        _patch_module(patch, model_type, module, names)
+            raise _missing(f"the modeling module {path} does not import ({exc.__class__.__name__}: {exc})") from exc
+        plans[model_type] = _plan_module(model_type, module, names)
+    patch = KernelPatch()
+    for model_type, plan in plans.items():
+        for owner, name, value in plan:
+            patch._set(owner, name, value)
+        patch.patched[model_type] = [f"{o.__name__}.{n}" if isinstance(o, type) else n for o, n, _ in plan]
     _ACTIVE.add(patch)
     return patch
 
@@ -291,5 +316,5 @@ def undo_linattn_kernels() -> None:
         patch.undo()
 
 
-__all__ = ["KernelPatch", "MODEL_TYPES", "cu_seqlens_from_position_ids", "undo_linattn_kernels",
+__all__ = ["KernelPatch", "KernelPatchError", "MODEL_TYPES", "cu_seqlens_from_position_ids", "undo_linattn_kernels",
            "use_linattn_kernels"]
