@@ -111,7 +111,13 @@ def test_preset_configs_follow_the_recipe():
     assert skipped == []
     assert {r[0] for r in runs} == set(recall.RECALL_KINDS)
     assert len(p.seeds) >= 3
-    assert len(runs) == len(recall.RECALL_KINDS) * len(p.settings) * len(p.lrs) * len(p.seeds)
+    per_kind = sum(len(p.setting_lrs(n, pairs)) for n, pairs, _b in p.settings)
+    assert len(runs) == len(recall.RECALL_KINDS) * per_kind * len(p.seeds)
+    # every kind at (64, 16) over the lr sweep and at two harder settings (more pairs at longer length)
+    assert p.settings[0][:2] == (64, 16) and p.setting_lrs(64, 16) == p.lrs and len(p.lrs) >= 2
+    harder = [(n, pairs) for n, pairs, _b in p.settings[1:]]
+    assert len(harder) >= 2 and all(n > 64 and pairs > 16 for n, pairs in harder)
+    assert all(set(p.setting_kinds(n, pairs, recall.RECALL_KINDS)) == set(recall.RECALL_KINDS) for n, pairs in harder)
     assert len({r[5]["config_digest"] for r in runs}) == len(runs)  # every run its own config
     for kind, n, pairs, lr, cfg, meta in runs:
         assert cfg.seed == meta["seed"] and meta["variant"] == ""

@@ -109,14 +109,17 @@ def test_run_recall_runs_every_seed_and_resumes_from_its_records(monkeypatch):
     assert [s["seeds"] for s in again["summary"]] == [[0, 1, 2], [0, 1, 2]]
 
 
-def test_time_estimate_scales_with_steps_tokens_and_softmax_length():
+def test_time_estimate_scales_with_steps_tokens_and_length():
     p = tiny_preset(settings=((64, 16, 64),), steps=100, lrs=(1e-2,), vocab_size=8192)
     plan = {k: recall.recall_plan(p, [k])[0] for k in ("softmax", "deltanet")}
     assert recall.estimate_cpu_s(plan["deltanet"]) == pytest.approx(100 * recall.seconds_per_step("deltanet"))
     long = recall.recall_plan(dataclasses.replace(p, settings=((256, 16, 16),)), ["softmax", "deltanet"])[0]
-    # a quarter of the batch at 4x the length: the same tokens; softmax pays the length once more
-    assert recall.estimate_cpu_s(long[1:]) == pytest.approx(recall.estimate_cpu_s(plan["deltanet"]))
-    assert recall.estimate_cpu_s(long[:1]) == pytest.approx(4 * recall.estimate_cpu_s(plan["softmax"]))
+    # a quarter of the batch at 4x the length: the same tokens, and 4^0.2 for the length
+    factor = 4 ** recall.LENGTH_EXPONENT
+    assert recall.estimate_cpu_s(long[1:]) == pytest.approx(factor * recall.estimate_cpu_s(plan["deltanet"]))
+    assert recall.estimate_cpu_s(long[:1]) == pytest.approx(factor * recall.estimate_cpu_s(plan["softmax"]))
+    half = recall.recall_plan(dataclasses.replace(p, settings=((64, 16, 32),)), ["deltanet"])[0]
+    assert recall.estimate_cpu_s(half) == pytest.approx(recall.estimate_cpu_s(plan["deltanet"]) / 2)
 
 
 def test_frontier_preset_runs_each_kind_at_three_overlapping_state_sizes():
@@ -226,3 +229,102 @@ def test_frontier_report_plots_one_curve_per_kind_with_seed_error_bars(tmp_path)
     assert "DeltaNet at or above elu+1 at equal state (Yang et al. 2024) — **holds**" in md
     data = json.loads(paths["json"].read_text())
     assert len(data["summary"]) == 6 and {s["variant"] for s in data["summary"]} >= {"d'=8", "key 64"}
+
+
+def test_cli_an_interrupted_run_is_trained_again_on_resume(tmp_path, monkeypatch, capsys):
+    """Issue 37 item 6: Ctrl-C inside a run, then the same command again: the interrupted run is not in
+    the runs file, is trained on resume, and every seed is in the statistics."""
+    monkeypatch.setattr(recall, "RECALL_PRESET", tiny_preset(settings=((32, 8, 8),), lrs=(1e-2,)))
+    real_run, calls = recall._run, []
+
+    def interrupted_second(kind, n, p, lr, cfg, meta=None):
+        calls.append(meta["seed"])
+        record = real_run(kind, n, p, lr, cfg, meta)
+        if len(calls) == 2:  # what train() returns after it took a Ctrl-C
+            record.update(status="interrupted", accuracy=None, curve=[])
+        return record
+
+    monkeypatch.setattr(recall, "_run", interrupted_second)
+    out = tmp_path / "out"
+    args = ["eval", "--preset", "recall", "--kinds", "deltanet", "--seeds", "0,1", "--quiet", "--out", str(out)]
+    assert cli_main(args) == 130
+    lines = [json.loads(x) for x in (out / "recall-runs.jsonl").read_text().splitlines()]
+    assert [(r["seed"], r["status"]) for r in lines] == [(0, "completed")]
+    monkeypatch.setattr(recall, "_run", real_run)
+    assert cli_main(args) == 0
+    report = json.loads((out / "recall-runs.json").read_text())
+    assert report["resumed"] == 1 and sorted(r["seed"] for r in report["records"]) == [0, 1]
+    assert report["summary"][0]["seeds"] == [0, 1]
+    # a runs file of an older version that holds an interrupted record: dropped, the run trained again
+    with (out / "recall-runs.jsonl").open("a") as f:
+        f.write(json.dumps({**lines[0], "seed": 2, "status": "interrupted", "accuracy": None}) + "\n")
+    capsys.readouterr()
+    assert cli_main([*args[:6], "0,1,2", *args[7:]]) == 0
+    assert "dropped an interrupted run" in capsys.readouterr().out
+    report = json.loads((out / "recall-runs.json").read_text())
+    assert report["resumed"] == 2 and [r["status"] for r in report["records"]] == ["completed"] * 3
+
+
+def test_cli_prints_the_estimate_before_starting(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(recall, "RECALL_PRESET", tiny_preset(settings=((32, 8, 8),), lrs=(1e-2,)))
+    args = ["eval", "--preset", "recall", "--kinds", "deltanet", "--seeds", "0", "--quiet", "--out", str(tmp_path)]
+    assert cli_main(args) == 0
+    out = capsys.readouterr().out
+    assert "plan: 1 runs, 0 already in recall-runs.jsonl; the other 1 need about" in out.replace("\n", " ")
+
+
+def test_a_changed_kinds_table_default_changes_the_run_digest(monkeypatch):
+    """The digest covers the options the kinds table gives a layer, so changing a default (an init
+    range) makes new runs instead of reusing the old default's records."""
+    from linattn.models import KINDS
+
+    cfg = recall.recall_config(recall.RECALL_PRESET, "gated_deltanet", 64, 16, 64, 1e-2)
+    before = recall.config_digest(cfg)
+    row = KINDS["gated_deltanet"]
+    monkeypatch.setitem(KINDS, "gated_deltanet", dataclasses.replace(row, options={"dt_init_range": (5e-4, 2e-3)}))
+    assert recall.config_digest(cfg) != before
+    monkeypatch.setitem(KINDS, "gated_deltanet", row)
+    assert recall.config_digest(cfg) == before
+
+
+def test_per_setting_lrs_and_kinds():
+    pre = tiny_preset(settings=((32, 8, 8), (64, 12, 4)), lrs=(3e-3, 1e-2),
+                      per_setting={(64, 12): {"lrs": (1e-2,), "kinds": ("deltanet",)}})
+    plan, _ = recall.recall_plan(pre, ["softmax", "deltanet"], seeds=[0])
+    assert [(k, n, lr) for k, n, _p, lr, _c, _m in plan] == [
+        ("softmax", 32, 3e-3), ("softmax", 32, 1e-2), ("deltanet", 32, 3e-3), ("deltanet", 32, 1e-2),
+        ("deltanet", 64, 1e-2)]
+
+
+def test_init_preset_runs_both_ranges_and_judges_by_its_stated_rule():
+    from linattn.eval import recall_init as ri
+
+    plan, _ = recall.recall_plan(ri.RECALL_INIT)
+    assert {(k, m["variant"]) for k, *_x, m in plan} == {(k, v) for k in ri.INIT_KINDS
+                                                        for v in (ri.DEFAULT_LABEL, ri.SLOW_LABEL)}
+    assert len(plan) == 3 * 2 * 5
+    ranges = {m["variant"]: c.model["kind_options"][k]["dt_init_range"] for k, _n, _p, _lr, c, m in plan}
+    assert ranges == {ri.DEFAULT_LABEL: [0.001, 0.1], ri.SLOW_LABEL: list(ri.SLOW_DT_RANGE)}
+    recs = [_rec("gated_deltanet", 1e-2, a, s, variant=ri.DEFAULT_LABEL) for s, a in enumerate([0.99, 0.01, 0.99])]
+    recs += [_rec("gated_deltanet", 1e-2, a, s, variant=ri.SLOW_LABEL) for s, a in enumerate([0.98, 0.97, 0.99])]
+    recs += [_rec("kda", 1e-2, a, s, variant=ri.DEFAULT_LABEL) for s, a in enumerate([0.99, 0.99, 0.99])]
+    recs += [_rec("kda", 1e-2, a, s, variant=ri.SLOW_LABEL) for s, a in enumerate([0.99, 0.98, 0.99])]
+    found = {f["kind"]: f for f in ri.init_findings({"summary": summarize_seeds(recs)})}
+    assert found["gated_deltanet"]["slow_better"] and found["gated_deltanet"]["default"]["plateau_seeds"] == [1]
+    assert not found["kda"]["slow_better"]
+
+
+def test_slow_init_range_reaches_the_layers():
+    import torch
+    from linattn import LinearTransformerLM, ModelConfig
+
+    for kind in ("gated_deltanet", "simple_gla", "kda"):
+        cfg = ModelConfig(vocab_size=16, d_model=16, n_layers=1, n_heads=2, attention=kind,
+                          kind_options={kind: {"dt_init_range": [5e-4, 2e-3]}})
+        layer = LinearTransformerLM(cfg).blocks[0].attn
+        gate = getattr(layer, "decay", None) or layer.forget_gate
+        dt = torch.nn.functional.softplus(gate.dt_bias.double())
+        assert 5e-4 * (1 - 1e-6) <= dt.min() and dt.max() <= 2e-3 * (1 + 1e-6), kind
+    with pytest.raises(ValueError, match="dt_init_range"):
+        LinearTransformerLM(ModelConfig(vocab_size=16, d_model=16, n_layers=1, n_heads=2, attention="gated_deltanet",
+                                        kind_options={"gated_deltanet": {"dt_init_range": [0.1, 0.01]}}))

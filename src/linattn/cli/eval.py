@@ -105,7 +105,8 @@ def run_eval_command(args) -> int:
 
 def _previous_runs(path, console) -> list:
     """The records of an earlier run in recall-runs.jsonl at `path` ([] if none); a line cut short by
-    a crash is dropped (and the file rewritten without it, so that new lines start on their own)."""
+    a crash, or the record of a run that was interrupted, is dropped (and the file rewritten without
+    it, so that new lines start on their own and the run is trained again)."""
     import json
 
     if not path.exists():
@@ -113,11 +114,17 @@ def _previous_runs(path, console) -> list:
     out, good, dropped = [], [], False
     for line in path.read_text(encoding="utf-8").splitlines():
         try:
-            out.append(json.loads(line))
-            good.append(line)
+            record = json.loads(line)
         except json.JSONDecodeError:
             dropped = True
             console.print(f"[yellow]{path}: dropped an incomplete line[/]")
+            continue
+        if isinstance(record, dict) and record.get("status") == "interrupted":  # (written by older versions)
+            dropped = True
+            console.print(f"[yellow]{path}: dropped an interrupted run (it runs again)[/]")
+            continue
+        out.append(record)
+        good.append(line)
     if dropped:
         path.write_text("".join(x + "\n" for x in good), encoding="utf-8")
     if out:
@@ -133,7 +140,7 @@ def run_recall_command(args) -> int:
 
     from rich.console import Console
 
-    from ..eval import recall, recall_frontier
+    from ..eval import recall, recall_frontier, recall_init
     from ..eval.recall_report import recall_table_rows, write_recall_report
     from ..report import make_console, make_table, output_dir
 
@@ -142,13 +149,14 @@ def run_recall_command(args) -> int:
               "linattn.eval.recall_frontier.RECALL_PRESETS)", file=sys.stderr)
         return 2
     # looked up now: tests shrink them
-    presets = {"recall": recall.RECALL_PRESET, "recall-frontier": recall_frontier.RECALL_FRONTIER}
+    presets = {"recall": recall.RECALL_PRESET, "recall-frontier": recall_frontier.RECALL_FRONTIER,
+               "recall-init": recall_init.RECALL_INIT}
     preset = presets[args.preset]
     if args.steps is not None:
         preset = dataclasses.replace(preset, steps=args.steps, warmup_steps=min(preset.warmup_steps,
                                                                                 max(1, args.steps // 10)))
     try:  # bad --kinds / --seeds: one line on stderr before any folder is made
-        recall.recall_plan(preset, args.kinds, args.device, args.seeds)
+        plan, _ = recall.recall_plan(preset, args.kinds, args.device, args.seeds)
     except ValueError as exc:
         print(f"linattn eval: error: {exc}", file=sys.stderr)
         return 2
@@ -159,8 +167,15 @@ def run_recall_command(args) -> int:
     previous = [] if args.restart else _previous_runs(partial, console)
     if args.restart or not partial.exists():
         partial.write_text("", encoding="utf-8")
+    todo = recall.runs_to_do(plan, previous)
+    cpu_s = recall.estimate_cpu_s(todo)
+    console.print(f"plan: {len(plan)} runs, {len(plan) - len(todo)} already in {partial.name}; the other {len(todo)} "
+                  f"need about {cpu_s / 3600:.1f} CPU h at full step budgets (early stops make it less): "
+                  f"~{cpu_s / 3600 / args.jobs:.1f} h with --jobs {args.jobs}")
 
     def keep(record):
+        if record.get("status") == "interrupted":  # not a finished run: a re-run trains it again
+            return
         with partial.open("a", encoding="utf-8") as f:
             f.write(json.dumps(record) + "\n")
 
@@ -171,6 +186,8 @@ def run_recall_command(args) -> int:
         return status
     if args.preset == "recall-frontier":
         report["claims"] = recall_frontier.frontier_claims(report)
+    if args.preset == "recall-init":
+        report["init_findings"] = recall_init.init_findings(report)
     header, rows = recall_table_rows(report)
     table = make_table(f"linattn eval ({stem}): {report['description']}", header, rows,
                        caption=f"lr of {report['lrs']} with the best mean over seeds {report['seeds']}; "
@@ -189,6 +206,9 @@ def run_recall_command(args) -> int:
             colour = {True: "green", False: "red"}.get(c["holds"], "dim")
             verdict = {True: "holds", False: "does not hold", None: "not comparable"}[c["holds"]]
             con.print(f"[{colour}]MQAR {tuple(c['setting'])}: {c['claim']}: {verdict}[/] ({c['detail']})")
+        for f in report.get("init_findings", []):
+            verdict = "the slow range is better" if f["slow_better"] else "the slow range is not better"
+            con.print(f"[{'green' if f['slow_better'] else 'yellow'}]{verdict}[/] ({f['detail']})")
         for line in report["skipped"]:
             con.print(f"[dim]{line}[/]")
 

@@ -28,6 +28,7 @@ each at least 0.20 below Taylor.
 from __future__ import annotations
 
 import hashlib
+import json
 import time
 from dataclasses import dataclass, field
 
@@ -38,7 +39,7 @@ from .recall_stats import CRITERIA, LABELS, MIN_PAIRS, RECALL_KINDS, check_seed_
 from ..training import TrainConfig, train
 
 __all__ = ["RECALL_KINDS", "RECALL_PRESET", "RecallPreset", "best_runs", "check_criteria", "estimate_cpu_s",
-           "recall_plan", "run_key", "seconds_per_step", "run_recall", "state_size", "CRITERIA", "LABELS", "MIN_PAIRS"]
+           "recall_plan", "run_key", "runs_to_do", "seconds_per_step", "run_recall", "state_size", "CRITERIA", "LABELS", "MIN_PAIRS"]
 
 
 
@@ -53,7 +54,9 @@ class RecallPreset:
     (fixed examples); stop_accuracy: early stop; seeds: the seeds every (kind, setting, lr) runs
     with; variants: {kind: ((label, options), ...)}, sizes of a kind run side by side (the frontier
     preset: options go on top of kind_options; a kind absent from it runs once, label "");
-    kinds: the kinds run when none are asked for (None: RECALL_KINDS).
+    kinds: the kinds run when none are asked for (None: RECALL_KINDS); per_setting: {(seq_len,
+    n_pairs): {"lrs": (...), "kinds": (...)}}, a setting's own lr sweep and kinds (default: lrs and
+    every kind asked for).
     """
 
     name: str
@@ -72,7 +75,15 @@ class RecallPreset:
     seeds: tuple = (0, 1, 2)
     variants: dict = field(default_factory=dict)
     kinds: tuple | None = None
+    per_setting: dict = field(default_factory=dict)
     notes: tuple = field(default_factory=tuple)
+
+    def setting_lrs(self, seq_len: int, n_pairs: int) -> tuple:
+        return tuple(self.per_setting.get((seq_len, n_pairs), {}).get("lrs", self.lrs))
+
+    def setting_kinds(self, seq_len: int, n_pairs: int, kinds) -> list:
+        only = self.per_setting.get((seq_len, n_pairs), {}).get("kinds")
+        return [k for k in kinds if only is None or k in only]
 
 
 #: d' of the feature-map kinds (their q, k are projected to it before the map)
@@ -80,17 +91,22 @@ _FEATURE_QK = 8
 
 RECALL_PRESET = RecallPreset(
     name="recall",
-    description="MQAR (64, 16), vocabulary 8,192, fresh batches of 64 examples; 2 blocks (gated short convolution, "
-                "mixer) of d_model 64, one head, no MLP; feature-map kinds with q/k projected to d' = 8, the others "
-                "with key dim 64; AdamW (weight decay 0.1), warmup 50, cosine to 0 over at most 1,200 steps, "
-                "lr in {3e-3, 1e-2}, early stop at 99%, seeds 0, 1, 2",
+    description="MQAR (64, 16), and the harder (128, 32) and (256, 64), vocabulary 8,192, fresh batches of 4,096 "
+                "tokens (64, 32, 16 examples); 2 blocks (gated short convolution, mixer) of d_model 64, one head, no "
+                "MLP; feature-map kinds with q/k projected to d' = 8, the others with key dim 64; AdamW (weight decay "
+                "0.1), warmup 50, cosine to 0 over at most 1,200 steps, lr in {3e-3, 1e-2} at (64, 16) and 1e-2 at "
+                "the harder settings, early stop at 99%, seeds 0, 1, 2",
     model={"d_model": 64, "n_layers": 2, "n_heads": 1, "block": "conv_mixer", "positions": "none"},
     kind_options={
         **{k: {"qk_dim": _FEATURE_QK} for k in ("elu", "favor", "cosformer", "taylor", "hedgehog")},
         "hybrid": {"attention": ["gla", "softmax"]},
     },
-    settings=((64, 16, 64),),
+    settings=((64, 16, 64), (128, 32, 32), (256, 64, 16)),
+    per_setting={(128, 32): {"lrs": (1e-2,)}, (256, 64): {"lrs": (1e-2,)}},
     notes=(
+        "The harder settings keep the tokens (4,096) and the queries (1,024) of a step and double the pairs with the "
+        "length, so that a fixed state must hold twice and four times the pairs; they run lr 1e-2 only, the best lr "
+        "of 9 of the 12 kinds at (64, 16) in issue 16's run, to fit the preset in a 2-core afternoon.",
         "Calibration (probe runs on this machine, lr 1e-2 unless said, 1,500-step schedule): at d' = 16 elu+1 "
         "reached 0.83 at (64, 16) against Taylor's 0.99, inside the 0.20 margin, so the feature-map kinds are "
         "compared at d' = 8 (Based compares maps at an equal small projected dim); at (128, 32) and d' = 16 the "
@@ -101,15 +117,18 @@ RECALL_PRESET = RecallPreset(
 )
 
 
-#: CPU seconds per optimizer step (batch 64, seq_len 64, with its share of validations) of one run on
-#: one thread of the 2-core AMD EPYC: docs/results/recall-runs.json's elapsed / steps at lr 1e-2 and
-#: 3e-3, scaled by that run's CPU time over its elapsed time (4,870 CPU s / 10,487 s, design §16); the
-#: progress bar's estimate and estimate_cpu_s scale them by batch · seq_len (softmax by seq_len²)
-SECONDS_PER_STEP = {"softmax": 0.72, "elu": 0.26, "favor": 0.24, "cosformer": 0.23, "taylor": 0.39, "hedgehog": 0.26,
-                    "hybrid": 0.09}
-#: the same for the kinds of the kinds table by family (measured: the gated kinds 0.10–0.12, the delta-rule
-#: kinds 0.11–0.12; the window family and KDA, not measured, priced like softmax)
-FAMILY_SECONDS_PER_STEP = {"gated": 0.11, "delta": 0.12, "window": 0.72}
+#: CPU seconds per optimizer step at batch 64, seq_len 64 (4,096 tokens) of one run on one thread of the
+#: 2-core AMD EPYC (no AMX), measured on a quiet core (taskset, 1 thread, 40 steps of the recall preset's
+#: model, 2026-12-04), plus 5% for the validations; estimate_cpu_s scales them by the tokens of a step and
+#: by (seq_len / 64)^0.2, what the measured kinds paid at (256, 64, 16) over (64, 16, 64) at equal tokens
+#: (1.1-1.5x: the vocabulary projection at the queries, not attention, dominates a step at these sizes)
+SECONDS_PER_STEP = {"softmax": 0.20, "elu": 0.17, "favor": 0.17, "cosformer": 0.17, "taylor": 0.19, "hedgehog": 0.17,
+                    "hybrid": 0.13}
+#: the same for the kinds of the kinds table, by family (measured: GLA 0.17; DeltaNet and Gated DeltaNet
+#: 0.19, KDA 0.31; sliding window 0.17, LoLCATs 0.30: each family's mean)
+FAMILY_SECONDS_PER_STEP = {"gated": 0.18, "delta": 0.24, "window": 0.24}
+#: the exponent of seq_len / 64 in the cost of a step at equal tokens
+LENGTH_EXPONENT = 0.2
 
 
 def recall_config(preset: RecallPreset, kind: str, seq_len: int, n_pairs: int, batch_size: int, lr: float,
@@ -128,8 +147,15 @@ def recall_config(preset: RecallPreset, kind: str, seq_len: int, n_pairs: int, b
 
 
 def config_digest(cfg: TrainConfig) -> str:
-    """12 hex digits of the SHA-1 of the run's TrainConfig (JSON): equal digests, equal runs."""
-    return hashlib.sha1(cfg.to_json().encode()).hexdigest()[:12]
+    """12 hex digits of the SHA-1 of the run's TrainConfig (JSON) and of the options its kinds' layers
+    get (the kinds table's defaults under ModelConfig.kind_options): equal digests, equal runs, and a
+    changed default in the kinds table (an init range, a window) is a new run, not a stale resume."""
+    from ..models import ModelConfig
+
+    model = ModelConfig(**cfg.model)
+    layers = {k: model.kind_options_for(k) for k in sorted(set(model.layer_kinds))}
+    text = cfg.to_json() + json.dumps(layers, sort_keys=True)
+    return hashlib.sha1(text.encode()).hexdigest()[:12]
 
 
 def run_key(record: dict) -> tuple:
@@ -164,11 +190,11 @@ def recall_plan(preset: RecallPreset, kinds=None, device: str = "cpu", seeds=Non
                for k in kinds if k not in EVAL_KINDS]
     runs = []
     for (n, p, b) in preset.settings:
-        for k in kinds:
+        for k in preset.setting_kinds(n, p, kinds):
             if k not in EVAL_KINDS:
                 continue
             for label, options in preset.variants.get(k, (("", {}),)):
-                for lr in preset.lrs:
+                for lr in preset.setting_lrs(n, p):
                     for seed in seeds:
                         cfg = recall_config(preset, k, n, p, b, lr, device, seed, options)
                         meta = {"variant": label, "seed": seed, "config_digest": config_digest(cfg)}
@@ -178,10 +204,11 @@ def recall_plan(preset: RecallPreset, kinds=None, device: str = "cpu", seeds=Non
 
 def estimate_cpu_s(plan: list) -> float:
     """Estimated CPU seconds of the plan's runs at their full step budget (early stops make it less),
-    from SECONDS_PER_STEP scaled by batch · seq_len (softmax: by batch · seq_len²)."""
+    from SECONDS_PER_STEP scaled by the tokens of a step (batch · seq_len / 4,096) and by
+    (seq_len / 64)^LENGTH_EXPONENT."""
     total = 0.0
     for kind, n, _p, _lr, cfg, _meta in plan:
-        scale = cfg.batch_size / 64 * n / 64 * (n / 64 if kind == "softmax" else 1.0)
+        scale = cfg.batch_size * n / 4096 * (n / 64) ** LENGTH_EXPONENT
         total += seconds_per_step(kind) * scale * cfg.steps
     return total
 
@@ -272,10 +299,8 @@ def run_recall(preset: RecallPreset | None = None, *, kinds=None, seeds=None, jo
     check_positive_int("jobs", jobs)
     check_positive_int("threads_per_job", threads_per_job)
     plan, skipped = recall_plan(preset, kinds, device, seeds)
-    previous = {run_key(r): r for r in (done_records or [])}
-    reused = {i: previous[(k, m["variant"], n, p, lr, m["seed"], m["config_digest"])]
-              for i, (k, n, p, lr, _cfg, m) in enumerate(plan)
-              if (k, m["variant"], n, p, lr, m["seed"], m["config_digest"]) in previous}
+    previous = _finished(done_records)
+    reused = {i: previous[_plan_key(item)] for i, item in enumerate(plan) if _plan_key(item) in previous}
     todo = [i for i in range(len(plan)) if i not in reused]
     machine = machine_info(device)
     machine.update(jobs=jobs, threads_per_job=threads_per_job if jobs > 1 else machine["torch_threads"])
@@ -284,6 +309,7 @@ def run_recall(preset: RecallPreset | None = None, *, kinds=None, seeds=None, jo
               "kind_options": preset.kind_options, "variants": {k: [list(v) for v in vs] for k, vs in
                                                                  preset.variants.items()},
               "settings": [list(s) for s in preset.settings], "lrs": list(preset.lrs),
+              "per_setting": {f"{n},{p}": {k: list(v) for k, v in o.items()} for (n, p), o in preset.per_setting.items()},
               "seeds": list(_check_seeds(preset.seeds if seeds is None else seeds)), "steps": preset.steps,
               "stop_accuracy": preset.stop_accuracy, "notes": list(preset.notes), "skipped": skipped,
               "resumed": len(reused), "estimated_cpu_s": estimate_cpu_s([plan[i] for i in todo]), "records": []}
@@ -315,6 +341,22 @@ def run_recall(preset: RecallPreset | None = None, *, kinds=None, seeds=None, jo
         if bar is not None:
             bar.stop()
     return _finish(report, reused, todo, done, t0)
+
+
+def _plan_key(item) -> tuple:
+    k, n, p, lr, _cfg, m = item
+    return (k, m["variant"], n, p, lr, m["seed"], m["config_digest"])
+
+
+def _finished(done_records) -> dict:
+    """{run_key: record} of the earlier records that finished (an interrupted run is not one)."""
+    return {run_key(r): r for r in (done_records or []) if r.get("status") != "interrupted"}
+
+
+def runs_to_do(plan: list, done_records) -> list:
+    """The items of `plan` that `done_records` (an earlier run's records) do not hold finished."""
+    previous = _finished(done_records)
+    return [item for item in plan if _plan_key(item) not in previous]
 
 
 def _console():

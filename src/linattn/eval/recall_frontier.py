@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 
 from .recall import RECALL_PRESET, RecallPreset
+from .recall_init import RECALL_INIT
 from ..models import KINDS
 from .recall_stats import DELTA_KINDS, LABELS
 
@@ -66,7 +67,7 @@ RECALL_FRONTIER = RecallPreset(
 )
 
 #: the presets `linattn eval` runs through linattn.eval.recall.run_recall
-RECALL_PRESETS = {"recall": RECALL_PRESET, "recall-frontier": RECALL_FRONTIER}
+RECALL_PRESETS = {"recall": RECALL_PRESET, "recall-frontier": RECALL_FRONTIER, "recall-init": RECALL_INIT}
 
 
 def _interp(points: list[tuple[float, float]], x: float) -> float | None:

@@ -19,6 +19,7 @@ from typing import Callable
 from torch import nn
 
 from ..nn.attention import LinearAttention, SoftmaxAttention
+from ..nn.decay import DT_INIT_RANGE
 from ..nn.feature_maps import FEATURE_MAPS
 from ..nn.kda import KimiDeltaAttention
 from ..nn.lolcats import LoLCATsAttention
@@ -96,14 +97,14 @@ _ROWS = (
     Kind("retnet", RetNetAttention, "RetNet", "gated", rnn=True, causal_only=True, output_gate=True, positions="rope",
          fused="gated"),
     Kind("simple_gla", SimpleGLAAttention, "simple GLA", "gated", rnn=True, causal_only=True, output_gate=True,
-         positions="none", fused="gated"),
+         positions="none", options={"dt_init_range": DT_INIT_RANGE}, fused="gated"),
     Kind("gla", GLAAttention, "GLA", "gated", rnn=True, causal_only=True, output_gate=True, positions="none", fused="gated"),
     Kind("deltanet", DeltaNetAttention, "DeltaNet", "delta", rnn=True, causal_only=True, short_conv=4, output_gate=True,
          positions="none", fused="delta"),
     Kind("gated_deltanet", GatedDeltaNetAttention, "Gated DeltaNet", "delta", rnn=True, causal_only=True, short_conv=4,
-         output_gate=True, positions="none", fused="delta"),
+         output_gate=True, positions="none", options={"dt_init_range": DT_INIT_RANGE}, fused="delta"),
     Kind("kda", KimiDeltaAttention, "KDA", "delta", rnn=True, causal_only=True, short_conv=4, output_gate=True,
-         positions="none"),
+         positions="none", options={"dt_init_range": DT_INIT_RANGE}),
     Kind("swa", SlidingWindowAttention, "sliding window", "window", rnn=True, causal_only=True, positions="rope",
          options={"window": DEFAULT_WINDOW}, build=_windowed),
     Kind("lolcats", LoLCATsAttention, "LoLCATs (window + linear)", "window", rnn=True, causal_only=True,

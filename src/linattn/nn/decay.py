@@ -32,6 +32,30 @@ GLA_GATE_RANK = 16
 GLA_GATE_TEMPERATURE = 16.0
 
 
+def check_dt_init_range(dt_init_range) -> tuple[float, float]:
+    """(lo, hi) with 0 < lo ≤ hi, finite: the range Δ = softplus(dt_bias) is drawn from at init."""
+    try:
+        lo, hi = (float(x) for x in dt_init_range)
+    except (TypeError, ValueError):
+        raise ValueError(f"dt_init_range must be two numbers (lo, hi), got {dt_init_range!r}") from None
+    if not (math.isfinite(lo) and math.isfinite(hi) and 0 < lo <= hi):
+        raise ValueError(f"dt_init_range must satisfy 0 < lo <= hi (finite), got {dt_init_range!r}")
+    return lo, hi
+
+
+def mamba2_gate_init(n_heads: int, dt_shape, dt_init_range=DT_INIT_RANGE,
+                     generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(A_log (n_heads,), dt_bias dt_shape), float64, Mamba2's initialization: A ~ U[A_INIT_RANGE],
+    Δ = softplus(dt_bias) log-uniform in dt_init_range (at least DT_INIT_FLOOR). ScalarDecay draws one Δ
+    per head, KDA's forget gate one per head and key channel."""
+    lo, hi = A_INIT_RANGE
+    dt_lo, dt_hi = check_dt_init_range(dt_init_range)
+    a = torch.rand(n_heads, generator=generator, dtype=torch.float64) * (hi - lo) + lo
+    u = torch.rand(dt_shape, generator=generator, dtype=torch.float64)
+    dt = torch.exp(u * (math.log(dt_hi) - math.log(dt_lo)) + math.log(dt_lo)).clamp_min(DT_INIT_FLOOR)
+    return a.log(), dt + torch.log(-torch.expm1(-dt))  # softplus⁻¹(Δ)
+
+
 def retnet_log_decays(n_heads: int) -> torch.Tensor:
     """log γ_h, γ_h = 1 − 2^{−5−h} for h = 0 … H−1 (RetNet's multi-scale decay), float64 (H,)."""
     h = torch.arange(n_heads, dtype=torch.float64)
@@ -66,13 +90,15 @@ class ScalarDecay(nn.Module):
 
         g_{h,t} = −exp(A_log_h) · softplus(W_α x_t + dt_bias_h)          (≤ 0 for every x)
 
-    W_α: d -> H; A_log, dt_bias: (H,). Initialized as in Mamba2: A = exp(A_log) ~ U[1, 16], Δ =
-    softplus(dt_bias) log-uniform in [0.001, 0.1] (at least 1e-4). forward(x (B, N, d)) -> (B, H, N).
+    W_α: d -> H; A_log, dt_bias: (H,). Initialized as in Mamba2 (mamba2_gate_init): A = exp(A_log) ~
+    U[1, 16], Δ = softplus(dt_bias) log-uniform in dt_init_range (default [0.001, 0.1], at least 1e-4).
+    forward(x (B, N, d)) -> (B, H, N).
     """
 
-    def __init__(self, d_model: int, n_heads: int):
+    def __init__(self, d_model: int, n_heads: int, dt_init_range=DT_INIT_RANGE):
         super().__init__()
         self.n_heads = n_heads
+        self.dt_init_range = check_dt_init_range(dt_init_range)
         self.proj = nn.Linear(d_model, n_heads, bias=False)
         self.A_log = nn.Parameter(torch.empty(n_heads))
         self.dt_bias = nn.Parameter(torch.empty(n_heads))
@@ -81,13 +107,9 @@ class ScalarDecay(nn.Module):
     @torch.no_grad()
     def init_parameters(self, generator: torch.Generator | None = None) -> None:
         """A_log and dt_bias drawn from `generator` (the projection is initialized by the model)."""
-        lo, hi = A_INIT_RANGE
-        a = torch.rand(self.n_heads, generator=generator, dtype=torch.float64) * (hi - lo) + lo
-        u = torch.rand(self.n_heads, generator=generator, dtype=torch.float64)
-        dt = torch.exp(u * (math.log(DT_INIT_RANGE[1]) - math.log(DT_INIT_RANGE[0])) + math.log(DT_INIT_RANGE[0]))
-        dt = dt.clamp_min(DT_INIT_FLOOR)
-        self.A_log.copy_(a.log())
-        self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # softplus⁻¹(Δ)
+        a_log, dt_bias = mamba2_gate_init(self.n_heads, self.n_heads, self.dt_init_range, generator)
+        self.A_log.copy_(a_log)
+        self.dt_bias.copy_(dt_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         sdt = state_dtype(x.dtype)

@@ -19,13 +19,12 @@ With output_gate=False the output skips the norm and gate (y = W_o o).
 
 from __future__ import annotations
 
-import math
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .decay import A_INIT_RANGE, DT_INIT_FLOOR, DT_INIT_RANGE
+from .decay import DT_INIT_RANGE, check_dt_init_range, mamba2_gate_init
 from .recurrent import _RecurrentAttention
 from .attention import RMSNorm, column_major
 from ..ops.linear.chunked import state_dtype
@@ -37,9 +36,11 @@ class KDAForgetGate(nn.Module):
     F_b rank -> H·D (no biases), A_log (H,), dt_bias (H·D,). forward(x (B, N, d)) -> g (B, H, N, D)
     in the state dtype."""
 
-    def __init__(self, d_model: int, n_heads: int, key_dim: int, rank: int | None = None):
+    def __init__(self, d_model: int, n_heads: int, key_dim: int, rank: int | None = None,
+                 dt_init_range=DT_INIT_RANGE):
         super().__init__()
         self.n_heads, self.key_dim = n_heads, key_dim
+        self.dt_init_range = check_dt_init_range(dt_init_range)
         rank = key_dim if rank is None else rank
         self.f_a = column_major(nn.Linear(d_model, rank, bias=False))
         self.f_b = column_major(nn.Linear(rank, n_heads * key_dim, bias=False))
@@ -49,14 +50,11 @@ class KDAForgetGate(nn.Module):
 
     @torch.no_grad()
     def init_parameters(self, generator: torch.Generator | None = None) -> None:
-        """A_log and dt_bias drawn from `generator` (the projections are initialized by the model)."""
-        lo, hi = A_INIT_RANGE
-        a = torch.rand(self.n_heads, generator=generator, dtype=torch.float64) * (hi - lo) + lo
-        u = torch.rand(self.dt_bias.shape, generator=generator, dtype=torch.float64)
-        log_lo, log_hi = math.log(DT_INIT_RANGE[0]), math.log(DT_INIT_RANGE[1])
-        dt = torch.exp(u * (log_hi - log_lo) + log_lo).clamp_min(DT_INIT_FLOOR)
-        self.A_log.copy_(a.log())
-        self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # softplus⁻¹(Δ)
+        """A_log and dt_bias drawn from `generator` (the projections are initialized by the model):
+        Mamba2's ranges, one Δ per head and key channel (linattn.nn.decay.mamba2_gate_init)."""
+        a_log, dt_bias = mamba2_gate_init(self.n_heads, self.dt_bias.shape, self.dt_init_range, generator)
+        self.A_log.copy_(a_log)
+        self.dt_bias.copy_(dt_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         raw = self.f_b(self.f_a(x)).unflatten(-1, (self.n_heads, self.key_dim))  # (B, N, H, D)
@@ -90,10 +88,10 @@ class KimiDeltaAttention(_RecurrentAttention):
     kind = "kda"
 
     def __init__(self, d_model: int, n_heads: int, *, output_gate: bool = True, norm_eps: float = 1e-5,
-                 bias: bool = False, **kw):
+                 bias: bool = False, dt_init_range=DT_INIT_RANGE, **kw):
         super().__init__(d_model, n_heads, output_gate=False, norm_eps=norm_eps, bias=bias, **kw)
         self.beta_proj = column_major(nn.Linear(d_model, n_heads, bias=False))
-        self.forget_gate = KDAForgetGate(d_model, n_heads, self.qk_dim)
+        self.forget_gate = KDAForgetGate(d_model, n_heads, self.qk_dim, dt_init_range=dt_init_range)
         self.kda_gate = KDAOutputGate(d_model, n_heads, self.head_dim, norm_eps, bias=bias) if output_gate else None
 
     def _activate(self, q, k, v):

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .._checks import check_positive_int
-from .decay import FeatureDecay, FixedDecay, ScalarDecay
+from .decay import DT_INIT_RANGE, FeatureDecay, FixedDecay, ScalarDecay
 from .attention import LayerCache, _Attention, token_positions
 from ..ops import delta_rule, delta_rule_step, gated_linear_attention, gated_linear_attention_step, packed
 from ..ops.linear.chunked import DEFAULT_CHUNK_SIZE, state_dtype
@@ -166,9 +166,9 @@ class SimpleGLAAttention(_GatedAttention):
 
     kind = "simple_gla"
 
-    def __init__(self, d_model: int, n_heads: int, **kw):
+    def __init__(self, d_model: int, n_heads: int, *, dt_init_range=DT_INIT_RANGE, **kw):
         super().__init__(d_model, n_heads, **kw)
-        self.decay = ScalarDecay(d_model, n_heads)
+        self.decay = ScalarDecay(d_model, n_heads, dt_init_range)
 
 
 class GLAAttention(_GatedAttention):
@@ -230,9 +230,9 @@ class GatedDeltaNetAttention(DeltaNetAttention):
 
     kind = "gated_deltanet"
 
-    def __init__(self, d_model: int, n_heads: int, **kw):
+    def __init__(self, d_model: int, n_heads: int, *, dt_init_range=DT_INIT_RANGE, **kw):
         super().__init__(d_model, n_heads, **kw)
-        self.decay = ScalarDecay(d_model, n_heads)
+        self.decay = ScalarDecay(d_model, n_heads, dt_init_range)
 
     def _log_decay(self, x):
         return self.decay(x)
