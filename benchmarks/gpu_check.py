@@ -155,6 +155,8 @@ def main(argv=None) -> int:
     ap.add_argument("--dry-run", action="store_true")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--shape", default="2,4096,16,128,128", help="B,T,H,K,V")
+    ap.add_argument("--families", default=",".join(FAMILIES), help="comma-separated, of: " + ", ".join(FAMILIES))
+    ap.add_argument("--dtypes", default="bf16,fp32", help="bf16, fp32 or both")
     args = ap.parse_args(argv)
     dry = args.dry_run or not torch.cuda.is_available()
     device = "cpu" if dry else "cuda"
@@ -169,15 +171,20 @@ def main(argv=None) -> int:
               "shape_BTHKV": shape, "fla": has_fla, "timestamp": time.strftime("%Y-%m-%d %H:%M:%S"),
               "peaks": peaks(device, dry, mrt), "families": [], "steps": []}
     print(json.dumps({k: report[k] for k in ("device", "torch", "shape_BTHKV", "fla", "peaks")}), flush=True)
-    for dtype in (torch.bfloat16, torch.float32):
+    families = [f for f in args.families.split(",") if f]
+    unknown = [f for f in families if f not in FAMILIES]
+    if unknown:
+        ap.error(f"--families: unknown {unknown}; choose from {list(FAMILIES)}")
+    dtypes = {"bf16": torch.bfloat16, "fp32": torch.float32}
+    for dtype in (dtypes[d] for d in args.dtypes.split(",")):
         peak = report["peaks"]["matmul_bf16_tflops" if dtype == torch.bfloat16 else "matmul_fp32_tflops"] * 1e12
-        for family in FAMILIES:
+        for family in families:
             row = family_row(family, shape, device, dtype, mrt, has_fla)
             fl = flops(family, *shape)
             for who in ("linattn", "fla"):
-                if f"{who}_fwd_ms" in row:
-                    row[f"{who}_fwd_peak_pct"] = 100 * fl / (row[f"{who}_fwd_ms"] / 1e3) / peak
-                    row[f"{who}_fwdbwd_peak_pct"] = 100 * 3 * fl / (row[f"{who}_fwdbwd_ms"] / 1e3) / peak
+                for what, mult in (("fwd", 1), ("fwdbwd", 3)):
+                    if f"{who}_{what}_ms" in row:
+                        row[f"{who}_{what}_peak_pct"] = 100 * mult * fl / (row[f"{who}_{what}_ms"] / 1e3) / peak
             report["families"].append(row)
             save(report, args.out)
         report["families"].append(sdpa_row(shape, device, dtype, mrt))
