@@ -48,6 +48,15 @@ def add_parser(subparsers) -> None:
     ops.add_argument("--no-memory", action="store_true", help="do not measure fwd+bwd peak memory")
     ops.add_argument("--no-peers", action="store_true",
                      help="do not look for fast_transformers, performer_pytorch, fla")
+    ops.add_argument("--roofline", action="store_true",
+                     help="instead of the sweep: every family (linear, gated scalar / per channel, delta rule, Gated "
+                          "DeltaNet, KDA, sliding window, softmax) at one shape, fwd and fwd+bwd in fp32 and bf16, "
+                          "GFLOP/s by the FLOP count of the algorithm run and %% of the bmm peak measured in the same "
+                          "run; the one-token step against one copy of its state (linattn.bench.roofline)")
+    ops.add_argument("--roofline-shape", type=_roofline_shape, default=(1, 16, 2048, 128, 128), metavar="B,H,N,K,V",
+                     help="--roofline's shape (default: 1,16,2048,128,128)")
+    ops.add_argument("--roofline-dtypes", type=_dtype_names, default=["fp32", "bf16"], metavar="fp32,bf16",
+                     help="--roofline's dtypes (default: fp32,bf16)")
     _run_options(ops)
     add_common_options(ops)
     ops.set_defaults(func=run_ops_command)
@@ -186,9 +195,40 @@ def _setup(args, kind: str):
     return device, out, console
 
 
+def _roofline_shape(value: str) -> tuple:
+    try:
+        parts = tuple(int(x) for x in value.split(","))
+    except ValueError:
+        parts = ()
+    if len(parts) != 5 or min(parts) < 1:
+        raise argparse.ArgumentTypeError(f"expected five positive integers B,H,N,K,V, got {value!r}")
+    return parts
+
+
+def _dtype_names(value: str) -> list[str]:
+    names = [x for x in value.split(",") if x]
+    bad = [x for x in names if x not in ("fp32", "bf16")]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"expected fp32, bf16 or fp32,bf16, got {value!r}")
+    return names
+
+
+def run_roofline_command(args) -> int:
+    from ..bench.roofline import RooflineConfig, check_roofline, plot_roofline, render_roofline, run_roofline
+
+    device, out, console = _setup(args, "bench-roofline")
+    b, h, n, k, v = args.roofline_shape
+    cfg = RooflineConfig(batch=b, heads=h, n=n, key_dim=k, value_dim=v, chunk=args.chunk_size, window=64,
+                         dtypes=args.roofline_dtypes, min_run_time=args.min_run_time, device=str(device), seed=args.seed)
+    return _finish("bench-roofline", run_roofline(cfg, console), args, device, out, console, render_roofline,
+                   plot_roofline, check_roofline)
+
+
 def run_ops_command(args) -> int:
     from ..bench.ops import OpsConfig, check_ops, plot_ops, render_ops, run_ops
 
+    if args.roofline:
+        return run_roofline_command(args)
     device, out, console = _setup(args, "bench-ops")
     cfg = OpsConfig(lengths=args.lengths, shape=_shape(args), dtype=torch_dtype(args.dtype), device=str(device),
                     seed=args.seed, min_run_time=args.min_run_time, recurrent_max=args.recurrent_max,

@@ -1,0 +1,275 @@
+"""`linattn bench ops --roofline`: every operator family against this machine's own limits.
+
+Each chunked family runs at one shape (B × H × N × K × V, default 1 × 16 × 2048 × 128 × 128), forward
+and forward+backward, in fp32 and bf16; its GFLOP/s come from the FLOP count of the algorithm it runs
+(`FLOPS`, below and design §20) and are set against the bmm peak of the dtype measured in the same run
+(the best of batched 64×64 and 128×128 tile products, the tiles the chunked forms multiply). The
+one-token steps of linear attention, scalar-gated attention, Gated DeltaNet and KDA run at H × K × V =
+8×64×64, 16×128×128, 32×128×128 (batch 1, fp32 state) and are set against one copy of tensors of the
+state's size (`dst.copy_(src)`), the least a step must do: read and write its state once.
+
+FLOP counts, forward, per (batch, head), N tokens, chunk C, key dim K, value dim V; multiply-adds × 2.
+fwd+bwd is counted as 3× forward.
+
+    linear, gated (scalar or per channel)    2·N·(2·K·V + C·K + C·V)
+        (Q S and Kᵀ V per token; the intra-chunk scores Q Kᵀ and their product with V; the gates'
+        rescaling of q and k is elementwise and not counted)
+    delta rule, Gated DeltaNet, KDA (WY/UT form)    2·N·(3·C·K + 2·C·V + 3·K·V + C²/3)
+        (A = K Kᵀ, W and U, v_new = U − W S, Q S, (Q Kᵀ) v_new, the state update, the triangular
+        inverse; KDA's per-channel decays rescale k and q elementwise, its sub-chunked products cost
+        what the dense ones do)
+    sliding window, window W, query blocks of C    2·N·S·(K + V),  S = (⌈(W − 1)/C⌉ + 1)·C
+        (each block of C queries against its span of S keys, as linattn.ops.swa runs it)
+    softmax, causal (SDPA)    N²·(K + V)   (the half of QKᵀ and PV under the diagonal)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.nn.functional as F
+from rich.console import Console
+
+from ..ops import delta_rule, delta_rule_step, gated_linear_attention, linear_attention
+from ..ops import sliding_window_attention, softmax_attention
+from ..ops.linear.chunked import DEFAULT_CHUNK_SIZE
+from ..report import make_table, progress
+from .consistency import unstable
+from .flops import matmul_peak
+from .timing import measure
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+STEP_SHAPES = ((8, 64, 64), (16, 128, 128), (32, 128, 128))
+
+
+def linear_flops(n: int, k: int, v: int, c: int) -> float:
+    return 2.0 * n * (2 * k * v + c * k + c * v)
+
+
+def delta_flops(n: int, k: int, v: int, c: int) -> float:
+    return 2.0 * n * (3 * c * k + 2 * c * v + 3 * k * v + c * c / 3)
+
+
+def window_flops(n: int, k: int, v: int, c: int, window: int) -> float:
+    span = (math.ceil((window - 1) / c) + 1) * c
+    return 2.0 * n * span * (k + v)
+
+
+def softmax_flops(n: int, k: int, v: int) -> float:
+    return float(n) * n * (k + v)
+
+
+@dataclass
+class RooflineConfig:
+    batch: int = 1
+    heads: int = 16
+    n: int = 2048
+    key_dim: int = 128
+    value_dim: int = 128
+    chunk: int = DEFAULT_CHUNK_SIZE
+    window: int = 64
+    dtypes: list[str] = field(default_factory=lambda: ["fp32", "bf16"])
+    families: list[str] | None = None
+    step_shapes: tuple = STEP_SHAPES
+    min_run_time: float = 0.5
+    device: str = "cpu"
+    seed: int = 0
+
+
+def _inputs(cfg: RooflineConfig, dtype, device, gate: str | None, beta: bool):
+    g = torch.Generator().manual_seed(cfg.seed)
+    b, h, n, k, v = cfg.batch, cfg.heads, cfg.n, cfg.key_dim, cfg.value_dim
+    x = {"q": torch.randn(b, h, n, k, generator=g), "k": torch.randn(b, h, n, k, generator=g),
+         "v": torch.randn(b, h, n, v, generator=g)}
+    x = {name: t.to(device=device, dtype=dtype) for name, t in x.items()}
+    extra = {}
+    if gate is not None:
+        shape = (b, h, n) if gate == "scalar" else (b, h, n, k)
+        extra["g"] = F.logsigmoid(torch.randn(shape, generator=g) + 3.0).to(device)
+    if beta:
+        extra["beta"] = torch.sigmoid(torch.randn(b, h, n, generator=g)).to(device)
+    return x, extra
+
+
+def families(cfg: RooflineConfig) -> dict:
+    """name -> (run(q, k, v, **extra), gate kind, needs beta, forward FLOPs of all heads)."""
+    from ..nn.feature_maps import EluPlusOne
+    from ..ops.kda import kda
+
+    c, bh = cfg.chunk, cfg.batch * cfg.heads
+    lin = bh * linear_flops(cfg.n, cfg.key_dim, cfg.value_dim, c)
+    dlt = bh * delta_flops(cfg.n, cfg.key_dim, cfg.value_dim, c)
+    phi = EluPlusOne(cfg.key_dim)
+    table = {
+        "linear (elu+1)": (lambda q, k, v: linear_attention(q, k, v, causal=True, feature_map=phi, chunk_size=c),
+                           None, False, lin),
+        "gated, scalar g": (lambda q, k, v, g: gated_linear_attention(q, k, v, g, chunk_size=c), "scalar", False, lin),
+        "gated, per-channel g (GLA)": (lambda q, k, v, g: gated_linear_attention(q, k, v, g, chunk_size=c),
+                                       "channel", False, lin),
+        "delta rule": (lambda q, k, v, beta: delta_rule(q, k, v, beta, qk_l2norm=True, chunk_size=c), None, True, dlt),
+        "Gated DeltaNet": (lambda q, k, v, g, beta: delta_rule(q, k, v, beta, g=g, qk_l2norm=True, chunk_size=c),
+                           "scalar", True, dlt),
+        "KDA": (lambda q, k, v, g, beta: kda(q, k, v, beta, g, qk_l2norm=True, chunk_size=c), "channel", True, dlt),
+        f"sliding window (W={cfg.window})": (
+            lambda q, k, v: sliding_window_attention(q, k, v, window=cfg.window), None, False,
+            bh * window_flops(cfg.n, cfg.key_dim, cfg.value_dim, c, cfg.window)),
+        "softmax (SDPA)": (lambda q, k, v: softmax_attention(q, k, v, causal=True), None, False,
+                           bh * softmax_flops(cfg.n, cfg.key_dim, cfg.value_dim)),
+    }
+    if cfg.families:
+        unknown = [f for f in cfg.families if f not in table]
+        if unknown:
+            raise ValueError(f"families: unknown {unknown}; choose from {list(table)}")
+        table = {k: v for k, v in table.items() if k in cfg.families}
+    return table
+
+
+def _family_row(name, spec, cfg, dtype_name, device, peak) -> dict:
+    run, gate, beta, fl = spec
+    x, extra = _inputs(cfg, DTYPES[dtype_name], device, gate, beta)
+    row = {"family": name, "dtype": dtype_name, "flops_fwd": fl}
+    with torch.no_grad():
+        t = measure(lambda: run(**x, **extra), min_run_time=cfg.min_run_time)
+    row["fwd"] = t.as_dict()
+    leaves = {n: a.detach().requires_grad_() for n, a in x.items()}
+
+    def step():
+        o = run(**leaves, **extra)
+        o.backward(torch.ones_like(o))
+        for a in leaves.values():
+            a.grad = None
+
+    row["fwd_bwd"] = measure(step, min_run_time=cfg.min_run_time).as_dict()
+    for mode, mult in (("fwd", 1), ("fwd_bwd", 3)):
+        gflops = mult * fl / row[mode]["median_s"] / 1e9
+        row[mode].update(gflops=gflops, pct_peak=100 * gflops / peak)
+    return row
+
+
+def _steps(h: int, k: int, v: int, seed: int, device) -> dict:
+    """family -> (step(), state tensors): the one-token step of each family at batch 1, H × K × V."""
+    from ..ops import gated_linear_attention_step, linear_attention_step
+    from ..ops.kda import kda_step
+
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *shape: torch.randn(*shape, generator=g).to(device)  # noqa: E731
+    q, kk, vv = r(1, h, 1, k), r(1, h, 1, k), r(1, h, 1, v)
+    beta = torch.sigmoid(r(1, h, 1))
+    scalar, channel = F.logsigmoid(r(1, h, 1) + 3.0), F.logsigmoid(r(1, h, 1, k) + 3.0)
+    kv, z, s = r(1, h, k, v), r(1, h, k).abs(), r(1, h, k, v)
+    return {
+        "linear": (lambda: linear_attention_step((kv, z), q.abs(), kk.abs(), vv), (kv, z)),
+        "gated, scalar g": (lambda: gated_linear_attention_step(s, q, kk, vv, scalar), (s,)),
+        "Gated DeltaNet": (lambda: delta_rule_step(s, q, kk, vv, beta, g=scalar, qk_l2norm=True), (s,)),
+        "KDA": (lambda: kda_step(s, q, kk, vv, beta, channel, qk_l2norm=True), (s,)),
+    }
+
+
+def _step_rows(h: int, k: int, v: int, cfg: RooflineConfig, device) -> list[dict]:
+    """Each family's one-token step against a copy of its state (the state read and written once)."""
+    rows = []
+    for family, (step, state) in _steps(h, k, v, cfg.seed, device).items():
+        dst = [torch.empty_like(t) for t in state]
+
+        def copy():
+            for d, t in zip(dst, state):
+                d.copy_(t)
+
+        with torch.no_grad():
+            t_step = measure(step, min_run_time=cfg.min_run_time)
+            t_copy = measure(copy, min_run_time=cfg.min_run_time)
+        rows.append({"family": family, "shape": f"{h}×{k}×{v}",
+                     "state_bytes": sum(t.numel() * t.element_size() for t in state), "step": t_step.as_dict(),
+                     "copy": t_copy.as_dict(), "x_copy": t_step.median / t_copy.median,
+                     "overhead_us": (t_step.median - t_copy.median) * 1e6})
+    return rows
+
+
+def run_roofline(cfg: RooflineConfig, console: Console | None = None) -> dict:
+    """{"config", "peaks" {dtype: bmm peak}, "results" [family rows], "steps" [step rows]}."""
+    console = console or Console()
+    device = torch.device(cfg.device)
+    table = families(cfg)
+    peaks = {}
+    with console.status("measuring the bmm peaks (64×64 and 128×128 tiles)"):
+        for name in cfg.dtypes:
+            best = max((matmul_peak(DTYPES[name], device, tile=t, min_run_time=min(cfg.min_run_time, 0.5))
+                        for t in (64, 128)), key=lambda p: p["gflops"])
+            peaks[name] = best
+    results, steps = [], []
+    with progress(console) as bar:
+        task = bar.add_task("roofline", total=len(cfg.dtypes) * len(table) + len(cfg.step_shapes))
+        for name in cfg.dtypes:
+            for fam, spec in table.items():
+                bar.update(task, description=f"{fam} {name}")
+                results.append(_family_row(fam, spec, cfg, name, device, peaks[name]["gflops"]))
+                bar.advance(task)
+        for h, k, v in cfg.step_shapes:
+            bar.update(task, description=f"steps {h}×{k}×{v}")
+            steps += _step_rows(h, k, v, cfg, device)
+            bar.advance(task)
+    config = asdict(cfg)
+    config["flops"] = __doc__.split("FLOP counts, ")[1].strip()
+    return {"config": config, "peaks": peaks, "results": results, "steps": steps}
+
+
+def check_roofline(res: dict) -> list[str]:
+    """Unstable points, and a share of the peak above 100% (a FLOP count or a peak that is off)."""
+    out = []
+    for r in res["results"]:
+        for mode in ("fwd", "fwd_bwd"):
+            out += unstable(f"{r['family']} {r['dtype']} {mode}", "", r[mode]["median_s"], r[mode]["iqr_s"])
+            if r[mode]["pct_peak"] > 100:
+                out.append(f"{r['family']} {r['dtype']} {mode}: {r[mode]['pct_peak']:.0f}% of the measured bmm peak "
+                           "(above 100%: the peak was measured low, or the FLOP count overstates the work)")
+    for s in res["steps"]:
+        out += unstable(f"{s['family']} step {s['shape']}", "", s["step"]["median_s"], s["step"]["iqr_s"])
+    return out
+
+
+def render_roofline(res: dict, console: Console) -> None:
+    peaks = res["peaks"]
+    rows = []
+    for r in res["results"]:
+        rows.append([r["family"], r["dtype"], f"{r['fwd']['median_s'] * 1e3:.1f}", f"{r['fwd']['gflops']:.0f}",
+                     f"{r['fwd']['pct_peak']:.0f}%", f"{r['fwd_bwd']['median_s'] * 1e3:.1f}",
+                     f"{r['fwd_bwd']['gflops']:.0f}", f"{r['fwd_bwd']['pct_peak']:.0f}%"])
+    c = res["config"]
+    cap = "; ".join(f"{k} bmm peak {v['gflops']:.0f} GFLOP/s ({v['batch']}×{v['tile']}²)" for k, v in peaks.items())
+    console.print(make_table(
+        f"roofline: B×H×N×K×V = {c['batch']}×{c['heads']}×{c['n']}×{c['key_dim']}×{c['value_dim']}, chunk {c['chunk']}",
+        ["family", "dtype", "fwd ms", "GFLOP/s", "% peak", "fwd+bwd ms", "GFLOP/s", "% peak"], rows,
+        caption=cap + "; FLOP counts: linattn.bench.roofline (design §20)"))
+    rows = [[s["family"], s["shape"], f"{s['state_bytes'] / 2 ** 10:.0f} KiB", f"{s['step']['median_s'] * 1e6:.1f}",
+             f"{s['copy']['median_s'] * 1e6:.1f}", f"{s['x_copy']:.1f}×", f"{s['overhead_us']:.1f}"]
+            for s in res["steps"]]
+    console.print(make_table("one-token steps (batch 1, fp32 state) against one copy of the state",
+                             ["family", "H×K×V", "state", "step µs", "copy µs", "step / copy", "step − copy µs"], rows,
+                             caption="target (issue 33): step ≤ 1.5 × copy + 10 µs"))
+
+
+def plot_roofline(res: dict, path) -> None:
+    """Bars: % of the bmm peak per family, forward and fwd+bwd, one panel per dtype."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    dtypes = list(res["peaks"])
+    fig, axes = plt.subplots(1, len(dtypes), figsize=(6 * len(dtypes), 4.5), squeeze=False)
+    for ax, dt in zip(axes[0], dtypes):
+        rows = [r for r in res["results"] if r["dtype"] == dt]
+        xs = range(len(rows))
+        ax.bar([i - 0.2 for i in xs], [r["fwd"]["pct_peak"] for r in rows], width=0.4, label="forward")
+        ax.bar([i + 0.2 for i in xs], [r["fwd_bwd"]["pct_peak"] for r in rows], width=0.4, label="fwd+bwd")
+        ax.set_xticks(list(xs), [r["family"] for r in rows], rotation=35, ha="right", fontsize=8)
+        ax.set_ylabel(f"% of the measured {dt} bmm peak ({res['peaks'][dt]['gflops']:.0f} GFLOP/s)")
+        ax.set_title(dt)
+        ax.legend()
+    c = res["config"]
+    fig.suptitle(f"roofline, B×H×N×K×V = {c['batch']}×{c['heads']}×{c['n']}×{c['key_dim']}×{c['value_dim']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

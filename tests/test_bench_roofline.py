@@ -1,0 +1,70 @@
+"""`linattn bench ops --roofline` (linattn.bench.roofline): the FLOP counts, and a tiny end-to-end run
+of every family and step with its report."""
+
+import pytest
+import torch
+
+from linattn.bench import roofline as R
+from linattn.bench.flops import chunked_linear_flops
+from linattn.cli import main
+
+from .test_bench import _load_report
+
+
+@pytest.fixture(autouse=True)
+def _keep_threads():
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)
+
+
+def test_linear_count_is_the_chunked_linear_count():
+    assert R.linear_flops(4096, 64, 32, 64) == chunked_linear_flops(1, 1, 4096, 64, 32, 64)
+
+
+def test_delta_count_is_design_20s_per_chunk_count():
+    n, k, v, c = 2048, 128, 128, 64
+    per_chunk_macs = 3 * c * c * k + 2 * c * c * v + 3 * c * k * v + c ** 3 / 3
+    assert R.delta_flops(n, k, v, c) == pytest.approx(2 * per_chunk_macs * n / c)
+    # design §20: ≈ 6.0 GFLOP forward at T = 2048, H = 16, K = V = 128
+    assert 16 * R.delta_flops(2048, 128, 128, 64) / 1e9 == pytest.approx(6.0, abs=0.3)
+
+
+def test_window_count_is_the_span_that_runs():
+    # W = 64, C = 64: each block of 64 queries sees its own block and the one before: a span of 128 keys
+    assert R.window_flops(1024, 32, 16, 64, 64) == 2 * 1024 * 128 * 48
+    assert R.window_flops(1024, 32, 16, 64, 65) == 2 * 1024 * 128 * 48  # key i − 64 is in the block before
+    assert R.window_flops(1024, 32, 16, 64, 66) == 2 * 1024 * 192 * 48
+    assert R.softmax_flops(100, 8, 4) == 100 * 100 * 12
+
+
+def test_unknown_family_is_refused():
+    with pytest.raises(ValueError, match="families: unknown"):
+        R.families(R.RooflineConfig(families=["mamba"]))
+
+
+def test_roofline_tiny_run(tmp_path, capsys):
+    out = tmp_path / "r"
+    code = main(["bench", "ops", "--roofline", "--roofline-shape", "1,2,96,16,8", "--roofline-dtypes", "fp32,bf16",
+                 "--min-run-time", "0.01", "--threads", "1", "--out", str(out)])
+    assert code == 0
+    text = capsys.readouterr().out
+    assert "roofline" in text and "one-token steps" in text
+    data = _load_report(out, "bench-roofline")
+    fams = {r["family"] for r in data["results"]}
+    assert len(fams) == 8 and {r["dtype"] for r in data["results"]} == {"fp32", "bf16"}
+    for r in data["results"]:
+        for mode, mult in (("fwd", 1), ("fwd_bwd", 3)):
+            t = r[mode]
+            assert t["gflops"] == pytest.approx(mult * r["flops_fwd"] / t["median_s"] / 1e9)
+            assert t["pct_peak"] == pytest.approx(100 * t["gflops"] / data["peaks"][r["dtype"]]["gflops"])
+    assert {s["family"] for s in data["steps"]} == {"linear", "gated, scalar g", "Gated DeltaNet", "KDA"}
+    assert {s["shape"] for s in data["steps"]} == {"8×64×64", "16×128×128", "32×128×128"}
+    assert all(s["x_copy"] > 0 and s["state_bytes"] > 0 for s in data["steps"])
+
+
+def test_roofline_shape_is_checked(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "ops", "--roofline", "--roofline-shape", "1,2,3"])
+    assert exc.value.code == 2
+    assert "B,H,N,K,V" in capsys.readouterr().err
