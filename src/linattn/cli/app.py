@@ -15,12 +15,12 @@ import sys
 
 import torch
 
-from . import bench, demo, eval, generate, train
+from . import bench, demo, eval, generate, linearize, train
 
 __all__ = ["COMMANDS", "build_parser", "main"]
 
 #: the subcommands, in the order of `linattn --help`
-COMMANDS = (bench, demo, eval, generate, train)
+COMMANDS = (bench, demo, eval, generate, linearize, train)
 
 
 def build_parser() -> argparse.ArgumentParser:

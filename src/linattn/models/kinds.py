@@ -22,6 +22,7 @@ from ..nn.attention import LinearAttention, SoftmaxAttention
 from ..nn.decay import DT_INIT_RANGE
 from ..nn.feature_maps import FEATURE_MAPS
 from ..nn.kda import KimiDeltaAttention
+from ..nn.liger import LigerAttention
 from ..nn.lolcats import LoLCATsAttention
 from ..nn.swa import DEFAULT_WINDOW, SlidingWindowAttention
 from ..nn.recurrent import (
@@ -109,6 +110,8 @@ _ROWS = (
          options={"window": DEFAULT_WINDOW}, build=_windowed),
     Kind("lolcats", LoLCATsAttention, "LoLCATs (window + linear)", "window", rnn=True, causal_only=True,
          positions="rope", options={"window": DEFAULT_WINDOW, "feature_map": "hedgehog"}, build=_windowed),
+    Kind("liger", LigerAttention, "Liger (window + gated)", "window", rnn=True, causal_only=True, positions="rope",
+         options={"window": DEFAULT_WINDOW}, build=_windowed),
 )
 
 #: kind name -> Kind, in table order

@@ -363,6 +363,29 @@ class Hedgehog(FeatureMap):
         return torch.cat((torch.softmax(y, dim=-1), torch.softmax(-y, dim=-1)), dim=-1)
 
 
+class T2R(FeatureMap):
+    """T2R (Kasai et al. 2021, "Finetuning pretrained transformers into RNNs"): φ(x) = relu(W x + b)
+    with W (m×D) and b (m) learned, m = 32 by default (the paper's k), F = m; one map for queries
+    and keys. W starts as a seeded Gaussian scaled by D^−1/2, b at 0; the map is meant to be trained
+    (by attention transfer and fine-tuning, linattn.linearize). A row whose features are all zero is
+    kept finite by the operators' ε."""
+
+    label = "T2R"
+    symmetric = True
+
+    def __init__(self, head_dim: int, num_features: int = 32, *, seed: int = 0):
+        super().__init__(head_dim)
+        check_positive_int("num_features", num_features)
+        self.num_features = self.feature_dim = num_features
+        w = torch.randn(num_features, head_dim, generator=torch.Generator().manual_seed(seed)) / math.sqrt(head_dim)
+        self.weight = nn.Parameter(w)
+        self.bias = nn.Parameter(torch.zeros(num_features))
+
+    def forward(self, x, *, is_query: bool = True, positions=None):
+        self._check(x)
+        return F.relu(F.linear(x, self.weight.to(x.dtype), self.bias.to(x.dtype)))
+
+
 FEATURE_MAPS: dict[str, type[FeatureMap]] = {
     "elu": EluPlusOne,
     "relu": ReLUFeatureMap,
@@ -371,6 +394,7 @@ FEATURE_MAPS: dict[str, type[FeatureMap]] = {
     "cosformer": CosFormer,
     "taylor": Taylor,
     "hedgehog": Hedgehog,
+    "t2r": T2R,
 }
 
 

@@ -27,7 +27,11 @@ from .._checks import (
 from .._io import read_config_file
 from ..models.checkpoint import CheckpointError
 from ..models.lm import ModelConfig
-from .tasks import TASK_CLASSES, Task
+from .linearize import LINEARIZE_TASKS
+from .tasks import TASK_CLASSES as BASE_TASKS, BytesTask, Task
+
+#: every task a TrainConfig can name: training.tasks' and the two stages of linearization
+TASK_CLASSES = {**BASE_TASKS, **LINEARIZE_TASKS}
 
 TASKS = tuple(TASK_CLASSES)
 DTYPES = ("float32", "bfloat16")
@@ -230,8 +234,9 @@ def _check_fields(cfg: TrainConfig) -> None:
     check_bool("activation_checkpointing", cfg.activation_checkpointing)
     if cfg.packing is not None:
         check_bool("packing", cfg.packing)
-        if cfg.packing and cfg.task != "bytes":
-            raise ValueError(f"packing=True is for task 'bytes' (documents of a corpus), got task {cfg.task!r}")
+        if cfg.packing and not issubclass(TASK_CLASSES.get(cfg.task, Task), BytesTask):
+            raise ValueError(f"packing=True is for task 'bytes' and the linearization stages (documents of a "
+                             f"corpus), got task {cfg.task!r}")
         if cfg.packing and cfg.sequence_parallel > 1:
             raise ValueError("packing=True does not combine with sequence_parallel > 1 (cu_seqlens takes no shards)")
     check_device("device", cfg.device)
