@@ -207,3 +207,20 @@ def test_cli_runs_and_refuses_bad_input_in_one_line(teacher_dir, tmp_path, capsy
     assert err.startswith("linattn linearize: error: teacher") and err.count("\n") == 1
     assert main(["linearize", "--out", str(tmp_path / "y")]) == 2
     assert "--teacher" in capsys.readouterr().err
+
+
+def test_a_tiny_random_llama_is_linearized_by_one_command(tmp_path, capsys):
+    """A transformers Llama folder (random weights, byte vocabulary) through `linattn linearize`: the
+    teacher is converted losslessly first, then both stages run."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "llama")
+    code = main(["linearize", "--teacher", str(tmp_path / "llama"), "--recipe", "lolcats", "--seq-len", "96",
+                 "--transfer-steps", "5", "--finetune-steps", "5", "--corpus-max-bytes", str(CORPUS),
+                 "--eval-batches", "1", "--contexts", "100", "--quiet", "--out", str(tmp_path / "out")])
+    assert code == 0, capsys.readouterr().err
+    student = LinearTransformerLM.from_pretrained(tmp_path / "out" / "model")
+    assert student.config.layer_kinds == ["lolcats", "lolcats"] and student.config.n_heads == 4
+    assert (tmp_path / "out" / "teacher-linattn" / "config.json").exists()

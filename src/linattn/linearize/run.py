@@ -38,7 +38,8 @@ class LinearizeInterrupted(KeyboardInterrupt):
 
 @dataclass
 class LinearizeConfig:
-    """teacher: a linattn checkpoint or run folder whose layers (some or all) are softmax; recipe: a
+    """teacher: a linattn checkpoint or run folder whose layers (some or all) are softmax, or a
+    transformers Llama / Mistral / Qwen2 / Qwen3 / GPT-2 folder (converted first); recipe: a
     name of linattn.models.linearized.RECIPES; layers: the softmax layers to linearize (None: all);
     out: the output folder. Stage sizes: seq_len, batch_size, transfer_steps / transfer_lr (stage 1),
     finetune_steps / finetune_lr (stage 2), mode ("lora" / "full"; None: the recipe's), lora_rank,
@@ -116,6 +117,7 @@ def linearize(cfg: LinearizeConfig, *, progress: bool = True, console=None) -> d
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     recipe = RECIPES[cfg.recipe]
+    cfg = dataclasses.replace(cfg, teacher=str(prepare_teacher(cfg.teacher, out)))
     teacher = load_teacher(cfg.teacher)
     stages = {}
     student_path = None
@@ -145,6 +147,23 @@ def linearize(cfg: LinearizeConfig, *, progress: bool = True, console=None) -> d
 
     write_report(report, out)
     return report
+
+
+def prepare_teacher(path, out: Path) -> Path:
+    """The teacher as a linattn checkpoint folder: `path` itself, or for a transformers causal-LM
+    folder (Llama, Mistral, Qwen2, Qwen3, GPT-2; linattn.hf.teacher) its conversion, written once to
+    out/teacher-linattn."""
+    from ..hf.teacher import is_transformers_folder
+
+    if not is_transformers_folder(path):
+        return Path(path)
+    target = out / "teacher-linattn"
+    if not (target / "config.json").exists():
+        from ..hf.teacher import load_teacher as load_hf
+
+        lm = load_hf(path)
+        atomic_write(target, lambda tmp: save_pretrained(lm, tmp))
+    return target
 
 
 def evaluate_models(models: dict, cfg: LinearizeConfig) -> dict:

@@ -63,6 +63,10 @@ class ModelConfig:
         that gated convolution (3, as in Zoology).
     kind_options: {kind: {option: value}}, the options of a kind's layers that its KINDS record
         lists (`Kind.options`, with their defaults), e.g. a window size; JSON values.
+    qkv_bias: a bias on the fused q/k/v projection (None: as `bias`; Qwen2 has it with bias off).
+    qk_norm: a per-head RMSNorm on q and k after the projection, before RoPE, with a gain of the head
+        dim shared by the heads (Qwen3); eager decoding.
+    activation: "swiglu", "gelu" (exact) or "gelu_tanh" (GPT-2's tanh approximation; eager decoding).
     """
 
     vocab_size: int = 256
@@ -92,6 +96,8 @@ class ModelConfig:
     block: str = "transformer"
     conv_mixer_kernel: int = 3
     kind_options: dict = field(default_factory=dict)
+    qkv_bias: bool | None = None
+    qk_norm: bool = False
 
     def __post_init__(self):
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "max_len", "chunk_size", "conv_mixer_kernel"):
@@ -128,8 +134,10 @@ class ModelConfig:
         check_number("dropout", self.dropout, minimum=0, maximum=1, high_open=True)
         for name in ("rope_base", "norm_eps"):
             check_number(name, getattr(self, name), minimum=0, low_open=True)
-        for name in ("tie_embeddings", "bias"):
+        for name in ("tie_embeddings", "bias", "qk_norm"):
             check_bool(name, getattr(self, name))
+        if self.qkv_bias is not None:
+            check_bool("qkv_bias", self.qkv_bias)
         check_int("seed", self.seed)
         self._check_kind_options()
         if not isinstance(self.feature_map_options, dict):

@@ -75,6 +75,11 @@ def fused_decoding_obstacle(model) -> str | None:
             return f"block {i}: decay {type(decay).__name__} takes the eager path"
         if attn.output_gate is not None and type(attn.output_gate.norm) is not RMSNorm:
             return f"block {i}: output gate norm takes the eager path"
+        if getattr(attn, "q_norm", None) is not None:
+            return f"block {i}: q/k norms (qk_norm) take the eager path"
+        ffn = getattr(block, "ffn", None)
+        if ffn is not None and ffn.activation not in ("swiglu", "gelu"):
+            return f"block {i}: activation {ffn.activation} takes the eager path"
     if type(model.norm) not in _NORMS:
         return f"final norm {type(model.norm).__name__} takes the eager path"
     return None

@@ -86,6 +86,10 @@ class _Transformer(nn.Module):
                       norm_eps=c.norm_eps)
         row = KINDS[kind]
         attn = row.layer(c.d_model, c.n_heads, **row.build(c, i, self.causal), **common, **c.kind_options_for(kind))
+        if c.qkv_bias is not None:
+            attn.set_qkv_bias(c.qkv_bias)
+        if c.qk_norm:
+            attn.set_qk_norm(c.norm_eps)
         if c.block == "conv_mixer":
             return ConvMixerBlock(attn, c.conv_mixer_kernel, norm=c.norm, norm_eps=c.norm_eps)
         return Block(attn, c.ffn_dim, activation=c.activation, norm=c.norm, norm_eps=c.norm_eps, dropout=c.dropout,

@@ -219,6 +219,27 @@ class _Attention(nn.Module):
         self.dropout = nn.Dropout(self.dropout_p)
         #: set by LinearTransformerLM.set_sequence_parallel_group; used when no cache is given.
         self.sequence_parallel_group = None
+        #: per-head RMSNorms of q and k (Qwen3's), set by `set_qk_norm`; None: none
+        self.q_norm = self.k_norm = None
+
+    def set_qk_norm(self, eps: float = 1e-6) -> None:
+        """Normalizes q and k per head (RMSNorm over the q/k head dim, one gain shared by the heads)
+        right after the projection: Qwen3's q_norm / k_norm."""
+        self.q_norm, self.k_norm = RMSNorm(self.qk_dim, eps), RMSNorm(self.qk_dim, eps)
+
+    def set_qkv_bias(self, bias: bool) -> None:
+        """Gives the fused q/k/v projection a bias (zeros) or takes it away, whatever `bias` the
+        layer was built with (Qwen2: biases on q, k, v only)."""
+        if (self.qkv.bias is not None) == bool(bias):
+            return
+        old = self.qkv
+        new = column_major(nn.Linear(old.in_features, old.out_features, bias=bool(bias)))
+        new.to(device=old.weight.device, dtype=old.weight.dtype)
+        with torch.no_grad():
+            new.weight.copy_(old.weight)
+            if new.bias is not None:
+                new.bias.zero_()
+        self.qkv = new
 
     def _project(self, x: torch.Tensor, mask: torch.Tensor | None = None, cache: LayerCache | None = None,
                  cu_seqlens: torch.Tensor | None = None):
@@ -240,12 +261,15 @@ class _Attention(nn.Module):
             else:
                 y, cache.conv = self.conv(y, mask, cache.conv, return_tail=True)
         if self.qk_dim == self.head_dim:  # [q | k | v] as (3, B, H, N, D) views: three ops, not seven
-            return y.view(b, n, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
-        hq = self.n_heads * self.qk_dim
-        q, k, v = y.split((hq, hq, self.n_heads * self.head_dim), dim=-1)
-        q = q.view(b, n, self.n_heads, self.qk_dim).transpose(1, 2)
-        k = k.view(b, n, self.n_heads, self.qk_dim).transpose(1, 2)
-        v = v.view(b, n, self.n_heads, self.head_dim).transpose(1, 2)
+            q, k, v = y.view(b, n, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+        else:
+            hq = self.n_heads * self.qk_dim
+            q, k, v = y.split((hq, hq, self.n_heads * self.head_dim), dim=-1)
+            q = q.view(b, n, self.n_heads, self.qk_dim).transpose(1, 2)
+            k = k.view(b, n, self.n_heads, self.qk_dim).transpose(1, 2)
+            v = v.view(b, n, self.n_heads, self.head_dim).transpose(1, 2)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         return q, k, v
 
     def _merge(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -508,7 +532,7 @@ class OutputGate(nn.Module):
 
 
 NORMS = ("rmsnorm", "layernorm")
-ACTIVATIONS = ("gelu", "swiglu")
+ACTIVATIONS = ("gelu", "swiglu", "gelu_tanh")
 
 
 def make_norm(kind: str, d: int, eps: float = 1e-5) -> nn.Module:
@@ -523,8 +547,9 @@ def make_norm(kind: str, d: int, eps: float = 1e-5) -> nn.Module:
 class FeedForward(nn.Module):
     """Position-wise FFN, x (…, d) -> (…, d):
 
-        gelu:   W_down · gelu(W_up x)
-        swiglu: W_down · (silu(W_gate x) ⊙ W_up x)     (Shazeer 2020; W_gate, W_up fused in `up`)
+        gelu:      W_down · gelu(W_up x)
+        gelu_tanh: W_down · gelu_tanh(W_up x)             (GPT-2's tanh approximation of GELU)
+        swiglu:    W_down · (silu(W_gate x) ⊙ W_up x)     (Shazeer 2020; W_gate, W_up fused in `up`)
     """
 
     def __init__(self, d_model: int, d_ff: int, activation: str = "swiglu", dropout: float = 0.0, bias: bool = False):
@@ -543,7 +568,7 @@ class FeedForward(nn.Module):
             gate, up = h.chunk(2, dim=-1)
             h = F.silu(gate) * up
         else:
-            h = F.gelu(h)
+            h = F.gelu(h, approximate="tanh" if self.activation == "gelu_tanh" else "none")
         y = self.down(h)
         return self.dropout(y) if self.dropout.p and self.training else y
 
