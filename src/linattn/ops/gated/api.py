@@ -12,7 +12,7 @@ import torch
 
 from ..precision import without_autocast
 from ..._checks import check_bool, check_eps, check_positive_int
-from .. import native, packed
+from .. import native, packed, stepcheck
 from ..affine import AffineForm
 from ..linear.chunked import DEFAULT_CHUNK_SIZE, state_dtype
 from ..linear.api import advance_schedule, check_arguments, make_featurizer
@@ -167,10 +167,16 @@ def gated_linear_attention_step(
         return gated_linear_attention(q, k, v, g, feature_map=feature_map, normalize=normalize, eps=eps, scale=scale,
                                       initial_state=state, return_state=True)
     advance_schedule(feature_map)
-    check_bool("normalize", normalize, error=TypeError)
-    check_eps("eps", eps)
-    fz, kv, z = _prepare(q, k, v, g, feature_map=feature_map, scale=scale, key_padding_mask=None, state=state,
-                         normalize=normalize, name="state")
+    key = stepcheck.signature("gated_step", state, q, k, v, g, feature_map, scale, normalize, eps)
+    if stepcheck.seen(key) and state is not None:  # checked once for this signature (linattn.ops.stepcheck)
+        fz = make_featurizer(k, feature_map=feature_map, scale=scale, key_padding_mask=None, positions=None, rope=None)
+        kv, z = state if normalize else (state, None)
+    else:
+        check_bool("normalize", normalize, error=TypeError)
+        check_eps("eps", eps)
+        fz, kv, z = _prepare(q, k, v, g, feature_map=feature_map, scale=scale, key_padding_mask=None, state=state,
+                             normalize=normalize, name="state")
+        stepcheck.remember(key)
     phi = native.fused_phi(feature_map, scale, None, (kv, kv if z is None else z), q, k, v)
     if g.dtype in (torch.bfloat16, torch.float16) and kv.dtype is torch.float32:
         g = g.to(kv.dtype)  # exact: a bf16 model's gates reach the fused step too

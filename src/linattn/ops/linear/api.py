@@ -28,7 +28,7 @@ from ..._checks import (
     check_state,
     check_state_dtype,
 )
-from .. import native, packed
+from .. import native, packed, stepcheck
 from ..features import Featurizer
 from ..autodiff import has_tangent, refuse_forward_ad
 from .chunked import DEFAULT_CHUNK_SIZE, ChunkedCausalLinearAttention, compute_dtype, state_dtype
@@ -286,20 +286,29 @@ def linear_attention_step(
     to start from zeros. positions: (T,) or (B, T) global indices (required with RoPE / cosFormer).
     """
     advance_schedule(feature_map)
-    check_bool("normalize", normalize, error=TypeError)
-    check_eps("eps", eps)
-    if q.dim() == 4 and q.shape[2] != 1:
-        o, new_state = _linear_attention(q, k, v, causal=True, feature_map=feature_map, normalize=normalize, eps=eps,
-                                         scale=scale, key_padding_mask=key_padding_mask, initial_state=state,
-                                         return_state=True, positions=positions, rope=rope,
-                                         chunk_size=DEFAULT_CHUNK_SIZE)
-        return o, new_state
-    if state is not None and positions is None and (rope is not None or getattr(feature_map, "needs_positions", False)):
-        raise ValueError("positions (the global token index) are required for a step with RoPE or a position-dependent feature map")
-    fz, state = _prepare(q, k, v, feature_map=feature_map, scale=scale, key_padding_mask=key_padding_mask,
-                         initial_state=state, positions=positions, rope=rope)
-    if k.shape[2] != 1:
-        raise ValueError(f"k must hold the same single token as q, got length {k.shape[2]}")
+    key = stepcheck.signature("linear_step", state, q, k, v, feature_map, normalize, eps, scale, key_padding_mask,
+                              positions, rope)
+    if stepcheck.seen(key) and state is not None:  # checked once for this signature (linattn.ops.stepcheck)
+        fz = make_featurizer(k, feature_map=feature_map, scale=scale, key_padding_mask=key_padding_mask,
+                             positions=positions, rope=rope)
+    else:
+        check_bool("normalize", normalize, error=TypeError)
+        check_eps("eps", eps)
+        if q.dim() == 4 and q.shape[2] != 1:
+            o, new_state = _linear_attention(q, k, v, causal=True, feature_map=feature_map, normalize=normalize,
+                                             eps=eps, scale=scale, key_padding_mask=key_padding_mask,
+                                             initial_state=state, return_state=True, positions=positions, rope=rope,
+                                             chunk_size=DEFAULT_CHUNK_SIZE)
+            return o, new_state
+        if state is not None and positions is None and (rope is not None or
+                                                        getattr(feature_map, "needs_positions", False)):
+            raise ValueError("positions (the global token index) are required for a step with RoPE or a "
+                             "position-dependent feature map")
+        fz, state = _prepare(q, k, v, feature_map=feature_map, scale=scale, key_padding_mask=key_padding_mask,
+                             initial_state=state, positions=positions, rope=rope)
+        if k.shape[2] != 1:
+            raise ValueError(f"k must hold the same single token as q, got length {k.shape[2]}")
+        stepcheck.remember(key)
     v = fz.values(v)
     phi = native.fused_phi(feature_map, scale, key_padding_mask, state, q, k, v)
     if phi is not None and not has_tangent(state, q, k, v):  # one fused CPU operator (elu+1 or identity, inference)

@@ -1,0 +1,69 @@
+"""The argument checks of the one-token steps, run once per call signature.
+
+A decoding loop calls a step with tensors of the same shapes, dtypes and devices at every token; the
+checks of shapes, dtypes, devices and options (which name the argument on a mistake) depend on
+nothing else, so a signature that passed them once need not pass them again. Values are not part of
+a signature: the checks they need (g ≤ 0 and finite, …) run at every call, in the fused kernels or
+in Python. The cache is bounded (SIZE signatures, least recently used dropped).
+
+    key = signature("gated", state, q, k, v, g, feature_map, scale, normalize, eps)
+    if not seen(key):
+        ...the full checks...
+        remember(key)
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+
+__all__ = ["SIZE", "clear", "remember", "seen", "signature"]
+
+SIZE = 256
+_SEEN: OrderedDict = OrderedDict()
+
+
+def _part(x):
+    if isinstance(x, torch.Tensor):
+        return (x.shape, x.dtype, x.device, x.requires_grad)
+    if isinstance(x, (tuple, list)):
+        return (type(x), tuple(_part(y) for y in x))
+    if x is None or isinstance(x, (bool, int, float, str)):
+        return (type(x), x)
+    if isinstance(x, torch.nn.Module):  # a feature map or RoPE: its kind and sizes, not its (trainable) values
+        dim = getattr(x, "dim", None)
+        return (type(x), getattr(x, "head_dim", None), getattr(x, "feature_dim", None),
+                dim if isinstance(dim, int) else None)
+    return (type(x), id(x))
+
+
+def signature(*parts) -> tuple | None:
+    """What the checks depend on: each tensor's shape, dtype, device and requires_grad, the
+    type and sizes of a feature map, options by value; None (never cached) under forward-mode AD or
+    while torch.compile traces."""
+    if torch.compiler.is_compiling():
+        return None
+    try:
+        return tuple(_part(x) for x in parts)
+    except TypeError:
+        return None
+
+
+def seen(key) -> bool:
+    if key is None or key not in _SEEN:
+        return False
+    _SEEN.move_to_end(key)
+    return True
+
+
+def remember(key) -> None:
+    if key is None:
+        return
+    _SEEN[key] = True
+    while len(_SEEN) > SIZE:
+        _SEEN.popitem(last=False)
+
+
+def clear() -> None:
+    _SEEN.clear()
