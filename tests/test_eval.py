@@ -8,22 +8,11 @@ import math
 import pytest
 
 from linattn.models import KINDS
-import torch
 
 from linattn.cli import main as cli_main
-from linattn.eval.suite import (
-    EVAL_KINDS,
-    MIXER_KINDS,
-    PRESETS,
-    _train_config,
-    applies,
-    kind_model,
-    literature_notes,
-    render_markdown,
-    run_eval,
-    summarize,
-    write_report,
-)
+from linattn.eval.kinds import EVAL_KINDS, MIXER_KINDS, kind_model
+from linattn.eval.suite import PRESETS, _train_config, applies, run_eval
+from linattn.eval.suite_report import literature_notes, render_markdown, summarize, write_report
 from linattn.models import ModelConfig
 
 

@@ -13,7 +13,7 @@ import torch
 from linattn.training import data as D
 from linattn.eval import recall, recall_stats
 from linattn.cli import main as cli_main
-from linattn.eval.suite import kind_model
+from linattn.eval.kinds import kind_model
 from linattn.models import LinearTransformerLM, ModelConfig
 from linattn.eval.recall_report import RECORD_KEYS, recall_json, render_recall_markdown, write_recall_report
 from linattn.training.tasks import LMTask, MqarTask

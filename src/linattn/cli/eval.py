@@ -27,7 +27,8 @@ def _seeds(value: str) -> list[int]:
 
 
 def add_parser(subparsers) -> None:
-    from ..eval.suite import EVAL_KINDS, PRESETS
+    from ..eval.kinds import EVAL_KINDS
+    from ..eval.suite import PRESETS
     from ..eval.recall_frontier import RECALL_PRESETS
 
     tasks = "; ".join(f"{name}: {','.join(t.name for t in pr.tasks)}" for name, pr in PRESETS.items())
@@ -70,7 +71,8 @@ def run_eval_command(args) -> int:
     import torch
     from rich.console import Console
 
-    from ..eval.suite import run_eval, table_rows, write_report
+    from ..eval.suite import run_eval
+    from ..eval.suite_report import table_rows, write_report
     from ..report import make_console, make_table, output_dir
 
     if args.threads and args.jobs == 1:

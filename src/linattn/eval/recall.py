@@ -34,7 +34,8 @@ from dataclasses import dataclass, field
 
 from .._checks import check_positive_int
 from ..models import KINDS
-from .suite import EVAL_KINDS, kind_model, run_in_processes
+from .kinds import EVAL_KINDS, kind_model
+from .pool import run_in_processes
 from .recall_stats import CRITERIA, LABELS, MIN_PAIRS, RECALL_KINDS, check_seed_criteria, summarize_seeds
 from ..training import TrainConfig, train
 

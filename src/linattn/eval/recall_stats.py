@@ -18,7 +18,7 @@ import statistics
 
 from ..models import KINDS
 from ..models.kinds import label
-from .suite import MIXER_KINDS
+from .kinds import MIXER_KINDS
 
 __all__ = ["CRITERIA", "DELTA_KINDS", "LABELS", "RECALL_KINDS", "MIN_PAIRS", "PLATEAU_ACCURACY", "check_seed_criteria", "fmt_mean_sd",
            "on_plateau", "summarize_seeds"]
