@@ -205,7 +205,7 @@ class _Transformer(nn.Module):
             check_positions(positions, ids.shape[0], n, ids.device)
         x = self.tok_emb(ids)
         if self.pos_emb is not None:
-            pos = packed.positions(cu_seqlens, n).to(ids.device) if positions is None else positions
+            pos = packed.positions(cu_seqlens, n, mask).to(ids.device) if positions is None else positions
             if not torch.compiler.is_compiling() and int(pos.max()) >= self.config.max_len:
                 raise ValueError(f"position {int(pos.max())} is beyond max_len={self.config.max_len}")
             x = x + self.pos_emb(pos)
@@ -233,7 +233,8 @@ class LinearTransformerLM(_Transformer):
     cu_seqlens: packed documents (design §16, linattn.ops.packed): ids (1, T) holds N documents end to
     end, cu_seqlens the 1-D integer tensor [N+1] of their cumulative lengths. Every layer keeps them
     apart (states reset, convolution taps and softmax attention stay inside a document) and RoPE and
-    learned positions restart at 0 at each document; the logits equal those of N separate calls.
+    learned positions restart at 0 at each document (with a mask they count its real tokens, as the
+    unpacked path does); the logits equal those of N separate calls.
     """
 
     causal = True
