@@ -125,22 +125,11 @@ def _compare_model(model, lengths):
     torch.testing.assert_close(loss, ref.to(loss.dtype), rtol=1e-5, atol=0)
 
 
-#: kinds whose layers refuse packed sequences (with a ValueError naming cu_seqlens)
-UNPACKED = ("lolcats",)
-
-
-@pytest.mark.parametrize("kind", [k for k in ATTENTION_KINDS if k not in UNPACKED])
+@pytest.mark.parametrize("kind", ATTENTION_KINDS)
 def test_model_packed_equals_separate(kind):
-    """Every kind, RoPE restarting at each document (the default positions), a short convolution on q, k, v."""
+    """Every kind (lolcats since issue 37 item 8), RoPE restarting at each document (the default
+    positions), a short convolution on q, k, v."""
     _compare_model(_lm(attention=[kind], short_conv=3, chunk_size=4), LENGTHS)
-
-
-@pytest.mark.parametrize("kind", UNPACKED)
-def test_a_kind_without_packed_sequences_refuses_them(kind):
-    model = _lm(attention=[kind], chunk_size=4)
-    ids = torch.zeros(1, 6, dtype=torch.long)
-    with pytest.raises(ValueError, match="cu_seqlens"):
-        model(ids, cu_seqlens=torch.tensor([0, 2, 6]))
 
 
 @pytest.mark.parametrize("kind", ["linear", "softmax", "gated_deltanet"])
@@ -173,7 +162,8 @@ def test_softmax_layer_packed_with_key_mask(causal):
 
 
 @pytest.mark.parametrize("kind, positions", [("linear", "learned"), ("linear", "rope"), ("softmax", "rope"),
-                                             ("gated_deltanet", "rope"), ("swa", "rope"), ("softmax", "learned")])
+                                             ("gated_deltanet", "rope"), ("swa", "rope"), ("softmax", "learned"),
+                                             ("lolcats", "rope")])
 def test_model_packed_with_pads_counts_positions_as_unpacked(kind, positions):
     """Issue 37 item 5: with a padding mask, the packed path counted pads as positions and the unpacked
     one skips them, so a left-padded document differed from itself alone (0.25 with learned positions;
