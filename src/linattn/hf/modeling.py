@@ -118,11 +118,37 @@ class LinattnForCausalLM(LinattnPreTrainedModel, GenerationMixin):
         return LinattnCache(self.model.new_cache(), self.config.layer_types)
 
     # ---- activation checkpointing (transformers' names)
-    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None):
-        self.model.set_activation_checkpointing(True)
+    def activation_checkpointing_enable(self, activation_checkpointing_kwargs=None, every_n_layers: int = 1,
+                                        offload: bool = False):
+        """transformers' activation checkpointing (what Trainer(gradient_checkpointing=True) calls) on
+        linattn's blocks: LinearTransformerLM.set_activation_checkpointing, every `every_n_layers`-th
+        block, torch.utils.checkpoint non-reentrant. activation_checkpointing_kwargs may hold
+        use_reentrant=False only; use_reentrant=True and offload=True are refused by name."""
+        options = dict(activation_checkpointing_kwargs or {})
+        if options.pop("use_reentrant", False) is not False:
+            raise ValueError("activation_checkpointing_kwargs: use_reentrant=True is not supported; linattn checkpoints "
+                             "its blocks non-reentrant (use_reentrant=False)")
+        if options:
+            raise ValueError(f"activation_checkpointing_kwargs: linattn takes use_reentrant=False only, got "
+                             f"{sorted(options)}")
+        if offload:
+            raise ValueError("offload=True is not supported: linattn keeps the checkpointed blocks' inputs where the "
+                             "model is")
+        self.model.set_activation_checkpointing(True, every_n_layers=every_n_layers)
+
+    def activation_checkpointing_disable(self):
+        self.model.set_activation_checkpointing(False)
+
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None, **kwargs):
+        """transformers' older name of activation_checkpointing_enable."""
+        self.activation_checkpointing_enable(gradient_checkpointing_kwargs, **kwargs)
 
     def gradient_checkpointing_disable(self):
-        self.model.set_activation_checkpointing(False)
+        self.activation_checkpointing_disable()
+
+    @property
+    def is_activation_checkpointing(self) -> bool:
+        return self.model.activation_checkpointing
 
     @property
     def is_gradient_checkpointing(self) -> bool:
