@@ -152,3 +152,44 @@ def test_errors_name_the_argument():
         H.LinattnForCausalLM.from_linattn(torch.nn.Linear(2, 2))
     with pytest.raises(ValueError, match="model"):
         H.LinattnForCausalLM(H.LinattnConfig(linattn=tiny("gla")), model=LinearTransformerLM(tiny("deltanet")))
+
+
+def _saved(tmp_path):
+    lm = LinearTransformerLM(tiny("hybrid")).eval()
+    H.LinattnForCausalLM.from_linattn(lm).save_pretrained(tmp_path)
+    return lm
+
+
+@pytest.mark.parametrize("drop, extra", [(["model.blocks.1.attn.out.weight"], {}),
+                                         (["model.tok_emb.weight", "model.norm.weight"], {}),
+                                         ([], {"model.blocks.7.attn.out.weight": torch.zeros(2)})])
+def test_from_pretrained_refuses_missing_or_unexpected_tensors(tmp_path, drop, extra):
+    """Issue 37 item 20: a checkpoint with tensors removed loaded with transformers' load report only
+    and the missing weights silently initialized (linattn's own loader refuses). Now a CheckpointError
+    names them, through AutoModelForCausalLM and LinattnForCausalLM alike."""
+    from safetensors.torch import load_file, save_file
+
+    from linattn.models.checkpoint import CheckpointError
+
+    _saved(tmp_path)
+    path = tmp_path / "model.safetensors"
+    tensors = {k: v for k, v in load_file(path).items() if k not in drop}
+    save_file({**tensors, **extra}, path, metadata={"format": "pt"})
+    for loader in (transformers.AutoModelForCausalLM, H.LinattnForCausalLM):
+        with pytest.raises(CheckpointError, match="|".join(drop + list(extra))) as err:
+            loader.from_pretrained(tmp_path)
+        assert all(name in str(err.value) for name in drop + list(extra))
+
+
+def test_from_pretrained_refuses_a_config_without_linattns_fields(tmp_path):
+    """Issue 37 item 20: a config.json without its `linattn` object (the ModelConfig) built linattn's
+    default architecture around the mirrors (hidden_size, …) without a word."""
+    _saved(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    del cfg["linattn"]
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    for load in (transformers.AutoModelForCausalLM.from_pretrained, H.LinattnForCausalLM.from_pretrained,
+                 H.LinattnConfig.from_pretrained):
+        with pytest.raises(ValueError, match="linattn"):
+            load(tmp_path)
+    assert H.LinattnConfig().model_config == ModelConfig()  # built in code, the defaults stay a choice

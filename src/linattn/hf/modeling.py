@@ -17,17 +17,22 @@ Decoding steps of one real token per row, without gradients and in eval mode, ru
 linattn's fused CPU step (linattn.models.decoding.FusedDecoder) where the model allows it and the rows
 have not been reordered since the last step (beam search reorders them at every step and so takes
 the eager step); `fused_decoding = False` on the model forces the eager step.
+
+Loading refuses what linattn's own loader refuses: a checkpoint with tensors missing, unexpected or
+of another shape (CheckpointError naming them), and a config.json without its `linattn` object.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import json
 
 import torch
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from ..models.checkpoint import CheckpointError
 from ..models.decoding import FusedDecoder, fused_decoding_obstacle
 from ..models import LinearTransformerLM, ModelConfig
 from .cache import LinattnCache
@@ -77,6 +82,31 @@ class LinattnForCausalLM(LinattnPreTrainedModel, GenerationMixin):
         #: None: fused decoding steps where the model allows them; False: always the eager step
         self.fused_decoding: bool | None = None
         self.post_init()
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
+        """transformers' from_pretrained, with linattn's loader's refusal: a checkpoint that lacks
+        tensors of the model (transformers initializes them and only logs it; a tied embedding's
+        absence it does not even report), holds tensors the model does not have, or tensors of other
+        shapes raises a CheckpointError naming them. The names are checked against the safetensors
+        files themselves where they are found. output_loading_info=True returns (model, info) as in
+        transformers. A config.json without the `linattn` object is refused by LinattnConfig.from_dict."""
+        want_info = kwargs.pop("output_loading_info", False)
+        model, info = super().from_pretrained(pretrained_model_name_or_path, *args, output_loading_info=True, **kwargs)
+        missing = set(info.get("missing_keys") or ())
+        if kwargs.get("state_dict") is None:
+            names = _checkpoint_names(pretrained_model_name_or_path, kwargs)
+            if names is not None:
+                missing |= set(_missing_from(model, names))
+        parts = [f"{what} {_few(sorted(map(str, found)))}"
+                 for found, what in ((missing, "missing tensors"), (info.get("unexpected_keys"), "unexpected tensors"),
+                                     (info.get("mismatched_keys"), "tensors of another shape"))
+                 if found]
+        if parts:
+            raise CheckpointError(f"{pretrained_model_name_or_path}: the checkpoint does not match the model of its "
+                                  f"config: " + "; ".join(parts) + " (transformers would initialize the missing ones "
+                                  "at random)")
+        return (model, info) if want_info else model
 
     # ---- conversion
     @classmethod
@@ -224,6 +254,41 @@ class LinattnForCausalLM(LinattnPreTrainedModel, GenerationMixin):
         logits = cache.decoder.step(input_ids[:, 0]).clone()
         cache.fused_left -= 1
         return logits[:, None]
+
+
+def _few(items: list, n: int = 8) -> list:
+    return items if len(items) <= n else [*items[:n], f"... and {len(items) - n} more"]
+
+
+#: from_pretrained's keywords that say where its files are (transformers.utils.cached_file's)
+_HUB_KEYS = ("cache_dir", "force_download", "proxies", "local_files_only", "token", "revision", "subfolder")
+
+
+def _checkpoint_names(path, kwargs: dict) -> set[str] | None:
+    """The tensor names of the safetensors checkpoint at `path` (a folder or a hub id, one file or an
+    index of shards); None where it has none (another format: transformers' report stands alone)."""
+    from safetensors import safe_open
+    from transformers.utils import cached_file
+
+    hub = {k: kwargs[k] for k in _HUB_KEYS if k in kwargs}
+    found = {name: cached_file(path, name, _raise_exceptions_for_missing_entries=False, **hub)
+             for name in ("model.safetensors.index.json", "model.safetensors")}
+    if found["model.safetensors.index.json"]:
+        with open(found["model.safetensors.index.json"], encoding="utf-8") as f:
+            return set(json.load(f)["weight_map"])
+    if found["model.safetensors"]:
+        with safe_open(found["model.safetensors"], "pt") as f:
+            return set(f.keys())
+    return None
+
+
+def _missing_from(model: torch.nn.Module, names: set[str]) -> list[str]:
+    """State-dict names of `model` absent from `names`; tied tensors (one parameter under several
+    names) count as present when any of their names is."""
+    groups: dict[int, list[str]] = {}
+    for name, t in model.state_dict(keep_vars=True).items():
+        groups.setdefault(id(t), []).append(name)
+    return [g[0] for g in groups.values() if not any(n in names for n in g)]
 
 
 def _new_token_mask(attention_mask, input_ids) -> torch.Tensor | None:
