@@ -193,3 +193,32 @@ def test_from_pretrained_refuses_a_config_without_linattns_fields(tmp_path):
         with pytest.raises(ValueError, match="linattn"):
             load(tmp_path)
     assert H.LinattnConfig().model_config == ModelConfig()  # built in code, the defaults stay a choice
+
+
+def test_data_collator_with_flattening_trains_packed_documents(tmp_path):
+    """Issue 37 item 19: LinattnForCausalLM refused DataCollatorWithFlattening's rows ("packing is
+    unsupported"). A packed row now runs as packed documents: logits and loss equal those of the
+    documents one by one (with or without the collator's flash-attention keywords), a cache is
+    refused by name, and Trainer trains on such batches."""
+    lm = LinearTransformerLM(tiny("hybrid")).eval()
+    hf = H.LinattnForCausalLM.from_linattn(lm).eval()
+    docs = [ids(1, 7, seed=1)[0].tolist(), ids(1, 5, seed=2)[0].tolist(), ids(1, 9, seed=3)[0].tolist()]
+    for flash in (False, True):
+        batch = transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=flash)([{"input_ids": d} for d in docs])
+        out = hf(**batch)
+        alone = [hf(torch.tensor([d]), labels=torch.tensor([d])) for d in docs]
+        torch.testing.assert_close(out.logits, torch.cat([a.logits for a in alone], 1), rtol=1e-5, atol=1e-6)
+        targets = sum(len(d) - 1 for d in docs)
+        want = sum(a.loss * (len(d) - 1) for a, d in zip(alone, docs)) / targets
+        torch.testing.assert_close(out.loss, want, rtol=1e-5, atol=1e-6)
+        assert out.cache is None
+        with pytest.raises(ValueError, match="use_cache"):
+            hf(**batch, use_cache=True)
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=3, max_steps=2,
+                                          report_to=[], save_strategy="no", use_cpu=True, disable_tqdm=True,
+                                          remove_unused_columns=False)
+    data = [{"input_ids": d} for d in docs * 2]
+    trainer = transformers.Trainer(model=hf.train(), args=args, train_dataset=data,
+                                   data_collator=transformers.DataCollatorWithFlattening())
+    trainer.train()
+    assert all(torch.isfinite(torch.tensor(h["loss"])) for h in trainer.state.log_history if "loss" in h)

@@ -52,6 +52,8 @@ import warnings
 
 import torch
 
+from ..ops.packed import cu_seqlens_from_position_ids
+
 #: model type -> transformers module, and {module global: linattn.compat.fla function}
 _GDN = {
     "torch_chunk_gated_delta_rule": "chunk_gated_delta_rule",
@@ -166,21 +168,6 @@ def _update_adapter(fn):
 
 
 _ADAPTERS = {"causal_conv1d_fn": _conv_adapter, "causal_conv1d_update": _update_adapter}
-
-
-def cu_seqlens_from_position_ids(position_ids: torch.Tensor) -> torch.Tensor | None:
-    """cu_seqlens [N+1] of the documents of one packed row (position_ids (1, T) restarting at 0 at
-    each document), or None when the row holds one sequence (or the batch has more rows)."""
-    if not isinstance(position_ids, torch.Tensor) or position_ids.dim() != 2 or position_ids.shape[0] != 1:
-        return None
-    p = position_ids[0]
-    if p.numel() < 2:
-        return None
-    starts = torch.nonzero(p[1:] != p[:-1] + 1).flatten() + 1
-    if starts.numel() == 0:
-        return None
-    t = p.numel()
-    return torch.cat([starts.new_zeros(1), starts, starts.new_full((1,), t)]).long()
 
 
 def _documents(kwargs: dict) -> torch.Tensor | None:

@@ -35,6 +35,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from ..models.checkpoint import CheckpointError
 from ..models.decoding import FusedDecoder, fused_decoding_obstacle
 from ..models import LinearTransformerLM, ModelConfig
+from ..ops import packed
 from .cache import LinattnCache
 from .config import LinattnConfig
 
@@ -200,8 +201,9 @@ class LinattnForCausalLM(LinattnPreTrainedModel, GenerationMixin):
         tokens), 1 = real token; left padding only. logits_to_keep: 0 = every position, k > 0 the
         last k, or a 1-D tensor of positions. position_ids (in kwargs) are taken without a cache
         (linattn's positions, e.g. for a shard); with a cache the positions are counted by it, from
-        each row's first real token, as transformers counts them. Packed rows (position_ids that
-        restart inside a row) are refused: LinearTransformerLM does not reset its state there.
+        each row's first real token, as transformers counts them. Packed rows (DataCollatorWithFlattening:
+        batch 1, position_ids restarting at each document, or its cu_seq_lens_q) run as packed
+        documents (LinearTransformerLM's cu_seqlens: nothing crosses a boundary), without a cache.
         """
         if inputs_embeds is not None:
             raise ValueError("inputs_embeds: LinattnForCausalLM takes input_ids only")
@@ -210,10 +212,15 @@ class LinattnForCausalLM(LinattnPreTrainedModel, GenerationMixin):
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
             raise ValueError(f"input_ids must be a (B, N) integer tensor, got {input_ids!r:.80}")
         position_ids = kwargs.pop("position_ids", None)
+        cu_seqlens = _documents(kwargs, position_ids if input_ids.shape[0] == 1 else None)
         return_dict = self.config.return_dict if return_dict is None else return_dict
-        use_cache = (self.config.use_cache and not self.training) if use_cache is None else use_cache
+        if use_cache is None:
+            use_cache = self.config.use_cache and not self.training and cu_seqlens is None
         if cache is not None and not isinstance(cache, LinattnCache):
             raise TypeError(f"cache must be a LinattnCache (LinattnForCausalLM.new_cache()), got {type(cache).__name__}")
+        if cu_seqlens is not None and (cache is not None or use_cache):
+            raise ValueError("packed rows (position_ids restarting inside the row, or cu_seq_lens_q) take no cache: "
+                             "pass use_cache=False, or one document per row to decode")
         if cache is None and use_cache:
             cache = self.new_cache()
         mask = _new_token_mask(attention_mask, input_ids)
@@ -231,9 +238,9 @@ class LinattnForCausalLM(LinattnPreTrainedModel, GenerationMixin):
         else:
             positions = None
             if position_ids is not None:
-                positions = _positions(position_ids, input_ids)
-            logits, _ = self.model(input_ids, mask, positions=positions,
-                                   last_only=_keep_last(logits_to_keep, labels))
+                positions = _positions(position_ids, input_ids, packed=cu_seqlens is not None)
+            logits, _ = self.model(input_ids, mask, positions=positions, last_only=_keep_last(logits_to_keep, labels),
+                                   cu_seqlens=None if cu_seqlens is None else cu_seqlens.to(input_ids.device))
         logits = _slice_logits(logits, logits_to_keep, labels)
         loss = None
         if labels is not None:
@@ -320,16 +327,29 @@ def _slice_logits(logits: torch.Tensor, logits_to_keep, labels) -> torch.Tensor:
     return logits[:, logits_to_keep.to(logits.device)]
 
 
-def _positions(position_ids: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-    """transformers' position_ids (B, N) or (1, N) as linattn's positions; packed rows refused."""
+def _documents(kwargs: dict, position_ids) -> torch.Tensor | None:
+    """cu_seqlens of a packed row: DataCollatorWithFlattening's cu_seq_lens_q, or the documents of
+    position_ids (1, T) restarting at each (linattn.ops.packed); None for unpacked rows. Pops the
+    flash-attention keywords (they are not the loss function's)."""
+    cu = kwargs.pop("cu_seq_lens_q", None)
+    for key in ("cu_seq_lens_k", "max_length_q", "max_length_k"):
+        kwargs.pop(key, None)
+    if cu is None:
+        return packed.cu_seqlens_from_position_ids(position_ids)
+    return torch.as_tensor(cu).long()
+
+
+def _positions(position_ids: torch.Tensor, input_ids: torch.Tensor, packed: bool = False) -> torch.Tensor:
+    """transformers' position_ids (B, N) or (1, N) as linattn's positions; positions restarting
+    inside a row are refused unless the row is packed (batch 1, cu_seqlens)."""
     b, n = input_ids.shape
     if not isinstance(position_ids, torch.Tensor) or position_ids.dim() != 2 or position_ids.shape[1] != n \
             or position_ids.shape[0] not in (1, b):
         got = tuple(position_ids.shape) if isinstance(position_ids, torch.Tensor) else type(position_ids).__name__
         raise ValueError(f"position_ids must have shape (B={b}, N={n}) or (1, N), got {got}")
-    if n > 1 and bool((position_ids[:, 1:] < position_ids[:, :-1]).any()):
-        raise ValueError("position_ids restart inside a row (packed sequences): LinearTransformerLM does not reset "
-                         "its recurrent state at a document boundary; pass one document per row")
+    if not packed and n > 1 and bool((position_ids[:, 1:] < position_ids[:, :-1]).any()):
+        raise ValueError("position_ids restart inside a row of a batch of several rows: packed documents go in one "
+                         "row (batch 1, as DataCollatorWithFlattening makes them), or one document per row")
     return position_ids[0] if position_ids.shape[0] == 1 else position_ids
 
 

@@ -197,5 +197,22 @@ def cu_seqlens_from_lengths(lengths: Sequence[int], device=None) -> torch.Tensor
     return torch.tensor(cu, dtype=torch.long, device=device)
 
 
-__all__ = ["boundaries", "check_state_count", "cu_seqlens_from_lengths", "gather", "positions", "run", "select_state",
-           "sequence_ids", "stack_states"]
+def cu_seqlens_from_position_ids(position_ids) -> torch.Tensor | None:
+    """cu_seqlens [N+1] (int64) of the documents of one packed row described by transformers'
+    position_ids (1, T), which restart at each document (DataCollatorWithFlattening): a document
+    starts wherever a position is not its predecessor + 1. None when the row holds one sequence
+    (positions counting on from any offset, as a cache's do) or the batch has more rows."""
+    if not isinstance(position_ids, torch.Tensor) or position_ids.dim() != 2 or position_ids.shape[0] != 1:
+        return None
+    p = position_ids[0]
+    if p.numel() < 2:
+        return None
+    starts = torch.nonzero(p[1:] != p[:-1] + 1).flatten() + 1
+    if starts.numel() == 0:
+        return None
+    t = p.numel()
+    return torch.cat([starts.new_zeros(1), starts, starts.new_full((1,), t)]).long()
+
+
+__all__ = ["boundaries", "check_state_count", "cu_seqlens_from_lengths", "cu_seqlens_from_position_ids", "gather",
+           "positions", "run", "select_state", "sequence_ids", "stack_states"]
