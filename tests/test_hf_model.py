@@ -148,6 +148,10 @@ def test_errors_name_the_argument():
         hf(x, attention_mask=torch.ones(2, 3))
     with pytest.raises(ValueError, match="packed"):
         hf(x, position_ids=torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 6]]))
+    for bad in (torch.tensor([0, 11]), torch.tensor([-12]), torch.tensor([0.5])):  # issue 37 item 19: IndexError
+        with pytest.raises(ValueError, match="logits_to_keep"):
+            hf(x, logits_to_keep=bad)
+    assert hf(x, logits_to_keep=torch.tensor([-11, 10])).logits.shape == (2, 2, 64)
     with pytest.raises(TypeError, match="model"):
         H.LinattnForCausalLM.from_linattn(torch.nn.Linear(2, 2))
     with pytest.raises(ValueError, match="model"):

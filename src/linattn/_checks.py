@@ -83,6 +83,17 @@ def check_int(name: str, value, *, minimum: int | None = None, below: int | None
     raise error(f"{name} must be {'None or ' if allow_none else ''}an int{bounds}, got {value!r}")
 
 
+#: Seeds are 64-bit signed integers: torch.Generator.manual_seed takes [−2^63, 2^64), and linattn adds
+#: offsets to a seed (per layer, per redraw), so a seed must leave room for them.
+SEED_BOUND = 2**63
+
+
+def check_seed(name: str, value) -> None:
+    """value is an int in [−2^63, 2^63) (SEED_BOUND); 2^64 failed deep inside torch ("Overflow when
+    unpacking long long")."""
+    check_int(name, value, minimum=-SEED_BOUND, below=SEED_BOUND)
+
+
 def check_positive_int(name: str, value, *, allow_none: bool = False) -> None:
     """value is an int > 0 (not a bool), or None with allow_none."""
     if value is None and allow_none:

@@ -322,8 +322,14 @@ def _slice_logits(logits: torch.Tensor, logits_to_keep, labels) -> torch.Tensor:
         if logits_to_keep < 0:
             raise ValueError(f"logits_to_keep must be ≥ 0, got {logits_to_keep}")
         return logits[:, -logits_to_keep:]
-    if not isinstance(logits_to_keep, torch.Tensor) or logits_to_keep.dim() != 1:
-        raise ValueError(f"logits_to_keep must be an int or a 1-D tensor of positions, got {logits_to_keep!r:.80}")
+    if not isinstance(logits_to_keep, torch.Tensor) or logits_to_keep.dim() != 1 \
+            or logits_to_keep.is_floating_point() or logits_to_keep.is_complex():
+        raise ValueError(f"logits_to_keep must be an int or a 1-D integer tensor of positions, got "
+                         f"{logits_to_keep!r:.80}")
+    n = logits.shape[1]
+    if logits_to_keep.numel() and not (-n <= int(logits_to_keep.min()) and int(logits_to_keep.max()) < n):
+        raise ValueError(f"logits_to_keep: positions must lie in [-{n}, {n}) (the {n} logits of this call), got "
+                         f"{logits_to_keep.tolist()!r:.80}")
     return logits[:, logits_to_keep.to(logits.device)]
 
 
