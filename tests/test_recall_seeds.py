@@ -202,7 +202,7 @@ def test_cli_recall_seeds_resume_and_markdown(tmp_path, monkeypatch, capsys):
 
 @pytest.mark.parametrize("argv, message", [
     (["--seeds", "0,0"], "seeds must not repeat"),
-    (["--seeds", "-1"], "seeds must be non-negative"),
+    (["--seeds", "-1"], "seeds must be integers in [0, 2**63)"),
     (["--tasks", "copy"], "takes no --tasks"),
     (["--kinds", "relu"], "unknown recall kind"),
 ])
