@@ -120,3 +120,19 @@ def test_gla_bf16_gate_gradient_stays_at_bf16_rounding(name, op_path, bf16_path)
     for n in ("q", "g"):
         err = ((got[n] - want[n]).norm() / want[n].norm()).item()
         assert err <= 2 ** -8, (n, err)
+
+
+@pytest.mark.parametrize("reset", [-1e12, -1e16, -1e30])
+def test_simple_gla_after_a_very_strong_gate_equals_fla_naive(reset):
+    """Issue 37 item 1 through FLA's API: after a token with g ≤ −1e12 the later outputs were wrong
+    (0.35 relative at −1e16, float64 included); FLA's naive recurrence decays by e^g = 0 there."""
+    nv = peer("fla.ops.simple_gla.naive")
+    x = make(t=90, hv=2, seed=9)
+    x["g"][:, 20] = reset
+    o_ref, S_ref = nv.naive_recurrent_simple_gla(x["q"], x["k"], x["v"], x["g"], initial_state=x["h0"],
+                                                 output_final_state=True)
+    d = {n: v.double() for n, v in x.items()}
+    for fn in (C.chunk_simple_gla, C.fused_recurrent_simple_gla):
+        o, S = fn(d["q"], d["k"], d["v"], d["g"], initial_state=d["h0"], output_final_state=True)
+        close(o, o_ref, FP32, f"{fn.__name__} o")
+        close(S, S_ref, FP32, f"{fn.__name__} S")
