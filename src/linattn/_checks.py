@@ -22,6 +22,19 @@ def check_tensor(name: str, x, ndim: int | None = None) -> None:
         raise ValueError(f"{name} must have {ndim} dimensions (B, H, N, D), got shape {tuple(x.shape)}")
 
 
+def check_floating(name: str, x, shape: tuple, form: str, device: torch.device, owner: str = "q") -> None:
+    """x is a floating torch.Tensor of `shape` (written `form` in the messages, e.g. "[B, T, HV]") on
+    `device`, `owner`'s."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor {form}, got {type(x).__name__}")
+    if tuple(x.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {form} = {tuple(shape)}, got {tuple(x.shape)}")
+    if not x.is_floating_point():
+        raise TypeError(f"{name} must be a floating tensor, got dtype {x.dtype}")
+    if x.device != device:
+        raise ValueError(f"{name} must be on {owner}'s device ({device}), got {x.device}")
+
+
 def _qkv_ok(q, k, v) -> bool:
     """The common case in one expression (a decoding step calls the checks for every token)."""
     if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)):

@@ -23,7 +23,7 @@ import os
 
 import torch
 
-from ..._checks import FLOAT_DTYPES
+from ..._checks import FLOAT_DTYPES, check_floating
 from ...ops.linear.chunked import state_dtype
 
 #: environment switch: "0" keeps every call on linattn's kernels, even on CUDA with `fla` installed
@@ -125,15 +125,7 @@ def check_per_head(name: str, x, q, hv: int, last: int | None = None) -> None:
     """A per-token tensor of v's heads: [B, T, HV] (last None) or [B, T, HV, last]; floating, on q's
     device."""
     shape = (*q.shape[:2], hv) + (() if last is None else (last,))
-    form = "[B, T, HV]" if last is None else "[B, T, HV, K]"
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor {form}, got {type(x).__name__}")
-    if tuple(x.shape) != shape:
-        raise ValueError(f"{name} must have shape {form} = {shape}, got {tuple(x.shape)}")
-    if not x.is_floating_point():
-        raise TypeError(f"{name} must be a floating tensor, got dtype {x.dtype}")
-    if x.device != q.device:
-        raise ValueError(f"{name} must be on q's device ({q.device}), got {x.device}")
+    check_floating(name, x, shape, "[B, T, HV]" if last is None else "[B, T, HV, K]", q.device)
 
 
 def check_head_vector(name: str, x, q, hv: int) -> None:
