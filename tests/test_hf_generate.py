@@ -11,6 +11,9 @@ from linattn.models import KINDS, LinearTransformerLM, ModelConfig  # noqa: E402
 CASES = {kind: dict(attention=[kind]) for kind in KINDS}  # every kind of the kinds table
 CASES["hybrid"] = dict(attention="gated_deltanet,softmax", n_layers=2)
 CASES["conv_mixer"] = dict(attention="gla,softmax", block="conv_mixer", n_layers=2)
+#: the window kinds with a window shorter than the prompts, so that their ring buffers wrap
+CASES["short_windows"] = dict(attention="swa,lolcats", n_layers=2, kind_options={"swa": {"window": 3},
+                                                                                  "lolcats": {"window": 3}})
 
 
 def model(name: str, **over) -> tuple[LinearTransformerLM, H.LinattnForCausalLM]:
@@ -68,8 +71,10 @@ def test_left_padded_batch_continues_like_each_prompt_alone():
     assert [out[0, 9:].tolist(), out[1, 9:].tolist()] == want
 
 
-@pytest.mark.parametrize("name", ["hybrid", "linear", "conv_mixer"])
+@pytest.mark.parametrize("name", ["hybrid", "linear", "conv_mixer", "swa", "lolcats", "short_windows"])
 def test_beam_search_best_score_is_its_log_probability(name):
+    """swa and lolcats since issue 37 item 9 (reorder_cache turned their WindowState / HybridState into
+    plain tuples: TypeError)."""
     lm, hf = model(name)
     p = prompt(6, seed=3)
     out = hf.generate(p, max_new_tokens=6, num_beams=3, num_return_sequences=3, do_sample=False,
@@ -84,9 +89,10 @@ def test_beam_search_best_score_is_its_log_probability(name):
     assert bool((out.sequences_scores[:-1] >= out.sequences_scores[1:]).all())  # best first
 
 
-def test_beam_reorder_matches_separate_rows():
+@pytest.mark.parametrize("name", ["hybrid", "short_windows"])
+def test_beam_reorder_matches_separate_rows(name):
     """reorder_cache(idx) gives each row the cache of row idx[i]: the next step equals those rows'."""
-    lm, hf = model("hybrid")
+    lm, hf = model(name)
     x = torch.cat([prompt(5, seed=s) for s in range(3)])
     idx = torch.tensor([2, 0, 0])
     with torch.no_grad():

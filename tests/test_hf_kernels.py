@@ -169,6 +169,77 @@ def test_packed_rows_equal_separate_documents(model_type, how):
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
 
 
+@pytest.mark.parametrize("model_type", TYPES)
+def test_generate_from_one_left_padded_prompt_equals_the_fallback(model_type):
+    """Issue 37 item 10: a batch of one left-padded prompt has position_ids [0, 0, 0, 0, 0, 1, …]; read as
+    packed documents they gave 5 states and an error at the first decode step. With a cache, the
+    positions are read as transformers' own mask builder reads them: one sequence per row."""
+    model = build(model_type, seed=1)
+    x = tokens(1, 9, seed=1)
+    x[:, :4] = 0
+    mask = torch.ones_like(x)
+    mask[:, :4] = 0
+    kw = dict(max_new_tokens=5, do_sample=False, eos_token_id=None, attention_mask=mask, pad_token_id=0)
+    with fallback(model_type):
+        ref = model.generate(x, **kw)
+    with H.use_linattn_kernels(model_type):
+        got = model.generate(x, **kw)
+    assert torch.equal(got, ref)
+
+
+@pytest.mark.skipif(not PACKED, reason="linattn's delta_rule has no cu_seqlens yet (packed sequences, design §16)")
+@pytest.mark.parametrize("model_type", TYPES)
+def test_packed_rows_with_a_cache_are_one_sequence_as_in_transformers(model_type):
+    """Issue 37 item 10 and the docstring's claim: with use_cache=True transformers' mask builder does not
+    read restarting position_ids as documents (its full-attention layers mix them), so linattn's
+    linear layers take the row as one sequence too: prefill and the decode step after it equal
+    transformers' own fallback (before: one state per document, and the decode step failed)."""
+    model = build(model_type, seed=3)
+    row = torch.cat([tokens(1, 7, seed=4), tokens(1, 12, seed=5)], 1)
+    pos = torch.cat([torch.arange(7), torch.arange(12)])[None]
+    nxt = tokens(1, 1, seed=6)
+    with torch.no_grad():
+        with fallback(model_type):
+            ref = model(row, position_ids=pos, use_cache=True)
+            ref_step = model(nxt, cache=ref.cache, position_ids=torch.tensor([[12]])).logits
+        with H.use_linattn_kernels(model_type):
+            got = model(row, position_ids=pos, use_cache=True)
+            got_step = model(nxt, cache=got.cache, position_ids=torch.tensor([[12]])).logits
+    assert torch.allclose(got.logits, ref.logits, atol=2e-5, rtol=1e-4)
+    assert torch.allclose(got_step, ref_step, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("model_type", TYPES)
+def test_gradient_checkpointing_still_checkpoints_every_layer(model_type):
+    """Issue 37 item 22: the patch replaced each decoder layer's forward, which transformers wraps so that
+    it checkpoints only while it is the class's outermost forward: checkpointing silently stopped
+    (gradients right, no memory saved). Counted here: every layer's forward runs through the
+    checkpoint function, with the patch as without it, and the gradients equal the fallback's."""
+    model = build(model_type, seed=2).train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    calls = []
+    for layer in model.model.layers:
+        func = layer._gradient_checkpointing_func
+        layer._gradient_checkpointing_func = lambda *a, _f=func, **k: calls.append(1) or _f(*a, **k)
+    x = tokens(2, 13, seed=2)
+
+    def grads():
+        model.zero_grad()
+        model(x, labels=x, use_cache=False).loss.backward()
+        return {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+
+    with fallback(model_type):
+        ref = grads()
+    assert len(calls) == len(model.model.layers)
+    calls.clear()
+    with H.use_linattn_kernels(model_type):
+        got = grads()
+    assert len(calls) == len(model.model.layers)
+    for k in ref:
+        scale = float(ref[k].abs().max()) + 1e-12
+        assert torch.allclose(got[k], ref[k], atol=1e-5 * max(scale, 1.0), rtol=1e-3), k
+
+
 def test_cu_seqlens_from_position_ids():
     assert K.cu_seqlens_from_position_ids(torch.tensor([[0, 1, 2, 0, 1, 0]])).tolist() == [0, 3, 5, 6]
     assert K.cu_seqlens_from_position_ids(torch.tensor([[4, 5, 6]])) is None  # one sequence, a cache's offset
@@ -184,13 +255,18 @@ def _originals():
         except ImportError:
             continue
         out += [(module, n, getattr(module, n)) for n in names if hasattr(module, n)]
-        out += [(c, "forward", c.__dict__["forward"]) for c in vars(module).values()
-                if isinstance(c, type) and c.__name__.endswith("DecoderLayer") and "forward" in c.__dict__]
+        for c in vars(module).values():
+            if isinstance(c, type) and c.__name__.endswith("DecoderLayer") and "forward" in c.__dict__:
+                out += [(c, "forward", c.__dict__["forward"]), (c, "__call__", c.__dict__.get("__call__", _ABSENT))]
     return out
 
 
+_ABSENT = object()
+
+
 def _restored(originals) -> bool:
-    return all((owner.__dict__[n] if isinstance(owner, type) else getattr(owner, n)) is f for owner, n, f in originals)
+    return all((owner.__dict__.get(n, _ABSENT) if isinstance(owner, type) else getattr(owner, n)) is f
+               for owner, n, f in originals)
 
 
 def test_undo_restores_the_original_functions():

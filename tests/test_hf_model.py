@@ -148,7 +148,81 @@ def test_errors_name_the_argument():
         hf(x, attention_mask=torch.ones(2, 3))
     with pytest.raises(ValueError, match="packed"):
         hf(x, position_ids=torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 6]]))
+    for bad in (torch.tensor([0, 11]), torch.tensor([-12]), torch.tensor([0.5])):  # issue 37 item 19: IndexError
+        with pytest.raises(ValueError, match="logits_to_keep"):
+            hf(x, logits_to_keep=bad)
+    assert hf(x, logits_to_keep=torch.tensor([-11, 10])).logits.shape == (2, 2, 64)
     with pytest.raises(TypeError, match="model"):
         H.LinattnForCausalLM.from_linattn(torch.nn.Linear(2, 2))
     with pytest.raises(ValueError, match="model"):
         H.LinattnForCausalLM(H.LinattnConfig(linattn=tiny("gla")), model=LinearTransformerLM(tiny("deltanet")))
+
+
+def _saved(tmp_path):
+    lm = LinearTransformerLM(tiny("hybrid")).eval()
+    H.LinattnForCausalLM.from_linattn(lm).save_pretrained(tmp_path)
+    return lm
+
+
+@pytest.mark.parametrize("drop, extra", [(["model.blocks.1.attn.out.weight"], {}),
+                                         (["model.tok_emb.weight", "model.norm.weight"], {}),
+                                         ([], {"model.blocks.7.attn.out.weight": torch.zeros(2)})])
+def test_from_pretrained_refuses_missing_or_unexpected_tensors(tmp_path, drop, extra):
+    """Issue 37 item 20: a checkpoint with tensors removed loaded with transformers' load report only
+    and the missing weights silently initialized (linattn's own loader refuses). Now a CheckpointError
+    names them, through AutoModelForCausalLM and LinattnForCausalLM alike."""
+    from safetensors.torch import load_file, save_file
+
+    from linattn.models.checkpoint import CheckpointError
+
+    _saved(tmp_path)
+    path = tmp_path / "model.safetensors"
+    tensors = {k: v for k, v in load_file(path).items() if k not in drop}
+    save_file({**tensors, **extra}, path, metadata={"format": "pt"})
+    for loader in (transformers.AutoModelForCausalLM, H.LinattnForCausalLM):
+        with pytest.raises(CheckpointError, match="|".join(drop + list(extra))) as err:
+            loader.from_pretrained(tmp_path)
+        assert all(name in str(err.value) for name in drop + list(extra))
+
+
+def test_from_pretrained_refuses_a_config_without_linattns_fields(tmp_path):
+    """Issue 37 item 20: a config.json without its `linattn` object (the ModelConfig) built linattn's
+    default architecture around the mirrors (hidden_size, …) without a word."""
+    _saved(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    del cfg["linattn"]
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    for load in (transformers.AutoModelForCausalLM.from_pretrained, H.LinattnForCausalLM.from_pretrained,
+                 H.LinattnConfig.from_pretrained):
+        with pytest.raises(ValueError, match="linattn"):
+            load(tmp_path)
+    assert H.LinattnConfig().model_config == ModelConfig()  # built in code, the defaults stay a choice
+
+
+def test_data_collator_with_flattening_trains_packed_documents(tmp_path):
+    """Issue 37 item 19: LinattnForCausalLM refused DataCollatorWithFlattening's rows ("packing is
+    unsupported"). A packed row now runs as packed documents: logits and loss equal those of the
+    documents one by one (with or without the collator's flash-attention keywords), a cache is
+    refused by name, and Trainer trains on such batches."""
+    lm = LinearTransformerLM(tiny("hybrid")).eval()
+    hf = H.LinattnForCausalLM.from_linattn(lm).eval()
+    docs = [ids(1, 7, seed=1)[0].tolist(), ids(1, 5, seed=2)[0].tolist(), ids(1, 9, seed=3)[0].tolist()]
+    for flash in (False, True):
+        batch = transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=flash)([{"input_ids": d} for d in docs])
+        out = hf(**batch)
+        alone = [hf(torch.tensor([d]), labels=torch.tensor([d])) for d in docs]
+        torch.testing.assert_close(out.logits, torch.cat([a.logits for a in alone], 1), rtol=1e-5, atol=1e-6)
+        targets = sum(len(d) - 1 for d in docs)
+        want = sum(a.loss * (len(d) - 1) for a, d in zip(alone, docs)) / targets
+        torch.testing.assert_close(out.loss, want, rtol=1e-5, atol=1e-6)
+        assert out.cache is None
+        with pytest.raises(ValueError, match="use_cache"):
+            hf(**batch, use_cache=True)
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=3, max_steps=2,
+                                          report_to=[], save_strategy="no", use_cpu=True, disable_tqdm=True,
+                                          remove_unused_columns=False)
+    data = [{"input_ids": d} for d in docs * 2]
+    trainer = transformers.Trainer(model=hf.train(), args=args, train_dataset=data,
+                                   data_collator=transformers.DataCollatorWithFlattening())
+    trainer.train()
+    assert all(torch.isfinite(torch.tensor(h["loss"])) for h in trainer.state.log_history if "loss" in h)

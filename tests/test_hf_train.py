@@ -70,6 +70,52 @@ def test_trainer_trains_a_few_steps(tmp_path):
     assert len(changed) == len(before)
 
 
+@pytest.mark.parametrize("every", [1, 2])
+def test_trainer_with_gradient_checkpointing_checkpoints_the_blocks(tmp_path, monkeypatch, every):
+    """Issue 37 item 11: Trainer(gradient_checkpointing=True) called activation_checkpointing_enable(…,
+    every_n_layers=…, offload=…), which LinattnForCausalLM's own gradient_checkpointing_enable did not
+    take (TypeError). Now training checkpoints every `every_n_layers`-th block (counted), with the
+    gradients of the run without checkpointing."""
+    import linattn.models.lm as lm_module
+
+    calls = []
+    real = lm_module.checkpoint
+    monkeypatch.setattr(lm_module, "checkpoint", lambda fn, *a, **k: calls.append(fn) or real(fn, *a, **k))
+    lm = tiny_lm(n_layers=4, attention="gated_deltanet,softmax")
+    hf = H.LinattnForCausalLM.from_linattn(lm)
+    data = torch.tensor(list(("the quick brown fox jumps over the lazy dog. " * 8).encode()), dtype=torch.long)
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=2,
+                                          learning_rate=3e-3, report_to=[], save_strategy="no", use_cpu=True,
+                                          dataloader_num_workers=0, disable_tqdm=True, gradient_checkpointing=True,
+                                          gradient_checkpointing_kwargs={"every_n_layers": every})
+    transformers.Trainer(model=hf, args=args, train_dataset=_Windows(data, 32)).train()
+    assert hf.is_activation_checkpointing
+    assert calls and [list(lm.blocks).index(b) for b in calls[:4 // every]] == list(range(0, 4, every))
+    calls.clear()
+    x = data[None, :32]
+    hf.train()
+    hf.zero_grad()
+    hf(x, labels=x).loss.backward()
+    assert len(calls) == 4 // every
+    got = [p.grad.clone() for p in hf.parameters()]
+    hf.activation_checkpointing_disable()
+    assert not hf.is_activation_checkpointing
+    hf.zero_grad()
+    hf(x, labels=x).loss.backward()
+    assert len(calls) == 4 // every  # no more checkpointed calls
+    for a, p in zip(got, hf.parameters()):
+        torch.testing.assert_close(a, p.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_unsupported_checkpointing_options_are_refused_by_name():
+    hf = H.LinattnForCausalLM.from_linattn(tiny_lm())
+    for kw, name in ((dict(offload=True), "offload"), (dict(every_n_layers=0), "every_n_layers"),
+                     (dict(activation_checkpointing_kwargs={"use_reentrant": True}), "use_reentrant")):
+        with pytest.raises(ValueError, match=name):
+            hf.activation_checkpointing_enable(**kw)
+    assert not hf.is_activation_checkpointing
+
+
 def test_pipeline_text_generation_matches_linattn_generate():
     lm = tiny_lm().eval()
     hf = H.LinattnForCausalLM.from_linattn(lm)

@@ -112,6 +112,19 @@ def test_mixed_and_resetting_decays(op_path, vector):
     compare(q, k, v, g, fm, state, normalize=True, chunk=16)
 
 
+@pytest.mark.parametrize("vector", [False, True])
+@pytest.mark.parametrize("reset", [-1e12, -1e16, -1e30])
+def test_a_gate_far_below_any_decay_is_exact(op_path, vector, reset):
+    """One g ≤ −1e12 (issue 37 item 1): the later tokens' decays must not lose their small gates in the
+    cumulative sums that also hold the huge one (before: 0.35 relative error at −1e16 in float64, scalar
+    gates on both paths, vector gates on the torch path). Float64 outputs, state and every gradient."""
+    q, k, v, g, fm, state = draw(1, 2, 150, 4, 3, vector=vector, elu=True, with_state=True, normalize=True,
+                                 strength=0.1, seed=11)
+    g[:, :, [10, 97]] = reset
+    compare(q, k, v, g, fm, state, normalize=True, chunk=16)
+    compare(q, k, v, g, fm, state[0], normalize=False, chunk=64)
+
+
 @pytest.mark.parametrize("name", ["relu", "favor", "hedgehog"])
 def test_other_feature_maps_scale_and_their_parameters(name):
     """φ without a fused kernel (hedgehog: trainable parameters, their gradients too) and scale."""

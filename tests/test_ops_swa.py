@@ -316,3 +316,38 @@ def test_bad_arguments_name_the_argument():
     _, state = sliding_window_attention_step(None, q[:, :, :1], k[:, :, :1], v[:, :, :1], window=3)
     with pytest.raises(ValueError, match="window"):
         sliding_window_attention_step(state, q[:, :, :1], k[:, :, :1], v[:, :, :1], window=4)
+
+
+# --------------------------------------------------------------------------------------------
+# issue 37: a window far beyond the sequence (item 12), second order (item 4)
+
+
+@pytest.mark.parametrize("window", [10**6, 2**40])
+def test_a_window_far_beyond_the_sequence_is_the_sequence(window, swa_path):
+    """Item 12: window 65,536 on 8 tokens took 71 s and 13 GB, 10^6 tried to allocate 125 GB. A window
+    of at least N is causal attention over the whole prefix: the op clamps it to N (swa and lolcats)."""
+    q, k, v = qkv(1, 2, 8, 4)
+    out = sliding_window_attention(q, k, v, window=window)
+    ref = reference.sliding_window_attention(q, k, v, window=8)
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+    assert_all_close(grads(out, (q, k, v)), grads(ref, (q, k, v)), rtol=1e-11, atol=1e-11)
+    qf, kf = features(1, 2, 8, 3)
+    out = lolcats_attention(q, k, qf, kf, v, window=window, window_factor=0.7)
+    ref = reference.lolcats_attention(q, k, qf, kf, v, window=8, window_factor=0.7)
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+
+
+def test_a_gradient_penalty_through_swa_is_refused_by_name(swa_path):
+    """Item 4: the backward is first order only (a custom Function); with create_graph=True its
+    second-order term was silently wrong (0.76–1.17 relative on the torch path) or failed with an
+    error about aten internals (fused). It now refuses by name, as the linear, gated and delta ops do;
+    forward-mode AD too. The one-token step is torch's SDPA and stays twice differentiable."""
+    q, k, v = qkv(1, 2, 10, 4)
+    o = sliding_window_attention(q, k, v, window=3, chunk_size=4)
+    with pytest.raises(RuntimeError, match="sliding_window_attention.*not twice differentiable"):
+        (dq,) = torch.autograd.grad(o.pow(2).sum(), q, create_graph=True)
+        dq.pow(2).sum().backward()
+    with pytest.raises(NotImplementedError, match="sliding_window_attention.*forward-mode AD"):
+        torch.func.jvp(lambda x: sliding_window_attention(x, k, v, window=3), (q.detach(),), (torch.ones_like(q),))
+    (o.pow(2).sum()).backward()  # first order still runs
+    assert all(x.grad is not None and torch.isfinite(x.grad).all() for x in (q, k, v))

@@ -125,22 +125,11 @@ def _compare_model(model, lengths):
     torch.testing.assert_close(loss, ref.to(loss.dtype), rtol=1e-5, atol=0)
 
 
-#: kinds whose layers refuse packed sequences (with a ValueError naming cu_seqlens)
-UNPACKED = ("lolcats",)
-
-
-@pytest.mark.parametrize("kind", [k for k in ATTENTION_KINDS if k not in UNPACKED])
+@pytest.mark.parametrize("kind", ATTENTION_KINDS)
 def test_model_packed_equals_separate(kind):
-    """Every kind, RoPE restarting at each document (the default positions), a short convolution on q, k, v."""
+    """Every kind (lolcats since issue 37 item 8), RoPE restarting at each document (the default
+    positions), a short convolution on q, k, v."""
     _compare_model(_lm(attention=[kind], short_conv=3, chunk_size=4), LENGTHS)
-
-
-@pytest.mark.parametrize("kind", UNPACKED)
-def test_a_kind_without_packed_sequences_refuses_them(kind):
-    model = _lm(attention=[kind], chunk_size=4)
-    ids = torch.zeros(1, 6, dtype=torch.long)
-    with pytest.raises(ValueError, match="cu_seqlens"):
-        model(ids, cu_seqlens=torch.tensor([0, 2, 6]))
 
 
 @pytest.mark.parametrize("kind", ["linear", "softmax", "gated_deltanet"])
@@ -166,10 +155,34 @@ def test_softmax_layer_packed_with_key_mask(causal):
     mask[0, [2, 7, 12]] = False
     y, _ = layer(x, mask, cu_seqlens=cu)
     for s, e in spans:
-        # packed positions are each token's index in its sequence, masked tokens included
-        y_n, _ = layer(x[:, s:e], mask[:, s:e], positions=torch.arange(e - s))
+        # packed positions count each sequence's real tokens, as the unpacked layer's (issue 37 item 5)
+        y_n, _ = layer(x[:, s:e], mask[:, s:e])
         real = mask[0, s:e]
         _close(y[:, s:e][:, real], y_n[:, real], f"tokens {s}..{e}")
+
+
+@pytest.mark.parametrize("kind, positions", [("linear", "learned"), ("linear", "rope"), ("softmax", "rope"),
+                                             ("gated_deltanet", "rope"), ("swa", "rope"), ("softmax", "learned"),
+                                             ("lolcats", "rope")])
+def test_model_packed_with_pads_counts_positions_as_unpacked(kind, positions):
+    """Issue 37 item 5: with a padding mask, the packed path counted pads as positions and the unpacked
+    one skips them, so a left-padded document differed from itself alone (0.25 with learned positions;
+    with RoPE where pads sit inside a document). Now positions count each document's real tokens in
+    both: the packed logits at real tokens equal the separate masked calls', and a left-padded
+    document's equal its own unpadded call's."""
+    model = _lm(attention=[kind], positions=positions, chunk_size=4)
+    cu, spans = _spans([5, 7, 6])
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, model.config.vocab_size, (1, 18), generator=gen)
+    mask = torch.ones(1, 18, dtype=torch.bool)
+    mask[0, [5, 6, 14]] = False  # document 1 left-padded by two, document 2 with a pad inside
+    logits, _ = model(ids, mask, cu_seqlens=cu)
+    for s, e in spans:
+        want, _ = model(ids[:, s:e], mask[:, s:e])
+        real = mask[0, s:e]
+        _close(logits[:, s:e][:, real], want[:, real], f"document {s}..{e}")
+    alone, _ = model(ids[:, 7:12])
+    _close(logits[:, 7:12], alone, "the left-padded document")
 
 
 def test_model_packed_errors():

@@ -162,6 +162,19 @@ def test_frontier_claims_compare_at_equal_state():
     assert claims["Based (Taylor) at or above elu+1 at equal state (Based Fig. 3)"]["holds"] is False
 
 
+@pytest.mark.parametrize("accuracies, holds", [((0.0, 0.0, 0.0), False), ((0.3, 0.3, 0.3), False),
+                                               ((0.4, 0.1, 0.2), False), ((0.1, 0.0, 0.2), True),
+                                               ((1.0, 0.995, 1.0), None)])
+def test_more_state_more_recall_needs_more_recall(accuracies, holds):
+    """Issue 37 item 7: every size at 0.000 was reported as "more state, more recall" holding (the
+    largest size only had to equal the smallest). Now it must recall strictly more; every size at the
+    early-stop accuracy is saturated (None: no growth can show)."""
+    recs = [_rec("elu", 1e-2, a, seed, variant=f"d'={d}", state=d * 64)
+            for seed in range(2) for d, a in zip((8, 16, 64), accuracies)]
+    claims = {c["claim"]: c for c in recall_frontier.frontier_claims({"summary": summarize_seeds(recs)})}
+    assert claims["elu+1: more state, more recall (Zoology §4)"]["holds"] is holds
+
+
 def test_cli_recall_seeds_resume_and_markdown(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(recall, "RECALL_PRESET", tiny_preset(settings=((32, 8, 8),), lrs=(1e-2,)))
     out = tmp_path / "out"
@@ -189,7 +202,7 @@ def test_cli_recall_seeds_resume_and_markdown(tmp_path, monkeypatch, capsys):
 
 @pytest.mark.parametrize("argv, message", [
     (["--seeds", "0,0"], "seeds must not repeat"),
-    (["--seeds", "-1"], "seeds must be non-negative"),
+    (["--seeds", "-1"], "seeds must be integers in [0, 2**63)"),
     (["--tasks", "copy"], "takes no --tasks"),
     (["--kinds", "relu"], "unknown recall kind"),
 ])

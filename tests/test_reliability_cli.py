@@ -165,6 +165,22 @@ def test_recall_with_an_unknown_kind_writes_nothing(tmp_path, capsys):
     assert not (out / "recall-runs.jsonl").exists()
 
 
+@pytest.mark.parametrize("seed", ["18446744073709551616", "9223372036854775808"])
+def test_a_seed_beyond_64_bits_is_refused_before_any_file(tmp_path, capsys, seed):
+    """Issue 37 item 19: --seeds 2**64 died inside torch ("Overflow when unpacking long long") after
+    the runs file was created empty."""
+    out = tmp_path / "recall"
+    code, _, err = _run(["eval", "--preset", "recall", "--kinds", "softmax", "--seeds", seed, "--out", str(out)],
+                        capsys)
+    assert code == 2 and "seeds must be integers in [0, 2**63)" in err and "Traceback" not in err
+    assert not out.exists()
+    for make in (lambda: ModelConfig(seed=int(seed)), lambda: __import__("linattn.training", fromlist=["_"])
+                 .TrainConfig(task="mqar", seed=int(seed))):
+        with pytest.raises(ValueError, match="seed must be an int in"):
+            make()
+    assert ModelConfig(seed=2**63 - 1).seed == 2**63 - 1
+
+
 def test_an_interrupted_run_is_not_a_failed_criterion():
     def rec(kind, acc, status):
         return {"kind": kind, "seq_len": 256, "n_pairs": 64, "lr": 1e-3, "accuracy": acc, "status": status,

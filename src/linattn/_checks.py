@@ -22,6 +22,19 @@ def check_tensor(name: str, x, ndim: int | None = None) -> None:
         raise ValueError(f"{name} must have {ndim} dimensions (B, H, N, D), got shape {tuple(x.shape)}")
 
 
+def check_floating(name: str, x, shape: tuple, form: str, device: torch.device, owner: str = "q") -> None:
+    """x is a floating torch.Tensor of `shape` (written `form` in the messages, e.g. "[B, T, HV]") on
+    `device`, `owner`'s."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor {form}, got {type(x).__name__}")
+    if tuple(x.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {form} = {tuple(shape)}, got {tuple(x.shape)}")
+    if not x.is_floating_point():
+        raise TypeError(f"{name} must be a floating tensor, got dtype {x.dtype}")
+    if x.device != device:
+        raise ValueError(f"{name} must be on {owner}'s device ({device}), got {x.device}")
+
+
 def _qkv_ok(q, k, v) -> bool:
     """The common case in one expression (a decoding step calls the checks for every token)."""
     if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)):
@@ -81,6 +94,17 @@ def check_int(name: str, value, *, minimum: int | None = None, below: int | None
     else:
         bounds = "" if below is None else f" < {below}"
     raise error(f"{name} must be {'None or ' if allow_none else ''}an int{bounds}, got {value!r}")
+
+
+#: Seeds are 64-bit signed integers: torch.Generator.manual_seed takes [−2^63, 2^64), and linattn adds
+#: offsets to a seed (per layer, per redraw), so a seed must leave room for them.
+SEED_BOUND = 2**63
+
+
+def check_seed(name: str, value) -> None:
+    """value is an int in [−2^63, 2^63) (SEED_BOUND); 2^64 failed deep inside torch ("Overflow when
+    unpacking long long")."""
+    check_int(name, value, minimum=-SEED_BOUND, below=SEED_BOUND)
 
 
 def check_positive_int(name: str, value, *, allow_none: bool = False) -> None:

@@ -16,7 +16,8 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import torch
-from rich.console import Console
+from rich.console import Console, ConsoleOptions
+from rich.measure import Measurement
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -104,15 +105,60 @@ def args_dict(args) -> dict:
     return {k: v for k, v in vars(args).items() if not callable(v)}
 
 
-def make_table(title: str, columns: Sequence[str], rows: Iterable[Sequence[str]], caption: str | None = None) -> Table:
-    """A rich table; the first column is left-aligned, the others right-aligned (numbers)."""
-    table = Table(title=title, caption=caption, show_lines=False, header_style="bold")
-    for i, col in enumerate(columns):
-        first = i == 0
-        table.add_column(col, justify="left" if first else "right", no_wrap=True, min_width=len(col) if first else None)
-    for row in rows:
-        table.add_row(*row)
-    return table
+def make_table(title: str, columns: Sequence[str], rows: Iterable[Sequence[str]],
+               caption: str | None = None) -> "FittedTable":
+    """A rich table that fits its console: the first column is left-aligned (row labels), the others
+    right-aligned (numbers). See FittedTable."""
+    return FittedTable(title, columns, rows, caption)
+
+
+class FittedTable:
+    """A table printed whole at any terminal width, never cropped ("linear RN…", "0.0214 ±9…": issue 37
+    item 21). When the whole table is wider than the console, its columns are split into groups that
+    fit, printed one under the other, each repeating the first column (the row labels) and titled
+    "(columns i–j of n)"; a group that cannot fit even with one column folds its cells onto
+    several lines instead of cutting them."""
+
+    def __init__(self, title: str, columns: Sequence[str], rows: Iterable[Sequence[str]], caption: str | None = None):
+        self.title, self.columns, self.caption = title, list(columns), caption
+        self.rows = [list(row) for row in rows]
+
+    def table(self, keep: Sequence[int] | None = None, *, part: str = "", caption: str | None = None,
+              fold: bool = False) -> Table:
+        """The rich Table of columns `keep` (default all; 0 is always first), cells on one line unless fold."""
+        keep = list(range(len(self.columns))) if keep is None else [0, *keep]
+        table = Table(title=self.title + part, caption=caption, show_lines=False, header_style="bold")
+        for i in keep:
+            col = self.columns[i]
+            table.add_column(col, justify="left" if i == 0 else "right", no_wrap=not fold, overflow="fold",
+                             min_width=len(col) if i == 0 and not fold else None)
+        for row in self.rows:
+            table.add_row(*(row[i] for i in keep))
+        return table
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions):
+        width = options.max_width
+        unbounded = options.update_width(1 << 20)
+
+        def fits(table: Table) -> bool:  # its natural width (a bounded measurement is clamped to the console)
+            return Measurement.get(console, unbounded, table).maximum <= width
+
+        whole = self.table(caption=self.caption)
+        if fits(whole):
+            yield whole
+            return
+        groups, group = [], []
+        for i in range(1, len(self.columns)):
+            if group and not fits(self.table([*group, i])):
+                groups.append(group)
+                group = []
+            group.append(i)
+        groups.append(group)
+        n = len(self.columns) - 1
+        for k, group in enumerate(groups):
+            part = f" (columns {group[0]}–{group[-1]} of {n})" if len(group) > 1 else f" (column {group[0]} of {n})"
+            caption = self.caption if k == len(groups) - 1 else None
+            yield self.table(group, part=part, caption=caption, fold=not fits(self.table(group)))
 
 
 def progress(console: Console) -> Progress:

@@ -88,6 +88,16 @@ def test_packed_training_runs(docs, tmp_path):
     assert off.losses != res.losses  # the documents change what is predicted
 
 
+@pytest.mark.parametrize("kind", ["lolcats", "swa"])
+def test_packed_training_runs_with_the_window_kinds(docs, kind):
+    """Issue 37 item 8: `linattn train --attention lolcats` (and `eval --preset quick`, whose byte task
+    packs by default) died: "LoLCATsAttention does not take packed sequences yet"."""
+    model = {**TINY_MODEL, "attention": [kind], "kind_options": {kind: {"window": 4}}}
+    res = train(bytes_config(docs, seq_len=16, val_fraction=0.2, steps=2, eval_interval=2, model=model),
+                progress=False)
+    assert res.status == "completed" and all(torch.isfinite(torch.tensor(res.losses)))
+
+
 def test_packing_config_errors():
     with pytest.raises(ValueError, match="packing=True is for task 'bytes'"):
         TrainConfig(task="mqar", packing=True, task_options={"seq_len": 16, "n_pairs": 2, "vocab_size": 32})

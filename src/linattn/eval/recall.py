@@ -32,7 +32,7 @@ import json
 import time
 from dataclasses import dataclass, field
 
-from .._checks import check_positive_int
+from .._checks import SEED_BOUND, check_positive_int
 from ..models import KINDS
 from .kinds import EVAL_KINDS, kind_model
 from .pool import run_in_processes
@@ -170,8 +170,8 @@ def _check_seeds(seeds) -> tuple:
     if not seeds:
         raise ValueError("seeds must name at least one seed")
     for s in seeds:
-        if isinstance(s, bool) or not isinstance(s, int) or s < 0:
-            raise ValueError(f"seeds must be non-negative integers, got {s!r}")
+        if isinstance(s, bool) or not isinstance(s, int) or not 0 <= s < SEED_BOUND:
+            raise ValueError(f"seeds must be integers in [0, 2**63), got {s!r}")
     if len(set(seeds)) != len(seeds):
         raise ValueError(f"seeds must not repeat, got {list(seeds)}")
     return seeds

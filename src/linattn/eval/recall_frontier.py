@@ -111,14 +111,21 @@ def _above(report: dict, upper: str, lower: str, claim: str) -> list[dict]:
 
 
 def _grows(report: dict, kind: str) -> list[dict]:
+    """Per setting: does the largest state size recall strictly more than the smallest? Equal scores
+    show no growth (every size at 0.000 is no evidence for the claim: issue 37 item 7), unless every
+    size reached the preset's early-stop accuracy, where no growth can show (holds None)."""
     out = []
     for st in sorted({(s["seq_len"], s["n_pairs"]) for s in report["summary"]}):
         pts = sorted(_curve(report, st, kind))
         if len(pts) < 2:
             continue
-        holds = pts[-1][1] >= pts[0][1]
+        detail = ", ".join(f"{x:,.0f} floats {y:.3f}" for x, y in pts)
+        if min(y for _, y in pts) >= RECALL_FRONTIER.stop_accuracy:
+            holds, detail = None, f"every size at or above {RECALL_FRONTIER.stop_accuracy} (saturated): {detail}"
+        else:
+            holds = pts[-1][1] > pts[0][1]
         out.append({"setting": list(st), "claim": f"{LABELS[kind]}: more state, more recall (Zoology §4)",
-                    "holds": holds, "detail": ", ".join(f"{x:,.0f} floats {y:.3f}" for x, y in pts)})
+                    "holds": holds, "detail": detail})
     return out
 
 

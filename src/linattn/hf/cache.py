@@ -25,11 +25,13 @@ from ..models import ModelCache
 
 def _select_rows(obj, index: torch.Tensor):
     """obj with dim 0 of every tensor it holds (dataclass fields, lists, tuples, nested) gathered at
-    `index` (B',) long; tensors are replaced, not written in place."""
+    `index` (B',) long; tensors are replaced, not written in place; named tuples keep their class and
+    their other fields (a WindowState's length)."""
     if isinstance(obj, torch.Tensor):
         return obj.index_select(0, index.to(obj.device)) if obj.dim() else obj
-    if isinstance(obj, tuple):
-        return tuple(_select_rows(t, index) for t in obj)
+    if isinstance(obj, tuple):  # a NamedTuple (WindowState, HybridState) keeps its type
+        rows = (_select_rows(t, index) for t in obj)
+        return type(obj)(*rows) if hasattr(obj, "_fields") else tuple(rows)
     if isinstance(obj, list):
         obj[:] = [_select_rows(t, index) for t in obj]
         return obj

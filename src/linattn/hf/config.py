@@ -77,6 +77,20 @@ class LinattnConfig(PretrainedConfig):
             setattr(self, hf_name, getattr(model_config, field))
         super().__post_init__(**kwargs)
 
+    @classmethod
+    def from_dict(cls, config_dict: dict, **kwargs):
+        """transformers' reader of a config.json (from_pretrained, AutoConfig): refuses a dict without
+        the `linattn` object (and no ModelConfig field of its own), which would otherwise build
+        linattn's default architecture around the mirrors without a word. LinattnConfig() in code
+        keeps the defaults."""
+        own = (_FIELDS - set(MIRRORS.values())) & set(config_dict)
+        if "linattn" not in config_dict and "linattn" not in kwargs and not own:
+            raise ValueError("linattn: the config has no 'linattn' object (linattn's ModelConfig: attention kinds, "
+                             "feature maps, positions, …) and no ModelConfig field, so the model it describes is "
+                             "unknown; save it with LinattnConfig / LinattnForCausalLM.save_pretrained, or add the "
+                             "object (ModelConfig.to_dict())")
+        return super().from_dict(config_dict, **kwargs)
+
     @property
     def model_config(self) -> ModelConfig:
         """The linattn ModelConfig, with the transformers mirrors (vocab_size, hidden_size, …) applied."""

@@ -19,9 +19,17 @@ package implementation, plus packing):
 - packed rows: `cu_seq_lens_q` (transformers' name, from DataCollatorWithFlattening with
   return_flash_attn_kwargs) becomes `cu_seqlens` for the rule, and the short convolution runs
   each packed sequence by itself (zeros before its first token, design §16);
-- padding-free rows described only by `position_ids` restarting at 0 (batch 1): the decoder
-  layers derive `cu_seq_lens_q` from them, so the linear layers keep documents apart as the
-  softmax layers (transformers' block-diagonal mask) do.
+- padding-free rows described only by `position_ids` restarting at 0 (batch 1): each decoder layer
+  class gets a `__call__` that derives `cu_seq_lens_q` from them under the condition transformers'
+  mask builder reads them as documents (no cache, no 2-D padding mask; `masking_utils`), so the
+  linear layers keep documents apart exactly when transformers' full-attention layers do (their
+  block-diagonal mask). That is training and `use_cache=False`. With a cache (`generate`, a prefill
+  with `use_cache=True`) a row is one sequence in every layer: transformers' full-attention layers
+  then mix the documents of a packed row (their business, not linattn's; the decode that follows
+  works and equals transformers' own path), and a left-padded prompt's position_ids
+  [0, 0, 0, 0, 1, …] are pads, not documents. The layers' `forward` is left alone: transformers
+  wraps it so that it checkpoints only while it is the class's outermost forward, and replacing it
+  turned gradient checkpointing off (issue 37 item 22).
 
 Where linattn's operators do not apply, the layer keeps transformers' own function for that call:
 β > 1 (OLMo-Hybrid's linear_allow_neg_eigval, the default there, doubles β into (0, 2); linattn's
@@ -43,6 +51,8 @@ import inspect
 import warnings
 
 import torch
+
+from ..ops.packed import cu_seqlens_from_position_ids
 
 #: model type -> transformers module, and {module global: linattn.compat.fla function}
 _GDN = {
@@ -160,38 +170,43 @@ def _update_adapter(fn):
 _ADAPTERS = {"causal_conv1d_fn": _conv_adapter, "causal_conv1d_update": _update_adapter}
 
 
-def cu_seqlens_from_position_ids(position_ids: torch.Tensor) -> torch.Tensor | None:
-    """cu_seqlens [N+1] of the documents of one packed row (position_ids (1, T) restarting at 0 at
-    each document), or None when the row holds one sequence (or the batch has more rows)."""
-    if not isinstance(position_ids, torch.Tensor) or position_ids.dim() != 2 or position_ids.shape[0] != 1:
+def _documents(kwargs: dict) -> torch.Tensor | None:
+    """cu_seq_lens_q for a decoder-layer call read as transformers' mask builder reads position_ids
+    (masking_utils: packed documents only without a cache and without a 2-D padding mask): the
+    documents of one row whose position_ids restart, or None. With a cache (generation, a prefill
+    with use_cache=True) a row is one sequence, pads included: transformers' full-attention layers
+    see it so, and so do the linear ones (a left-padded prompt's [0, 0, 0, 0, 1, …] are pads)."""
+    if kwargs.get("cu_seq_lens_q") is not None or kwargs.get("position_ids") is None:
         return None
-    p = position_ids[0]
-    if p.numel() < 2:
+    if kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None:
         return None
-    starts = torch.nonzero(p[1:] != p[:-1] + 1).flatten() + 1
-    if starts.numel() == 0:
+    mask = kwargs.get("attention_mask")
+    if isinstance(mask, torch.Tensor) and mask.dim() == 2:  # a linear layer's padding mask: pads, not documents
         return None
-    t = p.numel()
-    return torch.cat([starts.new_zeros(1), starts, starts.new_full((1,), t)]).long()
+    return cu_seqlens_from_position_ids(kwargs["position_ids"])
 
 
-def _layer_forward_adapter(forward):
-    """A decoder layer's forward that adds cu_seq_lens_q derived from restarting position_ids."""
+def _layer_call_adapter(call):
+    """A decoder layer class's __call__ that adds cu_seq_lens_q (`_documents`) and then calls `call`
+    (nn.Module's): the layer's forward stays transformers' own, whose wrapper checkpoints only while
+    it is the class's outermost forward (GradientCheckpointingLayer), so gradient checkpointing keeps
+    working under the patch."""
 
-    @functools.wraps(forward)
-    def layer_forward(self, *args, **kwargs):
-        if kwargs.get("cu_seq_lens_q") is None and kwargs.get("position_ids") is not None:
-            cu = cu_seqlens_from_position_ids(kwargs["position_ids"])
-            if cu is not None:
-                kwargs["cu_seq_lens_q"] = cu
-        return forward(self, *args, **kwargs)
+    @functools.wraps(call)
+    def layer_call(self, *args, **kwargs):
+        cu = _documents(kwargs)
+        if cu is not None:
+            kwargs["cu_seq_lens_q"] = cu
+        return call(self, *args, **kwargs)
 
-    layer_forward.linattn_kernel = forward
-    return layer_forward
+    layer_call.linattn_kernel = call
+    return layer_call
 
 
 #: (id(owner), name) -> [owner, name, original, number of active patches holding it]
 _BOUND: dict[tuple[int, str], list] = {}
+#: the "original" of a class attribute the class did not define itself
+_INHERITED = object()
 
 
 class KernelPatchError(RuntimeError):
@@ -212,8 +227,8 @@ class KernelPatch:
     def _set(self, owner, name: str, value) -> None:
         key = (id(owner), name)
         entry = _BOUND.get(key)
-        if entry is None:
-            original = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
+        if entry is None:  # a class attribute it only inherits (__call__) is _INHERITED: deleted again on undo
+            original = owner.__dict__.get(name, _INHERITED) if isinstance(owner, type) else getattr(owner, name)
             entry = _BOUND[key] = [owner, name, original, 0]
             setattr(owner, name, value)
         entry[3] += 1
@@ -226,7 +241,10 @@ class KernelPatch:
             entry[3] -= 1
             if entry[3] == 0:
                 owner, name, original, _ = _BOUND.pop(key)
-                setattr(owner, name, original)
+                if original is _INHERITED:
+                    delattr(owner, name)
+                else:
+                    setattr(owner, name, original)
         _ACTIVE.discard(self)
 
     def __enter__(self):
@@ -274,7 +292,7 @@ def _plan_module(model_type: str, module, names: dict) -> list:
     if not layers:
         raise _missing(f"{module.__name__} has no *DecoderLayer class with a forward ({model_type}; linattn derives "
                        "packed documents from position_ids there)")
-    plan += [(cls, "forward", _layer_forward_adapter(cls.__dict__["forward"])) for cls in layers]
+    plan += [(cls, "__call__", _layer_call_adapter(cls.__call__)) for cls in layers]
     return plan
 
 

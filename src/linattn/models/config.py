@@ -16,6 +16,7 @@ from .._checks import (
     check_int,
     check_number,
     check_positive_int,
+    check_seed,
     dataclass_from_dict,
 )
 from ..nn.attention import ACTIVATIONS, NORMS
@@ -138,7 +139,7 @@ class ModelConfig:
             check_bool(name, getattr(self, name))
         if self.qkv_bias is not None:
             check_bool("qkv_bias", self.qkv_bias)
-        check_int("seed", self.seed)
+        check_seed("seed", self.seed)
         self._check_kind_options()
         if not isinstance(self.feature_map_options, dict):
             raise ValueError(f"feature_map_options must be a dict, got {type(self.feature_map_options).__name__}")

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from .._checks import check_positions
+from .._checks import check_positions, check_positive_int
 from ..nn.attention import Block, ConvMixerBlock, PositionCounter, make_norm, token_positions
 from ..ops import packed
 from .checkpoint import CONFIG_NAME, CheckpointError, load_model, read_config, save_pretrained
@@ -77,6 +77,7 @@ class _Transformer(nn.Module):
         self.blocks = nn.ModuleList(self._block(i, kind) for i, kind in enumerate(c.layer_kinds))
         self.norm = make_norm(c.norm, c.d_model, c.norm_eps)
         self.activation_checkpointing = False
+        self.checkpoint_every = 1
         self.sequence_parallel_group = None
 
     def _block(self, i: int, kind: str) -> nn.Module:
@@ -123,9 +124,21 @@ class _Transformer(nn.Module):
         a CheckpointError lists the fields. See load_pretrained."""
         return load_pretrained(directory, cls, config=config, device=device, dtype=dtype)
 
-    def set_activation_checkpointing(self, enabled: bool = True) -> None:
-        """Recompute each block's activations in the backward (torch.utils.checkpoint) in training."""
+    def set_activation_checkpointing(self, enabled: bool = True, *, every_n_layers: int = 1) -> None:
+        """Recompute the activations of blocks 0, n, 2n, … (n = every_n_layers; 1: every block) in the
+        backward (torch.utils.checkpoint, non-reentrant) in training; the others keep theirs."""
+        check_positive_int("every_n_layers", every_n_layers)
         self.activation_checkpointing = bool(enabled)
+        self.checkpoint_every = every_n_layers
+
+    def _apply_block(self, i: int, x, mask, cache, positions, cu_seqlens=None):
+        """Block i on x -> (x, its cache), checkpointed when set_activation_checkpointing says so."""
+        block = self.blocks[i]
+        kw = {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}
+        if cache is None and self.activation_checkpointing and self.training and i % self.checkpoint_every == 0:
+            return checkpoint(block, x, mask, None, positions, use_reentrant=False,
+                              context_fn=lambda: (contextlib.nullcontext(), _no_redraw(block)), **kw)
+        return block(x, mask, cache, positions, **kw)
 
     def set_sequence_parallel_group(self, group) -> None:
         """Run every attention layer sequence-parallel over `group` (a torch.distributed process
@@ -186,12 +199,8 @@ class _Transformer(nn.Module):
             x = x + self.pos_emb(positions)
         if self.drop.p and self.training:
             x = self.drop(x)
-        for i, block in enumerate(self.blocks):
-            if cache is None and self.activation_checkpointing and self.training:
-                x, _ = checkpoint(block, x, mask, None, positions, use_reentrant=False,
-                                  context_fn=lambda b=block: (contextlib.nullcontext(), _no_redraw(b)))
-            else:
-                x, _ = block(x, mask, None if cache is None else cache.layers[i], positions)
+        for i in range(len(self.blocks)):
+            x, _ = self._apply_block(i, x, mask, None if cache is None else cache.layers[i], positions)
         if cache is not None:
             cache.advance(n, mask)
         return self.norm(x)
@@ -209,18 +218,14 @@ class _Transformer(nn.Module):
             check_positions(positions, ids.shape[0], n, ids.device)
         x = self.tok_emb(ids)
         if self.pos_emb is not None:
-            pos = packed.positions(cu_seqlens, n).to(ids.device) if positions is None else positions
+            pos = packed.positions(cu_seqlens, n, mask).to(ids.device) if positions is None else positions
             if not torch.compiler.is_compiling() and int(pos.max()) >= self.config.max_len:
                 raise ValueError(f"position {int(pos.max())} is beyond max_len={self.config.max_len}")
             x = x + self.pos_emb(pos)
         if self.drop.p and self.training:
             x = self.drop(x)
-        for block in self.blocks:
-            if self.activation_checkpointing and self.training:
-                x, _ = checkpoint(block, x, mask, None, positions, cu_seqlens=cu_seqlens, use_reentrant=False,
-                                  context_fn=lambda b=block: (contextlib.nullcontext(), _no_redraw(b)))
-            else:
-                x, _ = block(x, mask, None, positions, cu_seqlens=cu_seqlens)
+        for i in range(len(self.blocks)):
+            x, _ = self._apply_block(i, x, mask, None, positions, cu_seqlens)
         return self.norm(x)
 
 
@@ -237,7 +242,8 @@ class LinearTransformerLM(_Transformer):
     cu_seqlens: packed documents (design §16, linattn.ops.packed): ids (1, T) holds N documents end to
     end, cu_seqlens the 1-D integer tensor [N+1] of their cumulative lengths. Every layer keeps them
     apart (states reset, convolution taps and softmax attention stay inside a document) and RoPE and
-    learned positions restart at 0 at each document; the logits equal those of N separate calls.
+    learned positions restart at 0 at each document (with a mask they count its real tokens, as the
+    unpacked path does); the logits equal those of N separate calls.
     """
 
     causal = True

@@ -337,10 +337,13 @@ class LinearAttention(_Attention):
                 positions: torch.Tensor | None = None, *, cu_seqlens: torch.Tensor | None = None):
         """x (B, N, d), mask (B, N) bool or None, positions (N,) or (B, N) or None (derived from the
         mask and the cache). cu_seqlens: packed sequences in x (1, T, d) (linattn.ops.packed; causal
-        only; positions then default to each token's index in its sequence). Returns (y (B, N, d), cache)."""
+        only; positions then default to each token's index in its sequence, counting real tokens only
+        when a mask is given). Returns (y (B, N, d), cache)."""
         self._check_mask(mask, x)
         q, k, v = self._project(x, mask, cache, cu_seqlens)
         if cu_seqlens is not None:
+            if positions is None and self._needs_positions and mask is not None:  # real tokens only, as unpacked
+                positions = packed.positions(cu_seqlens, x.shape[1], mask).to(x.device)
             o = linear_attention(q, k, v, causal=self.causal, key_padding_mask=mask, positions=positions,
                                  chunk_size=self.chunk_size, cu_seqlens=cu_seqlens, feature_map=self.feature_map,
                                  normalize=self.normalize, eps=self.eps, rope=self.rope)
@@ -404,12 +407,12 @@ class SoftmaxAttention(_Attention):
                 positions: torch.Tensor | None = None, *, cu_seqlens: torch.Tensor | None = None):
         """x (B, N, d), mask (B, N) bool or None, positions (N,) or (B, N) or None. cu_seqlens: packed
         sequences in x (1, T, d): a block-diagonal mask keeps them apart (positions default to each
-        token's index in its sequence). Returns (y, cache)."""
+        token's index in its sequence, counting real tokens only when a mask is given). Returns (y, cache)."""
         self._check_mask(mask, x)
         q, k, v = self._project(x, mask, cache, cu_seqlens)
         n = x.shape[1]
         if cu_seqlens is not None and positions is None:
-            positions = packed.positions(cu_seqlens, n).to(x.device)
+            positions = packed.positions(cu_seqlens, n, mask).to(x.device)
         if self.rope is not None:
             if positions is None:
                 positions = (cache.next_positions(n, mask, x.device) if cache is not None

@@ -25,6 +25,7 @@ from torch import nn
 from .._checks import check_int, check_number
 from .feature_maps import make_feature_map
 from .attention import LayerCache, _Attention, token_positions
+from ..ops import packed
 from ..ops.linear.chunked import DEFAULT_CHUNK_SIZE
 from ..ops.swa import HybridState, lolcats_attention, lolcats_attention_step
 from .positional import RotaryEmbedding
@@ -102,17 +103,22 @@ class LoLCATsAttention(_Attention):
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None, cache: LoLCATsCache | None = None,
                 positions: torch.Tensor | None = None, *, cu_seqlens: torch.Tensor | None = None):
         """x (B, N, d), mask (B, N) bool or None, positions (N,) or (B, N) or None. Returns (y, cache).
-        cu_seqlens (packed sequences) is refused: the hybrid operator does not take it yet."""
-        if cu_seqlens is not None:
-            raise ValueError("cu_seqlens: LoLCATsAttention does not take packed sequences yet")
+        cu_seqlens: packed sequences in x (1, T, d) (linattn.ops.packed): each runs on its own (window,
+        linear state, short convolution), positions restart at 0 in each (counting real tokens only
+        when a mask is given); no cache."""
         self._check_mask(mask, x)
         if self.sequence_parallel_group is not None and cache is None:
             raise ValueError("LoLCATsAttention does not run sequence-parallel yet")
-        q, k, v = self._project(x, mask, cache)
+        if cu_seqlens is not None and cache is not None:
+            raise ValueError("cu_seqlens (packed sequences) takes no cache")
+        q, k, v = self._project(x, mask, cache, cu_seqlens)
         n = x.shape[1]
         if positions is None and (self.rope is not None or getattr(self.feature_map_q, "needs_positions", False)):
-            positions = (cache.next_positions(n, mask, x.device) if cache is not None
-                         else token_positions(n, mask, device=x.device))
+            if cu_seqlens is not None:
+                positions = packed.positions(cu_seqlens, n, mask).to(x.device)
+            else:
+                positions = (cache.next_positions(n, mask, x.device) if cache is not None
+                             else token_positions(n, mask, device=x.device))
         if self.rope is not None:
             q, k = self.rope.rotate(q, positions), self.rope.rotate(k, positions)
         qf = self.feature_map_q(q, is_query=True, positions=positions)
@@ -120,7 +126,7 @@ class LoLCATsAttention(_Attention):
         gamma = self.window_factor.to(q.dtype)
         opts = dict(window=self.window, window_factor=gamma, key_padding_mask=mask, chunk_size=self.chunk_size)
         if cache is None:
-            return self._merge(lolcats_attention(q, k, qf, kf, v, **opts), x), None
+            return self._merge(lolcats_attention(q, k, qf, kf, v, cu_seqlens=cu_seqlens, **opts), x), None
         o, cache.state = lolcats_attention_step(cache.state, q, k, qf, kf, v, **opts)
         cache.advance(n, mask)
         return self._merge(o, x), cache

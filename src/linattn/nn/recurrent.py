@@ -85,7 +85,8 @@ class _RecurrentAttention(_Attention):
                 positions: torch.Tensor | None = None, *, cu_seqlens: torch.Tensor | None = None):
         """x (B, N, d), mask (B, N) bool or None, positions (N,) or (B, N) or None (derived from the
         mask and the cache). cu_seqlens: packed sequences in x (1, T, d) (linattn.ops.packed; the
-        state resets at each boundary, positions default to each token's index in its sequence).
+        state resets at each boundary, positions default to each token's index in its sequence, real
+        tokens only when a mask is given).
         Returns (y (B, N, d), cache)."""
         self._check_mask(mask, x)
         if cache is None and self.sequence_parallel_group is not None and mask is not None:
@@ -95,7 +96,7 @@ class _RecurrentAttention(_Attention):
         if cu_seqlens is not None:
             if self.rope is not None:
                 if positions is None:
-                    positions = packed.positions(cu_seqlens, n).to(x.device)
+                    positions = packed.positions(cu_seqlens, n, mask).to(x.device)
                 q, k = self.rope.rotate(q, positions), self.rope.rotate(k, positions)
             o, _ = self._mix(x, q, k, v, mask, None, False, cu_seqlens=cu_seqlens)
             return self._merge(o, x), None

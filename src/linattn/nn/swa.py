@@ -86,7 +86,7 @@ class SlidingWindowAttention(_Attention):
                 positions: torch.Tensor | None = None, *, cu_seqlens: torch.Tensor | None = None):
         """x (B, N, d), mask (B, N) bool or None, positions (N,) or (B, N) or None. cu_seqlens: packed
         sequences in x (1, T, d): no query sees a key of another sequence, positions restart at 0 in
-        each. Returns (y, cache)."""
+        each (counting real tokens only when a mask is given). Returns (y, cache)."""
         self._check_mask(mask, x)
         if self.sequence_parallel_group is not None and cache is None:
             raise ValueError("SlidingWindowAttention does not run sequence-parallel yet")
@@ -94,7 +94,7 @@ class SlidingWindowAttention(_Attention):
             raise ValueError("cu_seqlens (packed sequences) takes no cache")
         q, k, v = self._project(x, mask, cache, cu_seqlens)
         if cu_seqlens is not None and positions is None and self.rope is not None:
-            positions = packed.positions(cu_seqlens, x.shape[1]).to(x.device)
+            positions = packed.positions(cu_seqlens, x.shape[1], mask).to(x.device)
         q, k = self._rotate(q, k, x, mask, cache, positions)
         if cache is None:
             o = sliding_window_attention(q, k, v, window=self.window, key_padding_mask=mask,

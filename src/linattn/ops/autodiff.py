@@ -1,7 +1,7 @@
 """What the operators' autograd support is beyond first-order reverse mode: none, and said so.
 
-The chunked operators (`linear_attention`, `gated_linear_attention`, `delta_rule`) have hand-written
-backward passes, fused (C++) or in torch ops, that give ∂L/∂inputs and nothing more:
+The chunked operators (`linear_attention`, `gated_linear_attention`, `delta_rule`,
+`sliding_window_attention`) have hand-written backward passes, fused (C++) or in torch ops, that give ∂L/∂inputs and nothing more:
 
 - forward mode (`torch.autograd.forward_ad`, `torch.func.jvp`, `jacfwd`): the fused kernels have no
   tangent rule, so a dual input used to come back with a zero tangent (or none). `refuse_forward_ad`

@@ -157,9 +157,13 @@ def run(one: Callable, bounds: list[tuple[int, int]], initial_state, empty_state
     return o, final
 
 
-def positions(cu_seqlens: torch.Tensor, length: int | None = None) -> torch.Tensor:
+def positions(cu_seqlens: torch.Tensor, length: int | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
     """(T,) int64: each token's index inside its own sequence (0 at every cu_seqlens[n]); the
-    positions of RoPE and learned position embeddings in a packed row. cu_seqlens is checked."""
+    positions of RoPE and learned position embeddings in a packed row. cu_seqlens is checked.
+
+    mask: (1, T) bool, True = real token: positions then count the real tokens of each sequence, as
+    `linattn.nn.attention.token_positions` does for a padded batch: p_j = #{real tokens of j's
+    sequence up to j} − 1, clamped at 0 (pads before a sequence's first real token get 0)."""
     length = int(cu_seqlens[-1]) if length is None and isinstance(cu_seqlens, torch.Tensor) else length
     bounds = boundaries(cu_seqlens, batch=1, length=length)
     device = cu_seqlens.device
@@ -167,7 +171,12 @@ def positions(cu_seqlens: torch.Tensor, length: int | None = None) -> torch.Tens
         return torch.zeros(0, dtype=torch.long, device=device)
     starts = torch.tensor([s for s, _ in bounds], dtype=torch.long, device=device)
     lengths = torch.tensor([e - s for s, e in bounds], dtype=torch.long, device=device)
-    return torch.arange(length, device=device) - starts.repeat_interleave(lengths, output_size=length)
+    if mask is None:
+        return torch.arange(length, device=device) - starts.repeat_interleave(lengths, output_size=length)
+    real = mask.reshape(-1).to(device=device, dtype=torch.long)
+    seen = real.cumsum(0)  # real tokens up to and including j
+    before = (seen - real)[starts]  # real tokens before each sequence
+    return (seen - before.repeat_interleave(lengths, output_size=length) - 1).clamp_min(0)
 
 
 def sequence_ids(cu_seqlens: torch.Tensor, length: int | None = None) -> torch.Tensor:
@@ -188,5 +197,22 @@ def cu_seqlens_from_lengths(lengths: Sequence[int], device=None) -> torch.Tensor
     return torch.tensor(cu, dtype=torch.long, device=device)
 
 
-__all__ = ["boundaries", "check_state_count", "cu_seqlens_from_lengths", "gather", "positions", "run", "select_state",
-           "sequence_ids", "stack_states"]
+def cu_seqlens_from_position_ids(position_ids) -> torch.Tensor | None:
+    """cu_seqlens [N+1] (int64) of the documents of one packed row described by transformers'
+    position_ids (1, T), which restart at each document (DataCollatorWithFlattening): a document
+    starts wherever a position is not its predecessor + 1. None when the row holds one sequence
+    (positions counting on from any offset, as a cache's do) or the batch has more rows."""
+    if not isinstance(position_ids, torch.Tensor) or position_ids.dim() != 2 or position_ids.shape[0] != 1:
+        return None
+    p = position_ids[0]
+    if p.numel() < 2:
+        return None
+    starts = torch.nonzero(p[1:] != p[:-1] + 1).flatten() + 1
+    if starts.numel() == 0:
+        return None
+    t = p.numel()
+    return torch.cat([starts.new_zeros(1), starts, starts.new_full((1,), t)]).long()
+
+
+__all__ = ["boundaries", "check_state_count", "cu_seqlens_from_lengths", "cu_seqlens_from_position_ids", "gather",
+           "positions", "run", "select_state", "sequence_ids", "stack_states"]

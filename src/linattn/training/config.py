@@ -21,6 +21,7 @@ from .._checks import (
     check_device,
     check_int,
     check_number,
+    check_seed,
     dataclass_from_dict,
     is_number,
 )
@@ -210,7 +211,7 @@ def _check_fields(cfg: TrainConfig) -> None:
         check_int(name, getattr(cfg, name), minimum=0)
     for name in ("corpus_max_bytes", "eval_batch_size"):
         check_int(name, getattr(cfg, name), minimum=1, allow_none=True)
-    check_int("seed", cfg.seed)
+    check_seed("seed", cfg.seed)
     check_number("lr", cfg.lr, minimum=0, low_open=True)
     check_number("min_lr_ratio", cfg.min_lr_ratio, minimum=0, maximum=1)
     check_number("val_fraction", cfg.val_fraction, minimum=0, maximum=1, low_open=True, high_open=True)

@@ -18,11 +18,12 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.util
+import math
 import os
 
 import torch
 
-from ..._checks import FLOAT_DTYPES
+from ..._checks import FLOAT_DTYPES, check_floating
 from ...ops.linear.chunked import state_dtype
 
 #: environment switch: "0" keeps every call on linattn's kernels, even on CUDA with `fla` installed
@@ -76,9 +77,11 @@ def take_kwargs(fn: str, kwargs: dict, allowed: tuple[str, ...]) -> dict:
     return {k: kwargs[k] for k in allowed if k in kwargs}
 
 
-def check_qkv(q, k, v) -> tuple[int, int]:
-    """q, k: [B, T, H, K] of one shape, v: [B, T, HV, V] with HV a multiple of H; one floating dtype,
-    one device. Returns (H, HV)."""
+def check_qkv(q, k, v, *, mixed: bool = False) -> tuple[int, int]:
+    """q, k: [B, T, H, K] of one shape, v: [B, T, HV, V] with HV a multiple of H, K and V ≥ 1; floating,
+    on one real device (not "meta": the operators compute values). One dtype for all three unless
+    `mixed` (the families that run mixed dtypes as FLA does: `common_dtype`, `fla_output_dtype`).
+    Returns (H, HV)."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor [B, T, H, D], got {type(x).__name__}")
@@ -86,12 +89,17 @@ def check_qkv(q, k, v) -> tuple[int, int]:
             raise ValueError(f"{name} must have 4 dimensions [B, T, H, D] (FLA's layout), got shape {tuple(x.shape)}")
         if x.dtype not in FLOAT_DTYPES:
             raise TypeError(f"{name} must be a floating tensor, got dtype {x.dtype}")
+        if x.device.type == "meta":
+            raise ValueError(f"{name} is on the meta device: linattn's operators compute values; pass tensors on "
+                             "the CPU or a GPU")
     if k.shape != q.shape:
         raise ValueError(f"k must have q's shape [B, T, H, K] = {tuple(q.shape)}, got {tuple(k.shape)}")
     if v.shape[:2] != q.shape[:2]:
         raise ValueError(f"v must have q's batch and length [B, T] = {tuple(q.shape[:2])}, got {tuple(v.shape[:2])}")
+    if q.shape[3] < 1 or v.shape[3] < 1:
+        raise ValueError(f"the head dim K must be ≥ 1 (q, k) and V ≥ 1 (v), got K = {q.shape[3]}, V = {v.shape[3]}")
     for name, x in (("k", k), ("v", v)):
-        if x.dtype != q.dtype:
+        if x.dtype != q.dtype and not mixed:
             raise TypeError(f"{name}.dtype must equal q.dtype ({q.dtype}), got {x.dtype}")
         if x.device != q.device:
             raise ValueError(f"{name} must be on q's device ({q.device}), got {x.device}")
@@ -101,19 +109,23 @@ def check_qkv(q, k, v) -> tuple[int, int]:
     return h, hv
 
 
+def common_dtype(*items) -> torch.dtype:
+    """The dtype mixed inputs run in: torch's promotion of theirs (tensors or dtypes; q/k float32 with
+    v float16: float32)."""
+    return functools.reduce(torch.promote_types, (x if isinstance(x, torch.dtype) else x.dtype for x in items))
+
+
+def fla_output_dtype(q, v, recurrent: bool) -> torch.dtype:
+    """The dtype of o where q and v differ, as FLA's kernels write it: its chunk kernels allocate o
+    like v (`torch.empty_like(v)`), its fused_recurrent kernels return o in q's dtype."""
+    return q.dtype if recurrent else v.dtype
+
+
 def check_per_head(name: str, x, q, hv: int, last: int | None = None) -> None:
     """A per-token tensor of v's heads: [B, T, HV] (last None) or [B, T, HV, last]; floating, on q's
     device."""
     shape = (*q.shape[:2], hv) + (() if last is None else (last,))
-    form = "[B, T, HV]" if last is None else "[B, T, HV, K]"
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor {form}, got {type(x).__name__}")
-    if tuple(x.shape) != shape:
-        raise ValueError(f"{name} must have shape {form} = {shape}, got {tuple(x.shape)}")
-    if not x.is_floating_point():
-        raise TypeError(f"{name} must be a floating tensor, got dtype {x.dtype}")
-    if x.device != q.device:
-        raise ValueError(f"{name} must be on q's device ({q.device}), got {x.device}")
+    check_floating(name, x, shape, "[B, T, HV]" if last is None else "[B, T, HV, K]", q.device)
 
 
 def check_head_vector(name: str, x, q, hv: int) -> None:
@@ -129,11 +141,13 @@ def check_head_vector(name: str, x, q, hv: int) -> None:
 
 
 def resolve_scale(scale, k) -> float:
-    """FLA's default scale K^−1/2 (K = k's head dim), else the given positive real number."""
+    """FLA's default scale K^−1/2 (K = k's head dim), else the given finite real number."""
     if scale is None:
         return k.shape[-1] ** -0.5
     if isinstance(scale, bool) or not isinstance(scale, (int, float)):
         raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
+    if not math.isfinite(scale):
+        raise ValueError(f"scale must be finite (FLA multiplies q by it), got {scale}")
     return float(scale)
 
 
@@ -152,8 +166,14 @@ def heads_first(x):
 
 
 def state_count(q, cu_seqlens) -> int:
-    """N, the leading dim of the states: the batch, or the number of packed sequences."""
-    return q.shape[0] if cu_seqlens is None else int(cu_seqlens.numel()) - 1
+    """N, the leading dim of the states: the batch, or the number of packed sequences (cu_seqlens a
+    tensor [N+1], as FLA takes it; its values are the operators' to check)."""
+    if cu_seqlens is None:
+        return q.shape[0]
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise TypeError(f"cu_seqlens must be a torch.Tensor [N+1] (a LongTensor, as FLA takes it), got "
+                        f"{type(cu_seqlens).__name__}")
+    return int(cu_seqlens.numel()) - 1
 
 
 def state_in(name: str, state, q, n: int, hv: int, k_dim: int, v_dim: int, v_first: bool = False):

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..._checks import check_floating
 from ...nn.convolution import ShortConvolution, depthwise_causal
 from ._edge import hands_over, refuse
 
@@ -87,6 +88,8 @@ def causal_conv1d_fn(
             got = tuple(initial_states.shape) if isinstance(initial_states, torch.Tensor) else type(initial_states).__name__
             raise ValueError(f"initial_states must have shape (batch, dim, width − 1) = {(b, c, w - 1)}, got {got}")
         xp = torch.cat((initial_states.transpose(1, 2).to(cdt), xs), 1)
+    if return_final_states and final_states_out is not None:  # floating: an integer one would truncate
+        check_floating("final_states_out", final_states_out, (b, c, w - 1), "(batch, dim, width − 1)", x.device, "x")
     out = _finish(depthwise_causal(xp, weight, n), bias, activation, x.dtype)
     if not return_final_states:
         return out
@@ -95,6 +98,9 @@ def causal_conv1d_fn(
         return out, final.contiguous()
     final_states_out.copy_(final)
     return out, final_states_out
+
+
+
 
 
 def seq_idx_to_cu_seqlens(ids: torch.Tensor) -> torch.Tensor:
@@ -145,6 +151,7 @@ def causal_conv1d_update(
             or conv_state.shape[2] < w - 1):
         got = tuple(conv_state.shape) if isinstance(conv_state, torch.Tensor) else type(conv_state).__name__
         raise ValueError(f"conv_state must have shape (batch, dim, state_len) = ({b}, {c}, ≥ {w - 1}), got {got}")
+    check_floating("conv_state", conv_state, conv_state.shape, "(batch, dim, state_len)", x3.device, "x")
     cdt, s = weight.dtype, conv_state.shape[2]
     tail = conv_state[:, :, s - (w - 1):].transpose(1, 2).to(cdt)
     xp = torch.cat((tail, x3.transpose(1, 2).to(cdt)), 1)  # a copy: conv_state can change below

@@ -24,7 +24,9 @@ from ._edge import (
     check_head_vector,
     check_per_head,
     check_qkv,
+    common_dtype,
     expand_heads,
+    fla_output_dtype,
     hands_over,
     heads_first,
     packed,
@@ -146,8 +148,11 @@ def run_gated(q, k, v, g, g_gamma, *, scale, initial_state, output_final_state: 
               cu_seqlens, per_key: bool, step: bool = False, chunk_size: int | None = None, gate_name: str = "g"):
     """Every gated name on linattn's operators. g: None, [B, T, HV] or (per_key) [B, T, HV, K];
     g_gamma [HV] (a fixed decay per head) or None. No gate at all is linear attention without a
-    normalizer. q is scaled before the op (so that the fused kernels take it)."""
-    _, hv = check_qkv(q, k, v)
+    normalizer. q is scaled before the op (so that the fused kernels take it). Mixed dtypes run in
+    their promotion; o comes back in FLA's dtype (`fla_output_dtype`; step: the fused_recurrent names)."""
+    _, hv = check_qkv(q, k, v, mixed=True)
+    out_dtype, cdt = fla_output_dtype(q, v, step), common_dtype(q, k, v)
+    q, k, v = q.to(cdt), k.to(cdt), v.to(cdt)
     if not isinstance(state_v_first, bool):
         raise TypeError(f"state_v_first must be a bool, got {type(state_v_first).__name__}")
     b, t, _, kd = q.shape
@@ -172,4 +177,4 @@ def run_gated(q, k, v, g, g_gamma, *, scale, initial_state, output_final_state: 
         o, S = gated_linear_attention_step(S0, qs, k, v, g)
     else:
         o, S = gated_linear_attention(qs, k, v, g, initial_state=S0, return_state=True, **chunk, **packed(cu_seqlens))
-    return heads_first(o), state_out(S, output_final_state, state_v_first)
+    return heads_first(o).to(out_dtype), state_out(S, output_final_state, state_v_first)

@@ -19,7 +19,9 @@ from ...ops import linear_attention, linear_attention_step
 from ...ops.linear.chunked import state_dtype
 from ._edge import (
     check_qkv,
+    common_dtype,
     expand_heads,
+    fla_output_dtype,
     hands_over,
     heads_first,
     packed,
@@ -75,10 +77,16 @@ def fused_recurrent_linear_attn(
 
 def run_linear(q, k, v, scale, initial_state, output_final_state: bool, normalize: bool, cu_seqlens,
                step: bool = False):
-    """Both names on linattn's operator: checks in FLA's layout, GVA, scale, states in and out."""
-    _, hv = check_qkv(q, k, v)
+    """Both names on linattn's operator: checks in FLA's layout, GVA, scale, states in and out. Mixed
+    dtypes run in their promotion; o comes back in FLA's dtype (`fla_output_dtype`, promoted with
+    q's and k's by the normalizing division, as FLA divides by q·Σk)."""
+    _, hv = check_qkv(q, k, v, mixed=True)
     if not isinstance(normalize, bool):
         raise TypeError(f"normalize must be a bool, got {type(normalize).__name__}")
+    out_dtype, cdt = fla_output_dtype(q, v, step), common_dtype(q, k, v)
+    if normalize:
+        out_dtype = common_dtype(q, k, out_dtype)
+    q, k, v = q.to(cdt), k.to(cdt), v.to(cdt)
     if normalize and isinstance(initial_state, (tuple, list)):
         if len(initial_state) != 2:
             raise ValueError(f"initial_state must be the pair (S, z) with normalize=True, got {len(initial_state)} items")
@@ -104,7 +112,7 @@ def run_linear(q, k, v, scale, initial_state, output_final_state: bool, normaliz
     else:
         o, (kv, z) = linear_attention(qs, heads_first(k), heads_first(v), causal=True, normalize=normalize, eps=EPS,
                                       initial_state=state, return_state=True, **packed(cu_seqlens))
-    o = heads_first(o)
+    o = heads_first(o).to(out_dtype)
     if normalize:
         return o, (state_out(kv, output_final_state), z.unsqueeze(1))
     return o, state_out(kv, output_final_state)

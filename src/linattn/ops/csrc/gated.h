@@ -29,14 +29,20 @@ namespace {
 
 // Largest log-decay of a vector-gated piece over its rows 2…len, any feature: Q̌ ≤ e^40 ≈ 2.4e17·|q|
 constexpr double kSpanLimit = 40.0;
+// Scalar gates are clamped at this floor before β is summed (GATE_FLOOR of linattn/ops/gated/chunked.py):
+// a g of −1e16 in the double sum would swallow the small gates summed after it; e^{−100} ≈ 3.7e-44 is
+// below every rounding. The gradient of a gate below the floor is 0 (gate_grads), for vector gates too
+// (their pieces never sum a huge g with another: a row beyond kSpanLimit starts a piece).
+constexpr double kGatedFloor = -100.0;
 
-// β_i = Σ_{s≤i} g_s (double), eb_i = e^{β_i}, w_i = e^{β_{c−1} − β_i}, for one chunk of scalar gates
+// β_i = Σ_{s≤i} max(g_s, kGatedFloor) (double), eb_i = e^{β_i}, w_i = e^{β_{c−1} − β_i}, for one chunk of
+// scalar gates
 template <typename Acc>
 LINATTN_CLONES void scalar_decays(const Acc* __restrict__ g, int c, double* __restrict__ beta, Acc* __restrict__ eb,
                                   Acc* __restrict__ w) {
   double acc = 0;
   for (int i = 0; i < c; ++i) {
-    acc += static_cast<double>(g[i]);
+    acc += std::max(static_cast<double>(g[i]), kGatedFloor);
     beta[i] = acc;
   }
   const double last = beta[c - 1];
@@ -166,17 +172,18 @@ LINATTN_CLONES void piece_factors(const Acc* __restrict__ g0, const double* __re
 
 // The gates' gradient over c rows, last row first: carry (starting from the end term) += Σ_f (Q dQ − K dK)
 // (scalar gates: one carry, dg one per row) or per feature (vector gates: carry and dg rows of F);
-// dg = the running carry
+// dg = the running carry, or 0 where the gate g (the same layout as dg) is below kGatedFloor
 template <typename Acc>
 LINATTN_CLONES void gate_grads(const Acc* __restrict__ Q, const Acc* __restrict__ dQ, const Acc* __restrict__ K,
-                               const Acc* __restrict__ dK, int c, int64_t F, bool vector, double* __restrict__ carry,
-                               Acc* __restrict__ dg) {
+                               const Acc* __restrict__ dK, const Acc* __restrict__ g, int c, int64_t F, bool vector,
+                               double* __restrict__ carry, Acc* __restrict__ dg) {
+  const Acc floor = static_cast<Acc>(kGatedFloor);
   for (int i = c - 1; i >= 0; --i) {
     const int64_t o = int64_t(i) * F;
     if (vector) {
       for (int64_t f = 0; f < F; ++f) {
         carry[f] += static_cast<double>(Q[o + f] * dQ[o + f]) - static_cast<double>(K[o + f] * dK[o + f]);
-        dg[o + f] = static_cast<Acc>(carry[f]);
+        dg[o + f] = g[o + f] < floor ? Acc(0) : static_cast<Acc>(carry[f]);
       }
     } else {
       double s = 0;
@@ -184,7 +191,7 @@ LINATTN_CLONES void gate_grads(const Acc* __restrict__ Q, const Acc* __restrict_
       for (int64_t f = 0; f < F; ++f)
         s += static_cast<double>(Q[o + f] * dQ[o + f]) - static_cast<double>(K[o + f] * dK[o + f]);
       carry[0] += s;
-      dg[i] = static_cast<Acc>(carry[0]);
+      dg[i] = g[i] < floor ? Acc(0) : static_cast<Acc>(carry[0]);
     }
   }
 }

@@ -91,7 +91,7 @@ void scalar_chunk_backward(Work<T>& wk, Grads<T>& gr, const Span<T>& sp, int64_t
   if (normalize) add_outer<Acc>(gr.dK.data(), nullptr, rr, c, F);
   scale_rows(gr.dK.data(), wk.w.data(), c, F);
   gemm_rm<T>(true, false, c, f, c, P_op, c, sp.Q, f, Acc(1), gr.dK.data(), f);
-  gate_grads(sp.Qa, gr.dQ.data(), sp.Ka, gr.dK.data(), c, F, false, carry, sp.dg);
+  gate_grads(sp.Qa, gr.dQ.data(), sp.Ka, gr.dK.data(), sp.g, c, F, false, carry, sp.dg);
   // (R, r) ← e^{λ} (R, r) + Q̃ᵀ (e^{β} ⊙ (G, g))
   const Acc ec = wk.eb.data()[c - 1];
   scale_rows(gr.G.data(), wk.eb.data(), c, E);
@@ -149,7 +149,7 @@ void piece_backward(Work<T>& wk, Grads<T>& gr, const Span<T>& sp, int64_t F, int
   gemm_rm<T>(false, true, c, f, e, sp.V, e, R_op, e, Acc(1), gr.dK.data(), f);
   if (normalize) add_outer<Acc>(gr.dK.data(), nullptr, rr, c, F);
   // q ⊙ dq − k ⊙ dk = Q̌ ⊙ dQ̌ − K̂ ⊙ dK̂
-  gate_grads(wk.Qv.data(), gr.dQ.data(), wk.Kv.data(), gr.dK.data(), c, F, true, carry, sp.dg);
+  gate_grads(wk.Qv.data(), gr.dQ.data(), wk.Kv.data(), gr.dK.data(), sp.g, c, F, true, carry, sp.dg);
   // (R, r) ← e^{λ} ⊙ ((R, r) + Q̌ᵀ (G, g))
   gemm_rm<T>(true, false, f, e, c, Qop, f, G_op, e, Acc(1), R, e);
   decay_rows(R, wk.dec.data(), F, E);

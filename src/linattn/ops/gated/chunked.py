@@ -2,7 +2,8 @@
 (design §12). The path for every device, feature map and dtype; the CPU fast path is `fused.py`.
 
 Per (batch, head) and chunk of c rows, features Q, K (c×F), values V (c×E), log-decays g (c, or
-c×F), β = the inclusive cumulative sum of g inside the chunk (float64), λ = β_c (the chunk's total),
+c×F), β = the inclusive cumulative sum of g inside the chunk (float64, each g clamped at GATE_FLOOR),
+λ = β_c (the chunk's total),
 S, z the state entering the chunk:
 
     D_ij = e^{β_i − β_j} (i ≥ j, else 0; masked before the exponential)             scalar gates
@@ -75,6 +76,11 @@ from ..nonfinite import Products, all_finite
 
 #: Largest log-decay of a vector-gated chunk over its rows 2…c (any feature): e^{β−λ} ≤ e^40 ≈ 2e17.
 SPAN_LIMIT = 40.0
+#: Every log-decay is clamped at this floor before the cumulative sums (csrc/gated.h: kGatedFloor):
+#: e^{−100} ≈ 3.7e-44 is zero to fp32 and below any float64 rounding of a later term, while a g of
+#: −1e16 in a float64 sum would swallow the small gates summed with it (issue 37 item 1). The gradient
+#: of a clamped g is 0 (that of e^g, ≤ 3.7e-44, would be after rounding).
+GATE_FLOOR = -100.0
 
 
 @functools.lru_cache(maxsize=32)
@@ -209,9 +215,16 @@ def chunk_terms(Q: torch.Tensor, K: torch.Tensor, gs: torch.Tensor, exact: bool 
     return ChunkTerms(A.tril_() if exact else A, D, Qe, Kw, None, eb, w, None, lam)
 
 
+#: Why the backward of vector gates multiplies bf16 inputs in fp32 (here and in the fused kernels):
+#: the gated features Q ⊙ e^{β−λ}, K ⊙ e^{λ−β} are not bf16 numbers, and rounding them to bf16
+#: operands left the gate gradient, a sum of q·dq − k·dk that cancels, at 4–7× bf16 rounding (relative
+#: norm 0.016 against 0.0024; issue 37 item 17). Scalar gates multiply the inputs themselves.
+BF16_VECTOR_BACKWARD = torch.float32
+
+
 def _gates(g: torch.Tensor, s: int, t: int, c: int) -> torch.Tensor:
-    """The log-decays of tokens [s, t) as (BH·(t−s)/c, c[, F]) float64."""
-    gs = g[:, :, s:t].to(torch.float64)
+    """The log-decays of tokens [s, t), clamped at GATE_FLOOR, as (BH·(t−s)/c, c[, F]) float64."""
+    gs = g[:, :, s:t].to(torch.float64).clamp_min(GATE_FLOOR)
     return gs.reshape(-1, c, *gs.shape[3:])
 
 
@@ -336,6 +349,8 @@ def _segment_backward(ctx, segment, inputs, do_blk, den, S0, z0, R, r, params, o
     b, h, m, e = do_blk.shape
     bh, feat, vector = b * h, S0.shape[-2], g.dim() == 4
     cdt, sdt = compute_dtype(q.dtype, q.device), state_dtype(q.dtype)
+    if vector and cdt == torch.bfloat16:
+        cdt = BF16_VECTOR_BACKWARD
     mm = Products(exact)
     local = featurize.local_grad
     with torch.enable_grad():
@@ -389,7 +404,8 @@ def _segment_backward(ctx, segment, inputs, do_blk, den, S0, z0, R, r, params, o
     dB = mm.mul(Q.double(), dQ).sub_(mm.mul(K.double(), dK))  # Q, K may be views of q, k
     if not vector:
         dB, ends = dB.sum(-1, keepdim=True), ends.sum(-1, keepdim=True)
-    out.dg[:, s:t] = dB.flip(1).cumsum_(1).flip(1).add_(ends[:, None]).view(bh, m, -1)
+    dg = dB.flip(1).cumsum_(1).flip(1).add_(ends[:, None]).view(bh, m, -1)
+    out.dg[:, s:t] = dg.masked_fill_(g[:, :, s:t].reshape(bh, m, -1) < GATE_FLOOR, 0)  # clamped: 0
     chain_feature_grads(featurize, (b, h, s, t), None if local else (qb, kb), (Q, K) if local else feats,
                         (dQ, None, dK, None), (out.dq, out.dk), params, out.dparams, exact)
     return R, r

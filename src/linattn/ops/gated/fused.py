@@ -46,7 +46,8 @@ def chunked(q, k, v, g, kv0, z0, *, phi: int, eps: float, chunk: int):
 
 class FusedGatedChunked(torch.autograd.Function):
     """apply(q, k, v, g, kv0, z0, phi, eps, chunk, wide) -> (o, kv[, z]), fused forward and backward
-    (wide: bf16 inputs on the fp32 path; the backward takes the forward's).
+    (wide: bf16 inputs on the fp32 path; the backward takes the forward's, and always the fp32 path for
+    bf16 with vector gates).
 
     Saved: q, k, v, g (in the state dtype), o, the final state, the denominators (B·H·N floats, with
     normalize) and the state entering every block of 512 tokens. Not twice differentiable."""
@@ -68,9 +69,11 @@ class FusedGatedChunked(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, do, dkv, dz=None):
         q, k, v, gk, o, den, S_blocks, z_blocks, kv, z, kv0, z0 = ctx.saved_tensors
+        # vector gates multiply bf16 inputs in fp32 in the backward (chunked.BF16_VECTOR_BACKWARD says why)
+        wide = ctx.wide or (q.dtype == torch.bfloat16 and gk.dim() == 4)
         dq, dk, dv, dg, dkv0, dz0 = torch.ops.linattn_cpu.gated_chunked_backward.default(
             q, k, v, gk, o, torch.zeros_like(o) if do is None else do, den, S_blocks, z_blocks, kv, z, dkv, dz,
-            ctx.phi, ctx.chunk, ctx.wide)
+            ctx.phi, ctx.chunk, wide)
         if not all_finite(dkv0, dz0):  # a NaN or Inf among the factors: the torch ops' exact pass
             dq, dk, dv, dg, dkv0, dz0 = _exact_backward(ctx, (q, k, v, gk, kv0, z0), (do, dkv, dz))
         g_dtype, kv_dtype, z_dtype = ctx.dtypes

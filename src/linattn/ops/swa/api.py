@@ -17,6 +17,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from ..autodiff import refuse_forward_ad
 from ..precision import without_autocast
 from . import chunked, cpu
 from .checks import check_common, check_cu_seqlens
@@ -25,7 +26,11 @@ from .checks import check_common, check_cu_seqlens
 def sliding_window_chunked(q, k, v, *, window: int, scale: float | None, chunk: int, cu_seqlens=None,
                            key_padding_mask=None) -> torch.Tensor:
     """The chunked operator on checked arguments: on the CPU (q, k, v of one head dim) through torch's
-    fused flash kernel (linattn.ops.swa.cpu), elsewhere the torch-op Function (linattn.ops.swa.chunked)."""
+    fused flash kernel (linattn.ops.swa.cpu), elsewhere the torch-op Function (linattn.ops.swa.chunked).
+    A window beyond the sequence is the sequence (every query sees its whole prefix): it is clamped to
+    N, so that the blocks' key spans are never wider than N. Reverse mode, first order only."""
+    refuse_forward_ad("sliding_window_attention", q, k, v)
+    window = min(window, q.shape[2])
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     fused = cpu.available(q, v) and chunked.FUSED_CPU
     fn = cpu.FusedSlidingWindowAttention if fused else chunked.SlidingWindowAttentionFunction
@@ -44,7 +49,8 @@ def sliding_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     packed in one row (batch 1): nothing attends across a boundary. key_padding_mask: (B, N) bool,
     True = real token; a padded key is seen by no real query (a padded query keeps its band, so its
     output, padding anyway, is finite). chunk_size: rows per query block C (default 64); time and
-    memory O(N·(W + C)·D), no N×N matrix (linattn.ops.swa.chunked).
+    memory O(N·(min(W, N) + C)·D), no N×N matrix (linattn.ops.swa.chunked). Gradients: first order,
+    reverse mode (a gradient penalty or forward-mode AD is refused by name, linattn.ops.autodiff).
     """
     chunk = check_common(q, k, v, window, scale, chunk_size, key_padding_mask)
     check_cu_seqlens(cu_seqlens, q.shape[0], q.shape[2], q.device)

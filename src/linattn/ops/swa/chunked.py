@@ -26,12 +26,15 @@ Backward (FlashAttention-2's, Dao 2023), with D_i = Σ_e dO_ie O_ie: recompute P
     dV_span = Pᵀ dO,   dP = dO V_spanᵀ,   dS = P ⊙ (dP − D)·scale,   dQ_n = dS K_span,   dK_span = dSᵀ Q_n,
 
 and the span gradients are folded back onto the key blocks (p + 1 shifted adds). Saved: the padded
-q, k, v, the output and lse (N floats per head): O(N·D), no score matrix.
+q, k, v, the output and lse (N floats per head): O(N·D), no score matrix. The backward is first order
+only (linattn.ops.autodiff): with create_graph=True it refuses by name.
 """
 
 from __future__ import annotations
 
 import torch
+
+from ..autodiff import first_order
 
 #: Whether CPU tensors take torch's fused flash-attention kernel (linattn.ops.swa.cpu) rather than
 #: the torch-op path below (same numbers up to rounding; tests set it to check both).
@@ -161,6 +164,7 @@ class SlidingWindowAttentionFunction(torch.autograd.Function):
         return lay.unpad(of, q.dtype)
 
     @staticmethod
+    @first_order("sliding_window_attention")
     def backward(ctx, do):
         qf, kf, vf, of, lse = ctx.saved_tensors
         lay, table, scale, p = ctx.lay, ctx.table, ctx.scale, ctx.lay.p

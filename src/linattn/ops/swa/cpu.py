@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from ..autodiff import first_order
 from .chunked import Layout, MaskTable, compute_dtype
 
 #: Query tokens per kernel call (per batch row, all heads).
@@ -72,6 +73,7 @@ class FusedSlidingWindowAttention(torch.autograd.Function):
         return o.flatten(2, 3)[:, :, :n].to(q.dtype)
 
     @staticmethod
+    @first_order("sliding_window_attention")
     def backward(ctx, do):
         qb, kp, vp, o, lse, bias = ctx.saved_tensors
         lay, scale = ctx.lay, ctx.scale

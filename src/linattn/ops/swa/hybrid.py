@@ -78,7 +78,10 @@ def _beyond_mask(lay: Layout, window: int, device) -> torch.Tensor:
 
 
 def _hybrid_chunked(q, k, qf, kf, v, window, gamma, lam, scale, chunk, key_padding_mask, initial_state):
+    """The chunked form on checked arguments; a window beyond the sequence is clamped to N (no key is
+    beyond any window then, as with the full window)."""
     b, h, n, _ = q.shape
+    window = min(window, n)
     cdt = compute_dtype(q.dtype)
     lay = Layout(b, h, n, chunk, window)
     blocked = MaskTable(lay, window, None, key_padding_mask, q.device)
