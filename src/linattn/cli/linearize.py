@@ -13,7 +13,7 @@ from .args import add_common_options, int_list, positive_float, positive_int
 
 
 def add_parser(subparsers) -> None:
-    from ..models.linearized import RECIPES
+    from ..models.linearized import DEFAULT_RECIPE, RECIPES
 
     p = subparsers.add_parser(
         "linearize", help="convert a softmax Transformer into a linear-attention model (LoLCATs, Liger, T2R)",
@@ -25,7 +25,7 @@ def add_parser(subparsers) -> None:
                     "by bits per byte, a recall probe, decode ms/token and cache size by context. Recipes: "
                     + "; ".join(f"{r.name} ({r.cite})" for r in RECIPES.values()) + ".")
     p.add_argument("--teacher", metavar="PATH", help="a linattn checkpoint or run folder with softmax layers")
-    p.add_argument("--recipe", choices=sorted(RECIPES), default="lolcats", help="default: %(default)s")
+    p.add_argument("--recipe", choices=sorted(RECIPES), default=DEFAULT_RECIPE, help="default: %(default)s")
     p.add_argument("--layers", type=int_list, default=None, metavar="I[,I...]",
                    help="the softmax layers to linearize (default: all; the others stay softmax: a hybrid)")
     p.add_argument("--preset", choices=("experiment",), default=None,

@@ -24,7 +24,7 @@ from pathlib import Path
 from .._checks import check_choice, check_int, check_number
 from .._io import atomic_write
 from ..models.checkpoint import save_pretrained
-from ..models.linearized import RECIPES, student_from_teacher
+from ..models.linearized import DEFAULT_RECIPE, RECIPES, student_from_teacher
 from ..training import TrainConfig, train
 from ..training.linearize import load_teacher, merge_lora
 from . import evaluate as E
@@ -49,7 +49,7 @@ class LinearizeConfig:
 
     teacher: str
     out: str
-    recipe: str = "lolcats"
+    recipe: str = DEFAULT_RECIPE
     layers: list | None = None
     seq_len: int = 512
     batch_size: int = 8

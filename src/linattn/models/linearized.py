@@ -30,7 +30,7 @@ import torch
 from .config import ModelConfig
 from .lm import LinearTransformerLM
 
-__all__ = ["RECIPES", "Recipe", "linearized_layers", "student_config", "student_from_teacher"]
+__all__ = ["DEFAULT_RECIPE", "RECIPES", "Recipe", "linearized_layers", "student_config", "student_from_teacher"]
 
 
 @dataclass(frozen=True)
@@ -57,6 +57,10 @@ RECIPES = {r.name: r for r in (
                                                               "feature_map_options": {"num_features": 32}},
            finetune="full"),
 )}
+
+
+#: the recipe taken when none is named: LoLCATs
+DEFAULT_RECIPE = next(iter(RECIPES))
 
 
 def _recipe(recipe) -> Recipe:

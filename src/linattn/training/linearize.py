@@ -30,7 +30,7 @@ from torch import nn
 
 from ..models.checkpoint import CheckpointError
 from ..models.config import ModelConfig
-from ..models.linearized import RECIPES, linearized_layers, student_config, student_from_teacher
+from ..models.linearized import DEFAULT_RECIPE, RECIPES, linearized_layers, student_config, student_from_teacher
 from ..models.lm import LinearTransformerLM
 from . import data as D, packing as P
 from .tasks import BytesTask
@@ -65,7 +65,7 @@ def _options(cfg, allowed: tuple) -> dict:
         raise ValueError(f"task_options for {cfg.task!r}: unknown {unknown}; it takes {list(allowed)}")
     if "teacher" not in opts:
         raise ValueError(f"task_options for {cfg.task!r}: 'teacher' (a linattn checkpoint folder) is required")
-    recipe = opts.get("recipe", "lolcats")
+    recipe = opts.get("recipe", DEFAULT_RECIPE)
     if recipe not in RECIPES:
         raise ValueError(f"task_options recipe must be one of {sorted(RECIPES)}, got {recipe!r}")
     return opts
@@ -78,7 +78,7 @@ class _LinearizeTask(BytesTask):
     shards_sequences = False
     allowed: tuple = ()
 
-    def __init__(self, *, teacher, recipe="lolcats", layers=None, **kw):
+    def __init__(self, *, teacher, recipe=DEFAULT_RECIPE, layers=None, **kw):
         super().__init__(**kw)
         self.teacher_path, self.recipe, self.layers = str(teacher), recipe, layers
         self._teacher = None
