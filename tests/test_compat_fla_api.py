@@ -110,7 +110,7 @@ def test_shape_errors_speak_flas_layout():
     with pytest.raises(ValueError, match=r"z\) must be a tensor \[N, 1, HV, K\]"):
         C.chunk_linear_attn(q, k, v, initial_state=(x["h0"], torch.zeros(2, 4, 8)))
     with pytest.raises(ValueError, match="beta must lie in"):
-        C.chunk_delta_rule(q, k, v, beta + 1.0)
+        C.chunk_delta_rule(q, k, v, beta + 2.0)
     with pytest.raises(ValueError, match=r"conv_state must have shape"):
         C.causal_conv1d_update(q[:, 0, 0], torch.zeros(2, 8, 2), torch.randn(8, 4))
 

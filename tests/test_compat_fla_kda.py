@@ -97,3 +97,26 @@ def test_refusals_name_the_option():
         fused_recurrent_kda(q, k, v, graw, beta, use_gate_in_kernel=True)
     with pytest.raises(ValueError, match="multiple"):
         chunk_kda(q, k, v[:, :, :3], g[:, :, :3], beta[:, :, :3])
+
+
+@pytest.mark.parametrize("fn", [chunk_kda, fused_recurrent_kda])
+def test_allow_neg_eigval_and_masked_tokens_against_fla_naive(fn):
+    """allow_neg_eigval with use_beta_sigmoid_in_kernel: β = 2·sigmoid(logits) ∈ [0, 2] as FLA computes it,
+    against FLA's naive_recurrent_kda given that β; logits of −200 (sigmoid underflows to 0: a masked
+    token) run too. Before, allow_neg_eigval and β = 0 were refused."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        naive = pytest.importorskip("fla.ops.kda.naive")
+    q, k, v, graw, beta, S0, A_log, dt_bias = (x.float() for x in _inputs(seed=4))
+    k = torch.nn.functional.normalize(k, dim=-1)
+    g = kda_gate(graw, A_log, dt_bias)
+    logits = 3 * torch.randn(beta.shape, generator=torch.Generator().manual_seed(5))
+    logits[:, 3] = 30.0  # β = 2 exactly
+    logits[:, 7] = -200.0  # β = 0 exactly
+    ro, rS = naive.naive_recurrent_kda(q, k, v, g, 2 * logits.sigmoid(), initial_state=S0, output_final_state=True)
+    o, S = fn(q, k, v, g, logits, initial_state=S0, output_final_state=True, use_beta_sigmoid_in_kernel=True,
+              allow_neg_eigval=True)
+    torch.testing.assert_close(o, ro, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(S, rS, atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="allow_neg_eigval=True requires use_beta_sigmoid_in_kernel"):
+        fn(q, k, v, g, beta, allow_neg_eigval=True)

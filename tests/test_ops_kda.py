@@ -236,7 +236,7 @@ def test_errors_name_the_argument():
     with pytest.raises(ValueError, match="g must have shape"):
         kda(q, k, v, beta, g[..., 0])
     with pytest.raises(ValueError, match="beta"):
-        kda(q, k, v, beta * 0, g)
+        kda(q, k, v, beta * 0 + 2.5, g)
     with pytest.raises(ValueError, match="g must be a finite log-decay"):
         kda(q, k, v, beta, -g)
     with pytest.raises(ValueError, match="g must be a finite log-decay"):

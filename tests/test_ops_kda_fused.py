@@ -52,4 +52,4 @@ def test_fused_step_checks_values():
     with torch.no_grad(), pytest.raises(ValueError, match="g must be"):
         kda_step(S, q, k, v, beta, g.abs() + 0.1)
     with torch.no_grad(), pytest.raises(ValueError, match="beta"):
-        kda_step(S, q, k, v, beta * 0, g)
+        kda_step(S, q, k, v, beta * 0 - 0.5, g)

@@ -196,7 +196,7 @@ def _check_errors(rank, world):
     with pytest.raises(ValueError, match="g's form .* must be equal on all ranks"):
         D.sequence_parallel_gated_linear_attention(q, q, v, gv if rank == 0 else g)
     bad = beta.clone()
-    bad[0, 0, 0] = 1.5 if rank == 0 else 0.5
+    bad[0, 0, 0] = 2.5 if rank == 0 else 0.5
     with pytest.raises(ValueError, match="beta must lie in" if rank == 0 else "rejected their arguments"):
         D.sequence_parallel_delta_rule(q, q, v, bad)
     with pytest.raises(ValueError, match="position-dependent"):

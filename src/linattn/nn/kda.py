@@ -99,9 +99,7 @@ class KimiDeltaAttention(_RecurrentAttention):
 
     def _mix(self, x, q, k, v, mask, state, stateful: bool, *, cu_seqlens=None):
         sdt = state_dtype(x.dtype)
-        # β in the state dtype, kept above the smallest normal number (a sigmoid that underflows to 0 would
-        # fail the operator's (0, 1] check; β that small writes nothing either way)
-        beta = torch.sigmoid(self.beta_proj(x).to(sdt)).clamp_min(torch.finfo(sdt).tiny).transpose(1, 2)
+        beta = torch.sigmoid(self.beta_proj(x).to(sdt)).transpose(1, 2)  # in the state dtype; β = 0 writes nothing
         g = self.forget_gate(x)
         if mask is not None:  # a padded token writes nothing (k = 0) and does not decay the state (g = 0)
             keep = mask[:, None, :]

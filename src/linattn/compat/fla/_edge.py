@@ -76,6 +76,23 @@ def take_kwargs(fn: str, kwargs: dict, allowed: tuple[str, ...]) -> dict:
     return {k: kwargs[k] for k in allowed if k in kwargs}
 
 
+def beta_in(fn: str, beta, sigmoid: bool, allow_neg_eigval: bool):
+    """β as the delta-family operators take it. use_beta_sigmoid_in_kernel: beta holds logits and β =
+    sigmoid(beta), with allow_neg_eigval β = 2·sigmoid(beta) ∈ [0, 2] (negative eigenvalues of the
+    transition, design §13.2); computed in float32 or wider, as FLA's fused_beta_sigmoid does.
+    allow_neg_eigval without the sigmoid is refused as FLA refuses it."""
+    for name, flag in (("use_beta_sigmoid_in_kernel", sigmoid), ("allow_neg_eigval", allow_neg_eigval)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
+    if allow_neg_eigval and not sigmoid:
+        raise ValueError(f"linattn.compat.fla.{fn}: allow_neg_eigval=True requires use_beta_sigmoid_in_kernel=True "
+                         "(as in FLA; a β already in [0, 2] may be passed as it is)")
+    if not sigmoid or not isinstance(beta, torch.Tensor):
+        return beta
+    beta = torch.sigmoid(beta.to(torch.promote_types(beta.dtype, torch.float32)))
+    return 2 * beta if allow_neg_eigval else beta
+
+
 def check_qkv(q, k, v) -> tuple[int, int]:
     """q, k: [B, T, H, K] of one shape, v: [B, T, HV, V] with HV a multiple of H; one floating dtype,
     one device. Returns (H, HV)."""

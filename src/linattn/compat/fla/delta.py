@@ -11,8 +11,8 @@ q, k: [B, T, H, K]; v: [B, T, HV, V]; beta, g: [B, T, HV] (HV a multiple of H: q
 value heads h·G … h·G+G−1) -> o [B, T, HV, V]; states S [N, HV, K, V] ([N, HV, V, K] with
 state_v_first). use_gate_in_kernel: g is the raw gate input and the log-decay is
 g ← −exp(A_log) · softplus(g + dt_bias) (A_log, dt_bias [HV]; Gated DeltaNet / Mamba2's
-discretisation, computed here in float32 or wider); use_beta_sigmoid_in_kernel: β ← sigmoid(β).
-linattn needs β in (0, 1], so allow_neg_eigval (β ∈ (0, 2)) is refused.
+discretisation, computed here in float32 or wider); use_beta_sigmoid_in_kernel: β ← sigmoid(β), with
+allow_neg_eigval β ← 2·sigmoid(β) (negative eigenvalues; any β ∈ [0, 2] may also be passed as it is).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from ...ops import delta_rule, delta_rule_step
 from ._edge import (
+    beta_in,
     check_head_vector,
     check_per_head,
     check_qkv,
@@ -101,14 +102,13 @@ def chunk_gated_delta_rule(
 ):
     """Gated DeltaNet over whole sequences (module docstring). kwargs: use_gate_in_kernel, A_log,
     dt_bias (FLA passes them as keywords here) and chunk_size. chunk_indices and cp_context (FLA's
-    context parallelism) and allow_neg_eigval are refused. Returns (o, final state or None)."""
-    refuse("chunk_gated_delta_rule", allow_neg_eigval=allow_neg_eigval, chunk_indices=chunk_indices,
-           cp_context=cp_context)
+    context parallelism) are refused. Returns (o, final state or None)."""
+    refuse("chunk_gated_delta_rule", chunk_indices=chunk_indices, cp_context=cp_context)
     extra = take_kwargs("chunk_gated_delta_rule", kwargs, ("use_gate_in_kernel", "A_log", "dt_bias", "chunk_size"))
     g = _gate(g, q, v, extra.pop("use_gate_in_kernel", False), extra.pop("A_log", None), extra.pop("dt_bias", None))
     if g is None:
         raise TypeError("chunk_gated_delta_rule needs g, the log-decays [B, T, HV] (chunk_delta_rule takes none)")
-    beta = beta.sigmoid() if use_beta_sigmoid_in_kernel and isinstance(beta, torch.Tensor) else beta
+    beta = beta_in("chunk_gated_delta_rule", beta, use_beta_sigmoid_in_kernel, allow_neg_eigval)
     return run_delta(q, k, v, beta, g, scale=scale, initial_state=initial_state,
                      output_final_state=output_final_state, l2norm=use_qk_l2norm_in_kernel,
                      state_v_first=state_v_first, cu_seqlens=cu_seqlens, **extra)
@@ -138,12 +138,11 @@ def fused_recurrent_gated_delta_rule(
 ):
     """The recurrent form of chunk_gated_delta_rule (g None: no decay; beta None: β = 1). T = 1
     without cu_seqlens is one decoding step (`linattn.delta_rule_step`, one fused operator on the
-    CPU when no gradient is wanted). The per-channel gates gk, gv (KDA-style) and allow_neg_eigval
-    are refused."""
-    refuse("fused_recurrent_gated_delta_rule", gk=gk, gv=gv, allow_neg_eigval=allow_neg_eigval)
+    CPU when no gradient is wanted). The per-channel gates gk, gv (KDA-style) are refused."""
+    refuse("fused_recurrent_gated_delta_rule", gk=gk, gv=gv)
     take_kwargs("fused_recurrent_gated_delta_rule", kwargs, ())
     g = _gate(g, q, v, use_gate_in_kernel, A_log, dt_bias)
-    beta = beta.sigmoid() if use_beta_sigmoid_in_kernel and isinstance(beta, torch.Tensor) else beta
+    beta = beta_in("fused_recurrent_gated_delta_rule", beta, use_beta_sigmoid_in_kernel, allow_neg_eigval)
     return run_delta(q, k, v, beta, g, scale=scale, initial_state=initial_state,
                      output_final_state=output_final_state, l2norm=use_qk_l2norm_in_kernel,
                      state_v_first=state_v_first, cu_seqlens=cu_seqlens, step=True)

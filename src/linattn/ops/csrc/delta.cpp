@@ -656,13 +656,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> delta_chunked(const at::Tensor& q
   return {o, S, S_blocks};
 }
 
-// β in (0, 1] and g ≤ 0, finite, for the n values of each (either may be undefined): raises a
+// β in [0, 2] and g ≤ 0, finite, for the n values of each (either may be undefined): raises a
 // ValueError naming the argument, as linattn's own checks do
 template <typename Acc>
 void check_gate_values(const at::Tensor& beta, const at::Tensor& g) {
   const Acc* b = beta.data_ptr<Acc>();
   for (int64_t i = 0; i < beta.numel(); ++i) {
-    TORCH_CHECK_VALUE(b[i] > Acc(0) && b[i] <= Acc(1), "beta must lie in (0, 1] (finite), got ", b[i]);
+    TORCH_CHECK_VALUE(b[i] >= Acc(0) && b[i] <= Acc(2), "beta must lie in [0, 2] (finite), got ", b[i]);
   }
   if (!g.defined()) return;
   const Acc* p = g.data_ptr<Acc>();

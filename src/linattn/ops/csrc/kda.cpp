@@ -65,12 +65,12 @@ LINATTN_CLONES void kda_update_row(const Acc* S, Acc* S2, const Acc* __restrict_
   for (int64_t e = 0; e < E; ++e) o[e] = static_cast<T>(scale * out[e]);
 }
 
-// β in (0, 1] and g ≤ 0, finite: raises a ValueError naming the argument, as linattn's checks do
+// β in [0, 2] and g ≤ 0, finite: raises a ValueError naming the argument, as linattn's checks do
 template <typename Acc>
 void check_kda_values(const at::Tensor& beta, const at::Tensor& g) {
   const Acc* b = beta.data_ptr<Acc>();
   for (int64_t i = 0; i < beta.numel(); ++i) {
-    TORCH_CHECK_VALUE(b[i] > Acc(0) && b[i] <= Acc(1), "beta must lie in (0, 1] (finite), got ", b[i]);
+    TORCH_CHECK_VALUE(b[i] >= Acc(0) && b[i] <= Acc(2), "beta must lie in [0, 2] (finite), got ", b[i]);
   }
   const Acc* p = g.data_ptr<Acc>();
   for (int64_t i = 0; i < g.numel(); ++i) {

@@ -7,8 +7,10 @@ Per (batch, head), with q̂_t = scale · n(q_t), k̂_t = n(k_t) (n the L2 normal
 
 DeltaNet (Schlag et al. 2021; Yang et al. 2024) has no g; Gated DeltaNet (Yang et al. 2024b) adds
 it. The state S is (B, H, D, E), float32 (float64 for float64 inputs) whatever the input dtype.
-For a stable recurrence keep β_t ‖k̂_t‖² ≤ 2, e.g. with qk_l2norm=True: I − β k̂k̂ᵀ then has spectral
-norm 1 and never amplifies the state (unnormalized keys can make it grow exponentially; not checked).
+β_t ∈ [0, 2]: above 1 the transition has a negative eigenvalue 1 − β_t (negative eigenvalues, Grazzi
+et al. 2024; OLMo-Hybrid's allow_neg_eigval), β_t = 0 writes nothing. For a stable recurrence keep
+β_t ‖k̂_t‖² ≤ 2, e.g. with qk_l2norm=True: I − β k̂k̂ᵀ then has spectral norm 1 and never amplifies
+the state (unnormalized keys can make it grow exponentially; not checked).
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ def delta_rule(
 ):
     """The delta rule over a whole sequence (causal), in the chunked WY/UT form (design §13).
 
-    q, k: (B, H, N, D); v: (B, H, N, E); beta: (B, H, N) in (0, 1]; g: (B, H, N) log-decays ≤ 0
+    q, k: (B, H, N, D); v: (B, H, N, E); beta: (B, H, N) in [0, 2]; g: (B, H, N) log-decays ≤ 0
     (Gated DeltaNet) or None (DeltaNet). Returns o (B, H, N, E) in q's dtype, or (o, S) with
     return_state, S (B, H, D, E) the state after the last token.
 

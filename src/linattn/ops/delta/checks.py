@@ -56,11 +56,17 @@ def check_state(state, shape: tuple, dtype: torch.dtype, device: torch.device, n
         raise ValueError(f"{name} must be on q's device ({device}), got {state.device}")
 
 
+#: The largest β the delta family takes: β ∈ [0, 2] keeps the eigenvalue 1 − β‖k̂‖² of I − β k̂k̂ᵀ in
+#: [−1, 1] for unit keys (β > 1: negative eigenvalues, Grazzi et al. 2024; design §13.2). β = 0 writes
+#: nothing (a masked token).
+BETA_MAX = 2.0
+
+
 def check_values(beta: torch.Tensor, g: torch.Tensor | None) -> None:
-    """beta in (0, 1] and g ≤ 0, all finite (a NaN fails every comparison, so it is caught too)."""
+    """beta in [0, BETA_MAX] and g ≤ 0, all finite (a NaN fails every comparison, so it is caught too)."""
     lo, hi = (float(x) for x in torch.aminmax(beta.detach()))
-    if not (lo > 0 and hi <= 1):
-        raise ValueError(f"beta must lie in (0, 1] (finite), got values from {lo} to {hi}")
+    if not (lo >= 0 and hi <= BETA_MAX):
+        raise ValueError(f"beta must lie in [0, 2] (finite), got values from {lo} to {hi}")
     if g is not None:
         lo, hi = (float(x) for x in torch.aminmax(g.detach()))
         if not (hi <= 0 and math.isfinite(lo)):

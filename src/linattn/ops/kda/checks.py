@@ -9,7 +9,7 @@ import torch
 
 from ..._checks import check_qkv
 from ..linear.chunked import state_dtype
-from ..delta.checks import check_state
+from ..delta.checks import BETA_MAX, check_state
 
 
 def check_arguments(q, k, v, beta, g, scale, qk_l2norm, state, state_name: str = "initial_state") -> None:
@@ -40,10 +40,10 @@ def check_arguments(q, k, v, beta, g, scale, qk_l2norm, state, state_name: str =
 
 
 def check_values(beta: torch.Tensor, g: torch.Tensor) -> None:
-    """beta in (0, 1] and g ≤ 0, all finite (a NaN fails every comparison, so it is caught too)."""
+    """beta in [0, 2] and g ≤ 0, all finite (a NaN fails every comparison, so it is caught too)."""
     lo, hi = (float(x) for x in torch.aminmax(beta.detach()))
-    if not (lo > 0 and hi <= 1):
-        raise ValueError(f"beta must lie in (0, 1] (finite), got values from {lo} to {hi}")
+    if not (lo >= 0 and hi <= BETA_MAX):
+        raise ValueError(f"beta must lie in [0, 2] (finite), got values from {lo} to {hi}")
     lo, hi = (float(x) for x in torch.aminmax(g.detach()))
     if not (hi <= 0 and math.isfinite(lo)):
         raise ValueError(f"g must be a finite log-decay ≤ 0 (α = e^g in (0, 1]^D), got values from {lo} to {hi}")
