@@ -269,3 +269,20 @@ def test_allow_neg_eigval_needs_the_sigmoid_and_beta_zero_is_a_masked_token():
                          output_final_state=True)
     close(o3, o_ref3, FP32, "chunk_delta_rule o, β = 0")
     close(S3, S_ref3, FP32, "chunk_delta_rule S, β = 0")
+
+
+@pytest.mark.parametrize("fn", ["chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule"])
+def test_transpose_state_layout_is_state_v_first(fn):
+    """FLA's deprecated transpose_state_layout=True is state_v_first=True, with a DeprecationWarning, and
+    both at once a ValueError, as in FLA's gated delta rule (issue 37 item 13; before: a TypeError)."""
+    x = {n: v.double() for n, v in _inputs(2, seed=41).items()}
+    f = getattr(C, fn)
+    base = f(x["q"], x["k"], x["v"], x["g"], beta=x["beta"], initial_state=x["h0"], output_final_state=True,
+             use_qk_l2norm_in_kernel=True)
+    with pytest.warns(DeprecationWarning, match="transpose_state_layout"):
+        alias = f(x["q"], x["k"], x["v"], x["g"], beta=x["beta"], initial_state=x["h0"].mT, output_final_state=True,
+                  use_qk_l2norm_in_kernel=True, transpose_state_layout=True)
+    close(alias[0], base[0], F64, "o")
+    close(alias[1].mT, base[1], F64, "state, V-first")
+    with pytest.raises(ValueError, match="not both"):
+        f(x["q"], x["k"], x["v"], x["g"], beta=x["beta"], state_v_first=True, transpose_state_layout=True)

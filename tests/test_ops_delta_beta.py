@@ -16,7 +16,6 @@ from linattn.ops import delta_rule, delta_rule_step
 from linattn.ops.delta import fused
 from linattn.ops.delta.reference import delta_rule_recurrent
 from linattn.ops.kda import kda, kda_step
-from linattn.ops.kda.reference import kda_recurrent
 
 DT = torch.float64
 GATES = ("none", "scalar", "channel")
@@ -65,8 +64,6 @@ def step(S, q, k, v, beta, g, **kw):
 
 
 def reference(q, k, v, beta, g, S0, **kw):
-    if g is not None and g.dim() == 4:
-        return kda_recurrent(q, k, v, beta, g, initial_state=S0, **kw)
     return delta_rule_recurrent(q, k, v, beta, g=g, initial_state=S0, **kw)
 
 

@@ -258,6 +258,19 @@ def check_sizes(q: torch.Tensor, v: torch.Tensor) -> None:
         raise ValueError(f"v must have a value dim E >= 1, got shape {tuple(v.shape)}")
 
 
+def check_per_token(name: str, x, q: torch.Tensor, shape: tuple, form: str) -> None:
+    """A per-token tensor beside q (a gate, β): floating, of `shape` (written `form` in the error, e.g.
+    "(B, H, N)"), on q's device; TypeError / ValueError naming it."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of shape {form}, got {type(x).__name__}")
+    if tuple(x.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {form} = {tuple(shape)}, got {tuple(x.shape)}")
+    if not x.is_floating_point():
+        raise TypeError(f"{name} must be a floating tensor, got dtype {x.dtype}")
+    if x.device != q.device:
+        raise ValueError(f"{name} must be on q's device ({q.device}), got {x.device}")
+
+
 def check_eps(name: str, value) -> None:
     """A finite real number >= 0 (an int or float, not a bool or a string)."""
     if type(value) is float and 0.0 <= value < math.inf:  # the common case first (a decoding step checks it)

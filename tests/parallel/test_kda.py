@@ -1,6 +1,6 @@
-"""Sequence-parallel KDA (linattn.parallel.kda) on spawned gloo processes against linattn.ops.kda.kda on
-the whole sequence: outputs and the gradients of q, k, v, beta, g and the initial state, shards of
-unequal lengths (one token included), a strong gate inside a shard, on 2 ranks."""
+"""Sequence-parallel KDA (linattn.parallel.sequence_parallel_kda) on spawned gloo processes against
+linattn.ops.kda.kda on the whole sequence: outputs and the gradients of q, k, v, beta, g and the initial
+state, shards of unequal lengths (one token included), a strong gate inside a shard, on 2 ranks."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from linattn.ops.kda import kda
-from linattn.parallel.kda import sequence_parallel_kda
+from linattn.parallel import sequence_parallel_kda
 
 from .harness import launch, setup
 from .test_recurrent import _compare, _single, _split, _weights

@@ -19,10 +19,11 @@ import functools
 import importlib
 import importlib.util
 import os
+import warnings
 
 import torch
 
-from ..._checks import FLOAT_DTYPES
+from ..._checks import FLOAT_DTYPES, check_per_token
 from ...ops.linear.chunked import state_dtype
 
 #: environment switch: "0" keeps every call on linattn's kernels, even on CUDA with `fla` installed
@@ -72,8 +73,22 @@ def take_kwargs(fn: str, kwargs: dict, allowed: tuple[str, ...]) -> dict:
         raise ValueError(f"linattn.compat.fla.{fn}: head_first was removed from FLA; pass [B, T, H, ...] tensors")
     extra = sorted(set(kwargs) - set(allowed))
     if extra:
-        raise TypeError(f"linattn.compat.fla.{fn} got unsupported keyword argument(s): {', '.join(extra)}")
+        raise TypeError(f"linattn.compat.fla.{fn} got unexpected keyword argument(s) that linattn does not "
+                        f"support: {', '.join(extra)}")
     return {k: kwargs[k] for k in allowed if k in kwargs}
+
+
+def state_layout_alias(state_v_first: bool, extra: dict) -> bool:
+    """FLA's deprecated `transpose_state_layout` (= state_v_first), popped from the keyword arguments
+    `extra`: a DeprecationWarning, as FLA gives, and a ValueError when both are set."""
+    if "transpose_state_layout" not in extra:
+        return state_v_first
+    alias = extra.pop("transpose_state_layout")
+    if state_v_first:
+        raise ValueError("pass state_v_first or the deprecated transpose_state_layout, not both")
+    warnings.warn("transpose_state_layout is deprecated (FLA renamed it state_v_first)", DeprecationWarning,
+                  stacklevel=4)
+    return bool(alias)
 
 
 def beta_in(fn: str, beta, sigmoid: bool, allow_neg_eigval: bool):
@@ -122,15 +137,7 @@ def check_per_head(name: str, x, q, hv: int, last: int | None = None) -> None:
     """A per-token tensor of v's heads: [B, T, HV] (last None) or [B, T, HV, last]; floating, on q's
     device."""
     shape = (*q.shape[:2], hv) + (() if last is None else (last,))
-    form = "[B, T, HV]" if last is None else "[B, T, HV, K]"
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor {form}, got {type(x).__name__}")
-    if tuple(x.shape) != shape:
-        raise ValueError(f"{name} must have shape {form} = {shape}, got {tuple(x.shape)}")
-    if not x.is_floating_point():
-        raise TypeError(f"{name} must be a floating tensor, got dtype {x.dtype}")
-    if x.device != q.device:
-        raise ValueError(f"{name} must be on q's device ({q.device}), got {x.device}")
+    check_per_token(name, x, q, shape, "[B, T, HV]" if last is None else "[B, T, HV, K]")
 
 
 def check_head_vector(name: str, x, q, hv: int) -> None:
