@@ -21,6 +21,7 @@ FAMILIES = {
     "gla": ["chunk_gla", "fused_recurrent_gla"],
     "delta_rule": ["chunk_delta_rule", "fused_recurrent_delta_rule"],
     "gated_delta_rule": ["chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule"],
+    "kda": ["chunk_kda", "fused_recurrent_kda"],
 }
 
 
@@ -110,7 +111,7 @@ def test_shape_errors_speak_flas_layout():
     with pytest.raises(ValueError, match=r"z\) must be a tensor \[N, 1, HV, K\]"):
         C.chunk_linear_attn(q, k, v, initial_state=(x["h0"], torch.zeros(2, 4, 8)))
     with pytest.raises(ValueError, match="beta must lie in"):
-        C.chunk_delta_rule(q, k, v, beta + 1.0)
+        C.chunk_delta_rule(q, k, v, beta + 2.0)
     with pytest.raises(ValueError, match=r"conv_state must have shape"):
         C.causal_conv1d_update(q[:, 0, 0], torch.zeros(2, 8, 2), torch.randn(8, 4))
 
@@ -148,3 +149,23 @@ def test_cuda_tensors_hand_over_with_the_same_arguments(monkeypatch):
     monkeypatch.setenv(_edge.HANDOVER_ENV, "0")
     o, _ = C.chunk_gated_delta_rule(q, x["k"], x["v"], x["g"], x["beta"])  # LINATTN_COMPAT_FLA=0: linattn runs
     assert isinstance(o, torch.Tensor) and o.shape == (2, 3, 2, 6)
+
+
+@pytest.mark.parametrize("name", ["chunk_kda", "fused_recurrent_kda"])
+def test_kda_hands_over_on_cuda_as_every_function(monkeypatch, name):
+    """compat.fla's KDA functions go through _edge like the others: on CUDA tensors with `fla` importable
+    the call is FLA's own `fla.ops.kda.<name>` with the same arguments (issue 32; before: never)."""
+    seen = {}
+
+    def peer_fn(*args, **kwargs):
+        seen.update(args=args, kwargs=kwargs)
+        return "from the peer"
+
+    monkeypatch.setattr(_edge, "_importable", lambda package: package == "fla")
+    monkeypatch.setattr(_edge, "importlib", types.SimpleNamespace(
+        import_module={"fla.ops.kda": types.SimpleNamespace(**{name: peer_fn})}.__getitem__))
+    x = make(t=3, hv=2, gate="vector")
+    q = torch.Tensor._make_subclass(_LooksLikeCuda, x["q"])
+    out = getattr(C, name)(q, x["k"], x["v"], x["g"], x["beta"], use_qk_l2norm_in_kernel=True)
+    assert out == "from the peer" and seen["args"][0] is q and seen["kwargs"] == {"use_qk_l2norm_in_kernel": True}
+    assert getattr(C, name).peer == f"fla.ops.kda.{name}"

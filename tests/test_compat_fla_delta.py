@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from linattn.compat import fla as C
+from linattn.ops.delta.reference import l2_normalize
 
 from .compat_fla_peers import F64, FP32, close, grouped, leaves, loss, make, peer, qwen35
 
@@ -187,3 +188,101 @@ def test_bf16_inputs_follow_transformers():
     assert o.dtype is torch.bfloat16 and S.dtype is torch.float32
     close(o, o_ref, 2e-2, "o")
     close(S, S_ref, 2e-2, "S")
+
+
+def olmo_hybrid(name: str):
+    """transformers' torch fallback `name` of OLMo-Hybrid (the model of linear_allow_neg_eigval), undecorated."""
+    import inspect
+
+    mod = peer("transformers.models.olmo_hybrid.modeling_olmo_hybrid")
+    return inspect.unwrap(getattr(mod, name))
+
+
+@pytest.mark.parametrize("t", [1, 37])
+def test_allow_neg_eigval_equals_the_peers(t):
+    """allow_neg_eigval with use_beta_sigmoid_in_kernel: β = 2·sigmoid(logits) ∈ (0, 2), as FLA's kernels
+    compute it; against OLMo-Hybrid's torch rules (fed 2·sigmoid, as its layer does) and FLA's naive
+    recurrence, outputs, states and (chunked) gradients. Before, allow_neg_eigval was refused."""
+    x = _inputs(2, t=t, seed=31)
+    logits = 3 * torch.randn(x["beta"].shape, generator=torch.Generator().manual_seed(1))
+    logits[..., 0, :] = 30.0  # β = 2 exactly in float32
+    beta = 2 * logits.sigmoid()
+    assert (beta > 1).any() and (beta == 2).any()
+    chunk, rec = olmo_hybrid("torch_chunk_gated_delta_rule"), olmo_hybrid("torch_recurrent_gated_delta_rule")
+    nv = peer("fla.ops.gated_delta_rule.naive")
+    a, b = leaves(dict(x, beta=beta), torch.float32), leaves(dict(x, beta=logits))
+    o_ref, S_ref = chunk(a["q"], a["k"], a["v"], a["g"], a["beta"], initial_state=a["h0"], output_final_state=True,
+                         use_qk_l2norm_in_kernel=True)
+    o_rec, S_rec = rec(x["q"], x["k"], x["v"], x["g"], beta, initial_state=x["h0"], output_final_state=True,
+                       use_qk_l2norm_in_kernel=True)
+    qn, kn = (l2_normalize(grouped(x[n], 4)) for n in ("q", "k"))
+    o_nv, S_nv = nv.naive_recurrent_gated_delta_rule(qn, kn, x["v"], beta, x["g"], initial_state=x["h0"],
+                                                     output_final_state=True)
+    o, S = C.chunk_gated_delta_rule(b["q"], b["k"], b["v"], b["g"], b["beta"], initial_state=b["h0"],
+                                    output_final_state=True, use_qk_l2norm_in_kernel=True,
+                                    use_beta_sigmoid_in_kernel=True, allow_neg_eigval=True)
+    for name, (o2, S2) in (("OLMo-Hybrid chunk", (o_ref, S_ref)), ("OLMo-Hybrid recurrent", (o_rec, S_rec)),
+                           ("FLA naive", (o_nv, S_nv))):
+        close(o, o2, FP32 if name != "FLA naive" else 1e-4, f"o vs {name}")
+        close(S, S2, FP32 if name != "FLA naive" else 1e-4, f"S vs {name}")
+    loss(o, S).backward()
+    loss(o_ref, S_ref).backward()
+    for n in ("q", "k", "v", "g", "h0"):
+        close(b[n].grad, a[n].grad, 1e-4, f"d{n}")
+    close(b["beta"].grad, a["beta"].grad * 2 * logits.sigmoid() * (1 - logits.sigmoid()), 1e-4, "d logits")
+    with torch.no_grad():
+        o_s, S_s = C.fused_recurrent_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], beta=logits,
+                                                      initial_state=x["h0"], output_final_state=True,
+                                                      use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                                                      allow_neg_eigval=True)
+    close(o_s, o_rec, FP32, "fused_recurrent o")
+    close(S_s, S_rec, FP32, "fused_recurrent S")
+
+
+def test_allow_neg_eigval_needs_the_sigmoid_and_beta_zero_is_a_masked_token():
+    """As FLA: allow_neg_eigval without use_beta_sigmoid_in_kernel is a ValueError naming both, while a
+    β already in [0, 2] runs as given. β = 0 exactly, or logits so negative that sigmoid(·) underflows
+    to 0 (≤ −104 in float32), is a masked token (issue 37 item 16; before: refused)."""
+    x = {n: v.double() for n, v in _inputs(2, seed=37).items()}
+    for fn in (C.chunk_gated_delta_rule, C.fused_recurrent_gated_delta_rule):
+        with pytest.raises(ValueError, match="allow_neg_eigval=True requires use_beta_sigmoid_in_kernel"):
+            fn(x["q"], x["k"], x["v"], x["g"], beta=x["beta"], allow_neg_eigval=True)
+    beta = x["beta"].clone()
+    beta[:, 5] = 0.0
+    logits = torch.logit(x["beta"].float())
+    logits[:, 5] = -200.0
+    assert (logits.sigmoid()[:, 5] == 0).all()
+    o, S = C.chunk_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], beta, initial_state=x["h0"],
+                                    output_final_state=True, use_qk_l2norm_in_kernel=True)
+    o2, S2 = C.fused_recurrent_gated_delta_rule(x["q"].float(), x["k"].float(), x["v"].float(), x["g"].float(),
+                                                beta=logits, initial_state=x["h0"].float(), output_final_state=True,
+                                                use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True)
+    o3, S3 = C.chunk_delta_rule(x["q"], x["k"], x["v"], beta, initial_state=x["h0"], output_final_state=True)
+    ref = qwen35("torch_chunk_gated_delta_rule")
+    o_ref, S_ref = ref(x["q"], x["k"], x["v"], x["g"], beta, initial_state=x["h0"], output_final_state=True,
+                       use_qk_l2norm_in_kernel=True)
+    close(o, o_ref, FP32, "o, β = 0 at one token")
+    close(S, S_ref, FP32, "S, β = 0 at one token")
+    close(o2, o_ref, 1e-4, "o, logits −200 at one token")
+    close(S2, S_ref, 1e-4, "S, logits −200 at one token")
+    o_ref3, S_ref3 = ref(x["q"], x["k"], x["v"], torch.zeros_like(x["g"]), beta, initial_state=x["h0"],
+                         output_final_state=True)
+    close(o3, o_ref3, FP32, "chunk_delta_rule o, β = 0")
+    close(S3, S_ref3, FP32, "chunk_delta_rule S, β = 0")
+
+
+@pytest.mark.parametrize("fn", ["chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule"])
+def test_transpose_state_layout_is_state_v_first(fn):
+    """FLA's deprecated transpose_state_layout=True is state_v_first=True, with a DeprecationWarning, and
+    both at once a ValueError, as in FLA's gated delta rule (issue 37 item 13; before: a TypeError)."""
+    x = {n: v.double() for n, v in _inputs(2, seed=41).items()}
+    f = getattr(C, fn)
+    base = f(x["q"], x["k"], x["v"], x["g"], beta=x["beta"], initial_state=x["h0"], output_final_state=True,
+             use_qk_l2norm_in_kernel=True)
+    with pytest.warns(DeprecationWarning, match="transpose_state_layout"):
+        alias = f(x["q"], x["k"], x["v"], x["g"], beta=x["beta"], initial_state=x["h0"].mT, output_final_state=True,
+                  use_qk_l2norm_in_kernel=True, transpose_state_layout=True)
+    close(alias[0], base[0], F64, "o")
+    close(alias[1].mT, base[1], F64, "state, V-first")
+    with pytest.raises(ValueError, match="not both"):
+        f(x["q"], x["k"], x["v"], x["g"], beta=x["beta"], state_v_first=True, transpose_state_layout=True)

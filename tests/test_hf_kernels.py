@@ -76,20 +76,57 @@ def fallback(model_type: str):
             setattr(module, n, f)
 
 
-def test_olmo_hybrid_negative_eigenvalues_run_transformers_own_rule():
-    """linear_allow_neg_eigval (β ∈ (0, 2)): linattn's delta rule takes β ∈ (0, 1], so those calls run
-    transformers' function (a RuntimeWarning says so); the numbers stay transformers'."""
+def test_olmo_hybrid_negative_eigenvalues_run_linattns_kernels_and_equal_transformers_rule(monkeypatch):
+    """linear_allow_neg_eigval (β = 2·sigmoid ∈ (0, 2), negative eigenvalues): the calls run linattn's
+    delta rule (no fallback, no warning), prefill and a decoding step equal transformers' own torch
+    rule, gradients too, and packed rows equal their documents one by one. Before, linattn took
+    β ∈ (0, 1] only: such calls ran transformers' rule with a RuntimeWarning and packed rows failed."""
     if not _has("olmo_hybrid"):
         pytest.skip("olmo_hybrid: not in this transformers")
+    import warnings
+
+    from linattn.compat.fla import delta as compat_delta
+
+    calls = []
+    run = compat_delta.run_delta
+    monkeypatch.setattr(compat_delta, "run_delta", lambda *a, **kw: calls.append(1) or run(*a, **kw))
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(_config("olmo_hybrid", neg=True)).float().eval()
+    flags = [layer.linear_attn.allow_neg_eigval for layer in model.model.layers if hasattr(layer, "linear_attn")]
+    assert flags and all(flags)
     x = tokens(2, 11)
     with torch.no_grad():
         with fallback("olmo_hybrid"):
-            ref = model(x).logits
-        with H.use_linattn_kernels("olmo_hybrid"), pytest.warns(RuntimeWarning, match="beta > 1"):
-            got = model(x).logits
-    assert torch.allclose(got, ref, atol=2e-5, rtol=1e-4)
+            ref = model(x, use_cache=True)
+            ref_step = model(x[:, :1], cache=ref.cache).logits
+        with H.use_linattn_kernels("olmo_hybrid"), warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)
+            got = model(x, use_cache=True)
+            got_step = model(x[:, :1], cache=got.cache).logits
+    assert len(calls) == 2, "the chunked rule and the decoding step run linattn's kernels"
+    assert torch.allclose(got.logits, ref.logits, atol=2e-5, rtol=1e-4)
+    assert torch.allclose(got_step, ref_step, atol=2e-5, rtol=1e-4)
+
+    def grads():
+        model.zero_grad()
+        model(x, labels=x, use_cache=False).loss.backward()
+        return {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+
+    model.train()
+    with fallback("olmo_hybrid"):
+        want = grads()
+    with H.use_linattn_kernels("olmo_hybrid"):
+        have = grads()
+    for k in want:
+        scale = float(want[k].abs().max()) + 1e-12
+        assert torch.allclose(have[k], want[k], atol=1e-5 * max(scale, 1.0), rtol=1e-3), k
+    model.eval()
+    a, b = tokens(1, 7, seed=4), tokens(1, 12, seed=5)
+    pos = torch.cat([torch.arange(7), torch.arange(12)])[None]
+    with torch.no_grad(), H.use_linattn_kernels("olmo_hybrid"):
+        packed = model(torch.cat([a, b], 1), position_ids=pos, use_cache=False).logits
+        alone = torch.cat([model(a, use_cache=False).logits, model(b, use_cache=False).logits], 1)
+    assert torch.allclose(packed, alone, atol=2e-5, rtol=1e-4)
 
 
 def tokens(b, n, seed=0):

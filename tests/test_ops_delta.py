@@ -233,7 +233,7 @@ def _good(b=1, h=2, n=6, d=4, e=3, dtype=torch.float32):
 
 @pytest.mark.parametrize("step", [False, True])
 def test_bad_values_of_beta_and_g_are_refused(step):
-    """β outside (0, 1] or not finite, g > 0 or not finite: a ValueError naming the argument, from the
+    """β outside [0, 2] or not finite, g > 0 or not finite: a ValueError naming the argument, from the
     chunked op and from the step (whose fused kernel checks them itself)."""
     q, k, v, beta, g = _good(n=1 if step else 6)
 
@@ -242,17 +242,18 @@ def test_bad_values_of_beta_and_g_are_refused(step):
             return delta_rule_step(None, q, k, v, beta_, g=g_)
         return delta_rule(q, k, v, beta_, g=g_)
 
-    for bad in (0.0, 1.5, -0.2, float("nan"), float("inf")):
+    for bad in (-1e-30, 2.5, 2.0000005, -0.2, float("nan"), float("inf")):
         b2 = beta.clone()
         b2[0, 1, 0] = bad
-        with pytest.raises(ValueError, match=r"beta must lie in \(0, 1\]"):
+        with pytest.raises(ValueError, match=r"beta must lie in \[0, 2\]"):
             call(b2, g)
     for bad in (0.3, float("nan"), float("-inf"), float("inf")):
         g2 = g.clone()
         g2[0, 0, -1] = bad
         with pytest.raises(ValueError, match="g must be a finite log-decay ≤ 0"):
             call(beta, g2)
-    call(torch.ones_like(beta), torch.zeros_like(g))  # the closed ends are allowed
+    call(torch.full_like(beta, 2.0), torch.zeros_like(g))  # the closed ends are allowed
+    call(torch.zeros_like(beta), g)
 
 
 @pytest.mark.parametrize("step", [False, True])

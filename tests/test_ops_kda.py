@@ -1,5 +1,5 @@
 """linattn.ops.kda against the float64 token-by-token recurrence written from the definition
-(linattn.ops.kda.reference): outputs, final states and the gradients of q, k, v, beta, g and the
+(linattn.ops.delta.reference): outputs, final states and the gradients of q, k, v, beta, g and the
 initial state, at edge lengths and chunk sizes, with strong gates (−1e4 … −1e30) and g = 0; the
 special cases Gated DeltaNet and DeltaNet; the step, resumption, packed sequences, the affine form,
 bf16, non-finite causality and the argument errors."""
@@ -13,9 +13,14 @@ from hypothesis import strategies as st
 
 from linattn.ops import delta_rule
 from linattn.ops.kda import kda, kda_affine_form, kda_step
-from linattn.ops.kda.reference import kda_recurrent
+from linattn.ops.delta.reference import delta_rule_recurrent
 
 F64 = torch.float64
+
+
+def kda_recurrent(q, k, v, beta, g, **kw):
+    """The float64 recurrence of the delta family with the per-channel g (linattn.ops.delta.reference)."""
+    return delta_rule_recurrent(q, k, v, beta, g=g, **kw)
 
 
 def inputs(b=2, h=2, n=19, d=6, e=5, dtype=F64, seed=0, strong=None, gate_scale=1.0):
@@ -236,7 +241,7 @@ def test_errors_name_the_argument():
     with pytest.raises(ValueError, match="g must have shape"):
         kda(q, k, v, beta, g[..., 0])
     with pytest.raises(ValueError, match="beta"):
-        kda(q, k, v, beta * 0, g)
+        kda(q, k, v, beta * 0 + 2.5, g)
     with pytest.raises(ValueError, match="g must be a finite log-decay"):
         kda(q, k, v, beta, -g)
     with pytest.raises(ValueError, match="g must be a finite log-decay"):

@@ -1,15 +1,20 @@
-"""The fused CPU step of KDA (csrc/kda.cpp, linattn_cpu::kda_step) against the torch-op step and the
-float64 recurrence: fp32, fp64 and bf16 inputs, l2norm on and off, strong gates, and its value checks.
-Skipped where the extension is not built."""
+"""The fused CPU step of KDA (linattn_cpu::delta_step of csrc/delta.cpp, with a per-channel g) against
+the torch-op step and the float64 recurrence: fp32, fp64 and bf16 inputs, l2norm on and off, strong
+gates, and its value checks. Skipped where the extension is not built."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from linattn.ops.kda import fused, kda_step
-from linattn.ops.kda.reference import kda_recurrent
-from linattn.ops.kda.api import _step
+from linattn.ops.delta import fused
+from linattn.ops.delta.api import _step
+from linattn.ops.delta.reference import delta_rule_recurrent
+from linattn.ops.kda import kda_step
+
+def kda_recurrent(q, k, v, beta, g, **kw):
+    return delta_rule_recurrent(q, k, v, beta, g=g, **kw)
+
 
 pytestmark = pytest.mark.skipif(not fused.usable(torch.zeros(1)), reason="the fused kernels are not built")
 
@@ -52,4 +57,4 @@ def test_fused_step_checks_values():
     with torch.no_grad(), pytest.raises(ValueError, match="g must be"):
         kda_step(S, q, k, v, beta, g.abs() + 0.1)
     with torch.no_grad(), pytest.raises(ValueError, match="beta"):
-        kda_step(S, q, k, v, beta * 0, g)
+        kda_step(S, q, k, v, beta * 0 - 0.5, g)

@@ -26,7 +26,7 @@ def check_floating(name: str, x, shape: tuple, form: str, device: torch.device, 
     """x is a floating torch.Tensor of `shape` (written `form` in the messages, e.g. "[B, T, HV]") on
     `device`, `owner`'s."""
     if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor {form}, got {type(x).__name__}")
+        raise TypeError(f"{name} must be a torch.Tensor of shape {form}, got {type(x).__name__}")
     if tuple(x.shape) != tuple(shape):
         raise ValueError(f"{name} must have shape {form} = {tuple(shape)}, got {tuple(x.shape)}")
     if not x.is_floating_point():
@@ -280,6 +280,11 @@ def check_sizes(q: torch.Tensor, v: torch.Tensor) -> None:
         raise ValueError(f"q and k must have a head dim D >= 1, got shape {tuple(q.shape)}")
     if v.shape[3] < 1:
         raise ValueError(f"v must have a value dim E >= 1, got shape {tuple(v.shape)}")
+
+
+def check_per_token(name: str, x, q: torch.Tensor, shape: tuple, form: str) -> None:
+    """A per-token tensor beside q (a gate, β): `check_floating` against q's device."""
+    check_floating(name, x, shape, form, q.device)
 
 
 def check_eps(name: str, value) -> None:

@@ -1,6 +1,6 @@
-"""Sequence-parallel KDA (linattn.parallel.kda) on spawned gloo processes against linattn.ops.kda.kda on
-the whole sequence: outputs and the gradients of q, k, v, beta, g and the initial state, shards of
-unequal lengths (one token included), a strong gate inside a shard, on 2 ranks."""
+"""Sequence-parallel KDA (linattn.parallel.sequence_parallel_kda) on spawned gloo processes against
+linattn.ops.kda.kda on the whole sequence: outputs and the gradients of q, k, v, beta, g and the initial
+state, shards of unequal lengths (one token included), a strong gate inside a shard, on 2 ranks."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from linattn.ops.kda import kda
-from linattn.parallel.kda import sequence_parallel_kda
+from linattn.parallel import sequence_parallel_kda
 
 from .harness import launch, setup
 from .test_recurrent import _compare, _single, _split, _weights
@@ -16,12 +16,12 @@ from .test_recurrent import _compare, _single, _split, _weights
 B, H, DH, E = 2, 2, 6, 5
 
 
-def _check(rank, world, name, *, bounds, state=False, dtype=torch.float32, chunk=4, seed=0):
+def _check(rank, world, name, *, bounds, state=False, dtype=torch.float32, chunk=4, seed=0, beta_max=1.0):
     n = bounds[-1][1]
     gen = torch.Generator().manual_seed(seed)
     q, k = (torch.randn(B, H, n, DH, generator=gen, dtype=torch.float64) for _ in range(2))
     v = torch.randn(B, H, n, E, generator=gen, dtype=torch.float64)
-    beta = torch.rand(B, H, n, generator=gen, dtype=torch.float64) * 0.98 + 0.01
+    beta = torch.rand(B, H, n, generator=gen, dtype=torch.float64) * (beta_max - 0.02) + 0.01
     g = torch.nn.functional.logsigmoid(torch.randn(B, H, n, DH, generator=gen, dtype=torch.float64) + 2)
     g[:, :, n // 2, :3] = -1e4
     S0 = torch.randn(B, H, DH, E, generator=gen, dtype=torch.float64)
@@ -51,6 +51,7 @@ def _worker_2(rank, world, init, tmp, timeout_s):
     _check(rank, world, "KDA", bounds=_split([10, 9]))
     _check(rank, world, "KDA, initial state, a one-token first shard, fp64", bounds=_split([1, 14]), state=True,
            dtype=torch.float64, chunk=64)
+    _check(rank, world, "KDA, β up to 2, fp64", bounds=_split([6, 13]), dtype=torch.float64, beta_max=2.0)
     dist.destroy_process_group()
 
 

@@ -112,14 +112,16 @@ def _check_gated(rank, world, name, *, bounds, vector=False, normalize=False, fm
 
 
 def _check_delta(rank, world, name, *, bounds, gated=False, l2norm=True, scale=None, state=False,
-                 dtype=torch.float32, chunk=4, seed=0):
+                 dtype=torch.float32, chunk=4, seed=0, beta_max=1.0):
     n = bounds[-1][1]
     gen = torch.Generator().manual_seed(seed)
     q, k = (torch.randn(B, H, n, DH, generator=gen, dtype=torch.float64) for _ in range(2))
     if not l2norm:
         k = torch.nn.functional.normalize(k, dim=-1)
     v = torch.randn(B, H, n, E, generator=gen, dtype=torch.float64)
-    beta = torch.rand(B, H, n, generator=gen, dtype=torch.float64) * 0.98 + 0.01
+    beta = torch.rand(B, H, n, generator=gen, dtype=torch.float64) * (beta_max - 0.02) + 0.01
+    if beta_max == 2.0:  # negative eigenvalues (issue 33): some β exactly 2
+        beta[..., ::3] = 2.0
     g = torch.nn.functional.logsigmoid(torch.randn(B, H, n, generator=gen, dtype=torch.float64) + 2)
     S0 = torch.randn(B, H, DH, E, generator=gen, dtype=torch.float64)
     sdt = torch.float64 if dtype == torch.float64 else torch.float32
@@ -196,7 +198,7 @@ def _check_errors(rank, world):
     with pytest.raises(ValueError, match="g's form .* must be equal on all ranks"):
         D.sequence_parallel_gated_linear_attention(q, q, v, gv if rank == 0 else g)
     bad = beta.clone()
-    bad[0, 0, 0] = 1.5 if rank == 0 else 0.5
+    bad[0, 0, 0] = 2.5 if rank == 0 else 0.5
     with pytest.raises(ValueError, match="beta must lie in" if rank == 0 else "rejected their arguments"):
         D.sequence_parallel_delta_rule(q, q, v, bad)
     with pytest.raises(ValueError, match="position-dependent"):
@@ -273,6 +275,8 @@ def _worker_2(rank, world, init, tmp, timeout_s):
     _check_delta(rank, world, "Gated DeltaNet, no l2norm, scale, fp64", bounds=even, gated=True, l2norm=False,
                  scale=0.5, state=True, dtype=torch.float64, chunk=64)
     _check_delta(rank, world, "DeltaNet bf16", bounds=even, dtype=torch.bfloat16)
+    _check_delta(rank, world, "Gated DeltaNet, β up to 2, initial state, fp64", bounds=odd, gated=True, state=True,
+                 dtype=torch.float64, beta_max=2.0)
     _check_bytes(rank, world)
     _check_errors(rank, world)
     _check_grad_on_some_ranks(rank, world)

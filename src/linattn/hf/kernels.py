@@ -31,9 +31,9 @@ package implementation, plus packing):
   wraps it so that it checkpoints only while it is the class's outermost forward, and replacing it
   turned gradient checkpointing off (issue 37 item 22).
 
-Where linattn's operators do not apply, the layer keeps transformers' own function for that call:
-β > 1 (OLMo-Hybrid's linear_allow_neg_eigval, the default there, doubles β into (0, 2); linattn's
-delta rule takes β ∈ (0, 1]) runs transformers' torch rule, with a RuntimeWarning.
+OLMo-Hybrid's linear_allow_neg_eigval (the default there: β doubled into (0, 2), negative eigenvalues)
+runs on linattn's kernels like every other call, packed rows included (the delta family takes
+β ∈ [0, 2]).
 
 Where a transformers release renames or moves one of the functions (or the decoder layer) this
 module rebinds, use_linattn_kernels raises KernelPatchError naming it and the transformers version,
@@ -48,7 +48,6 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
-import warnings
 
 import torch
 
@@ -101,29 +100,14 @@ def _packing(kwargs: dict) -> torch.Tensor | None:
     return None if cu is None else cu.long()
 
 
-def _beyond_one(beta) -> bool:
-    return isinstance(beta, torch.Tensor) and beta.numel() > 0 and bool(beta.detach().max() > 1)
-
-
-def _rule_adapter(fn, original):
-    """The chunked / recurrent rule: unknown keywords dropped, cu_seq_lens_q → cu_seqlens. β > 1
-    (OLMo-Hybrid's allow_neg_eigval doubles β into (0, 2)) is outside linattn's delta rule, which
-    takes β ∈ (0, 1]: such a call runs `original`, transformers' own function, with a warning."""
+def _rule_adapter(fn):
+    """The chunked / recurrent rule: unknown keywords dropped, cu_seq_lens_q → cu_seqlens. Every β
+    the layers pass runs on linattn, β ∈ (0, 2) of OLMo-Hybrid's linear_allow_neg_eigval included (the
+    delta family takes β ∈ [0, 2], design §13.2)."""
     names = _named_params(fn)
 
     @functools.wraps(fn)
     def rule(*args, **kwargs):
-        beta = kwargs.get("beta", args[4] if len(args) > 4 else None)
-        if _beyond_one(beta):
-            warnings.warn("linattn kernels: beta > 1 (negative eigenvalues, e.g. OLMo-Hybrid's linear_allow_neg_eigval) "
-                          "is outside linattn's delta rule (beta in (0, 1]); this layer runs transformers' own function",
-                          RuntimeWarning, stacklevel=2)
-            if kwargs.get("cu_seqlens") is not None or kwargs.get("cu_seq_lens_q") is not None:
-                raise ValueError("beta > 1 with packed sequences (cu_seqlens): neither linattn's delta rule nor "
-                                 "transformers' torch function takes them")
-            # on the CPU, transformers' torch function (its wrapper may point at FLA's Triton kernel)
-            cpu = isinstance(beta, torch.Tensor) and beta.device.type == "cpu"
-            return (getattr(original, "__wrapped__", original) if cpu else original)(*args, **kwargs)
         cu = _packing(kwargs)
         kwargs = {k: v for k, v in kwargs.items() if k in names}
         if cu is not None:
@@ -286,7 +270,7 @@ def _plan_module(model_type: str, module, names: dict) -> list:
         if not hasattr(module, glob):
             raise _missing(f"{module.__name__} has no function {glob!r} ({model_type})")
         adapter = _ADAPTERS.get(compat_name)
-        plan.append((module, glob, adapter(fn) if adapter else _rule_adapter(fn, getattr(module, glob))))
+        plan.append((module, glob, (adapter or _rule_adapter)(fn)))
     layers = [cls for cls in vars(module).values() if isinstance(cls, type) and cls.__module__ == module.__name__
               and cls.__name__.endswith("DecoderLayer") and "forward" in cls.__dict__]
     if not layers:

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .._checks import check_number, check_positive_int
+from ..ops.delta.gate import mamba2_gate
 from ..ops.linear.chunked import state_dtype
 
 #: Mamba2's initial ranges (mamba_ssm defaults, also Gated DeltaNet's): A ∈ [1, 16], Δ ∈ [0.001, 0.1].
@@ -90,7 +91,8 @@ class ScalarDecay(nn.Module):
 
         g_{h,t} = −exp(A_log_h) · softplus(W_α x_t + dt_bias_h)          (≤ 0 for every x)
 
-    W_α: d -> H; A_log, dt_bias: (H,). Initialized as in Mamba2 (mamba2_gate_init): A = exp(A_log) ~
+    W_α: d -> H; A_log, dt_bias: (H,); the gate is linattn.ops.delta.gate.mamba2_gate, computed in the
+    state dtype. Initialized as in Mamba2 (mamba2_gate_init): A = exp(A_log) ~
     U[1, 16], Δ = softplus(dt_bias) log-uniform in dt_init_range (default [0.001, 0.1], at least 1e-4).
     forward(x (B, N, d)) -> (B, H, N).
     """
@@ -112,10 +114,7 @@ class ScalarDecay(nn.Module):
         self.dt_bias.copy_(dt_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        sdt = state_dtype(x.dtype)
-        a = self.proj(x).to(sdt) + self.dt_bias.to(sdt)  # (B, N, H)
-        g = -torch.exp(self.A_log.to(sdt)) * F.softplus(a)
-        return g.transpose(1, 2)
+        return mamba2_gate(self.proj(x), self.A_log, self.dt_bias).transpose(1, 2)  # (B, N, H) -> (B, H, N)
 
 
 class FeatureDecay(nn.Module):

@@ -9,11 +9,11 @@ Per head, with x (B, N, d) the layer's input, D the q/k head dim, E the value he
     S_t       = (I − β_t k̂_t k̂_tᵀ) Diag(e^{g_t}) S_{t−1} + β_t k̂_t v_tᵀ,   o_t = S_tᵀ q̂_t · D^{−1/2}
     y_t       = W_o [RMSNorm(o_t) ⊙ w ⊙ sigmoid(G_b G_a x_t)]   (rank-E output gate, per head)
 
-q̂, k̂ L2-normalized inside the operator (linattn.ops.kda). Initialization as Kimi Linear's (after
-Mamba2's): A = e^{A_log} ~ U[1, 16] per head, softplus(dt_bias) log-uniform in [1e-3, 1e-1] per
-channel (at least 1e-4), through the inverse softplus. Decoding: the cache holds S (B, H, D, E) in
-the state dtype and the convolution's tail; one token runs `linattn.ops.kda.kda_step`. Padding: a
-masked token has k = 0 and g = 0 (the state stays as it was) and enters the convolution as zeros.
+q̂, k̂ L2-normalized inside the operator (linattn.ops.kda: the delta family with a per-channel g).
+Initialization as Kimi Linear's (after Mamba2's): A = e^{A_log} ~ U[1, 16] per head, softplus(dt_bias)
+log-uniform in [1e-3, 1e-1] per channel (at least 1e-4), through the inverse softplus. Decoding: the cache
+holds S (B, H, D, E) in the state dtype and the convolution's tail; one token runs `linattn.ops.kda.kda_step`.
+Padding: a masked token has k = 0 and g = 0 (the state stays as it was) and enters the convolution as zeros.
 With output_gate=False the output skips the norm and gate (y = W_o o).
 """
 
@@ -99,9 +99,7 @@ class KimiDeltaAttention(_RecurrentAttention):
 
     def _mix(self, x, q, k, v, mask, state, stateful: bool, *, cu_seqlens=None):
         sdt = state_dtype(x.dtype)
-        # β in the state dtype, kept above the smallest normal number (a sigmoid that underflows to 0 would
-        # fail the operator's (0, 1] check; β that small writes nothing either way)
-        beta = torch.sigmoid(self.beta_proj(x).to(sdt)).clamp_min(torch.finfo(sdt).tiny).transpose(1, 2)
+        beta = torch.sigmoid(self.beta_proj(x).to(sdt)).transpose(1, 2)  # in the state dtype; β = 0 writes nothing
         g = self.forget_gate(x)
         if mask is not None:  # a padded token writes nothing (k = 0) and does not decay the state (g = 0)
             keep = mask[:, None, :]
@@ -109,7 +107,7 @@ class KimiDeltaAttention(_RecurrentAttention):
             g = g.masked_fill(~keep[..., None], 0.0)
         opts = dict(scale=self.scale, qk_l2norm=True)
         if not stateful and self.sequence_parallel_group is not None:
-            from ..parallel.kda import sequence_parallel_kda
+            from ..parallel.recurrent import sequence_parallel_kda
             return sequence_parallel_kda(q, k, v, beta, g, group=self.sequence_parallel_group,
                                          chunk_size=self.chunk_size, **opts), None
         if not stateful:

@@ -1,7 +1,8 @@
 """What the operators' autograd support is beyond first-order reverse mode: none, and said so.
 
-The chunked operators (`linear_attention`, `gated_linear_attention`, `delta_rule`,
-`sliding_window_attention`) have hand-written backward passes, fused (C++) or in torch ops, that give ∂L/∂inputs and nothing more:
+The chunked operators (`linear_attention`, `gated_linear_attention`, `delta_rule` with KDA,
+`sliding_window_attention`) have hand-written backward passes, fused (C++) or in torch ops, that give
+∂L/∂inputs and nothing more:
 
 - forward mode (`torch.autograd.forward_ad`, `torch.func.jvp`, `jacfwd`): the fused kernels have no
   tangent rule, so a dual input used to come back with a zero tangent (or none). `refuse_forward_ad`
@@ -49,14 +50,16 @@ def refuse_forward_ad(op: str, *values) -> None:
 
 def first_order(op: str):
     """Decorator for an autograd Function's backward (put it above once_differentiable, under
-    staticmethod): RuntimeError naming op when the backward runs with create_graph=True."""
+    staticmethod): RuntimeError naming op (or ctx.op_name, where the forward set one) when the backward
+    runs with create_graph=True."""
 
     def wrap(backward):
         @functools.wraps(backward)
         def checked(ctx, *grads):
             if torch.is_grad_enabled():
+                name = getattr(ctx, "op_name", op)
                 raise RuntimeError(
-                    f"{op} is not twice differentiable: its backward ran with create_graph=True (a gradient penalty, "
+                    f"{name} is not twice differentiable: its backward ran with create_graph=True (a gradient penalty, "
                     "a Hessian-vector product), and the gradient of its gradient would be silently wrong; "
                     "differentiate it once only")
             return backward(ctx, *grads)

@@ -12,9 +12,9 @@ batch (which the operators keep apart row by row) — so a chunk never holds two
 in one cannot reach another. Sequences of length 0 (their final state is their initial state) and 1 are
 allowed.
 
-The helpers here know nothing of the operator families: the operators (linattn.ops.linear,
-.gated, .delta) call `boundaries` once to check cu_seqlens, then `run` with a function that evaluates
-one sequence. `positions` and `sequence_ids` serve the models (positions restarting at each
+The helpers here know nothing of the operator families: the operators (linattn.ops.linear, .gated, .delta with
+KDA) call `boundaries` once to check cu_seqlens (the one validator of it), then `run` with a function that
+evaluates one sequence. `positions` and `sequence_ids` serve the models (positions restarting at each
 document) and the short convolution.
 """
 
@@ -39,8 +39,8 @@ def boundaries(cu_seqlens, *, batch: int, length: int, name: str = "cu_seqlens")
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
         raise ValueError(f"{name} must be 1-D with N+1 ≥ 2 entries (N sequences), got shape {tuple(cu_seqlens.shape)}")
     if batch != 1:
-        raise ValueError(f"with {name}, the batch size must be 1 (the sequences are packed along the time axis "
-                         f"of one row), got batch size {batch}")
+        raise ValueError(f"with {name}, the batch must be 1 (batch size must be 1: the sequences are packed along "
+                         f"the time axis of one row), got batch size {batch}")
     cu = [int(x) for x in cu_seqlens.tolist()]
     if cu[0] != 0:
         raise ValueError(f"{name}[0] must be 0, got {cu[0]}")

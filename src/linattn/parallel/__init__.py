@@ -6,13 +6,13 @@ into contiguous shards over the ranks of a process group, only the (kv, z) state
     functions  the autograd Functions and the shard-level passes
     ops        sequence_parallel_linear_attention / _softmax_attention, gather_sequence,
                sequence_halo (the maths)
-    recurrent  sequence_parallel_gated_linear_attention, sequence_parallel_delta_rule (the affine
-               state exchange of the decaying and delta-rule operators)
+    recurrent  sequence_parallel_gated_linear_attention, sequence_parallel_delta_rule (and its KDA
+               entry point sequence_parallel_kda): the affine state exchange of the decaying and
+               delta-family operators
 """
 
 from .comm import CommStats, comm_stats, shard_bounds, shard_sequence, state_exchange_bytes
 from .groups import DEFAULT_TIMEOUT_S, ParallelGroups, free_port, init_distributed, make_parallel_groups
-from .kda import sequence_parallel_kda
 from .ops import (
     gather_sequence,
     sequence_halo,
@@ -22,6 +22,7 @@ from .ops import (
 from .recurrent import (
     sequence_parallel_delta_rule,
     sequence_parallel_gated_linear_attention,
+    sequence_parallel_kda,
     transition_exchange_bytes,
 )
 

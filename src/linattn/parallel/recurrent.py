@@ -1,5 +1,5 @@
-"""Sequence-parallel gated linear attention and delta rule (design §9): each called by every rank of
-a group on its contiguous shard of the sequence, like `sequence_parallel_linear_attention`.
+"""Sequence-parallel gated linear attention and the delta family (design §9): each called by every
+rank of a group on its contiguous shard of the sequence, like `sequence_parallel_linear_attention`.
 
 With decay or the delta rule the state entering a shard is no longer a sum of the earlier shards'
 states: each shard maps the state it receives affinely (linattn.ops.affine),
@@ -7,10 +7,11 @@ states: each shard maps the state it receives affinely (linattn.ops.affine),
     S_out,r = A_r S_in,r + ΔS_r        o_r = o⁰_r + S_in,rᵀ q̄_r   (normalize: numerator and denominator alike)
 
 with A_r = e^{Σ_r g} (a scalar per head for g (B, H, N), a vector over the F state rows for
-g (B, H, N, F)) for gated linear attention, and A_r = the ordered product of α_t (I − β_t k̂_t k̂_tᵀ)
-over the shard (D×D) for the delta rule. Every rank computes its (A_r, ΔS_r), q̄_r and o⁰_r at once
-with the single-process operator (`gated_affine_form`, `delta_rule_affine_form`), one all-gather
-exchanges the (A_s, ΔS_s), and rank r combines the ranks before it,
+g (B, H, N, F)) for gated linear attention, and A_r = the ordered product of (I − β_t k̂_t k̂_tᵀ) Diag(α_t)
+over the shard (D×D) for the delta family (DeltaNet, Gated DeltaNet, KDA). Every rank computes its
+(A_r, ΔS_r), q̄_r and o⁰_r at once with the single-process operator (`gated_affine_form`,
+`delta_rule_affine_form`), one all-gather exchanges the (A_s, ΔS_s), and rank r combines the ranks
+before it,
 
     S_in,0 = S_init (rank 0's initial_state, or 0),    S_in,s+1 = A_s S_in,s + ΔS_s,
 
@@ -167,9 +168,9 @@ def sequence_parallel_delta_rule(
     """The delta rule (linattn.ops.delta_rule; DeltaNet, Gated DeltaNet with g) over a sequence
     sharded across the ranks of `group` (see the module doc).
 
-    q, k: (B, H, n_r, D), v: (B, H, n_r, E), beta, g: (B, H, n_r) — this rank's contiguous shard,
-    shards in rank order, lengths free (every rank needs ≥ 1 token) -> o (B, H, n_r, E) in q's dtype,
-    equal to shard r of delta_rule on the whole sequence.
+    q, k: (B, H, n_r, D), v: (B, H, n_r, E), beta (B, H, n_r), g (B, H, n_r), (B, H, n_r, D) (KDA) or
+    None — this rank's contiguous shard, shards in rank order, lengths free (every rank needs ≥ 1 token)
+    -> o (B, H, n_r, E) in q's dtype, equal to shard r of delta_rule on the whole sequence.
 
     initial_state: S (B, H, D, E) in the state dtype before the sequence, on rank 0 only (the other
         ranks pass None); its gradient, on rank 0, is the whole one.
@@ -182,10 +183,19 @@ def sequence_parallel_delta_rule(
         check_delta_arguments(q, k, v, beta, g, scale, qk_l2norm, initial_state)
         check_delta_values(beta, g)
 
-    return run_delta_family(group, check, chunk_size, ("g (0: None, 1: given)", "qk_l2norm"),
-                            (int(g is not None), int(qk_l2norm is True)), (q, k, v, beta, g, initial_state),
+    form = 0 if g is None else 2 if isinstance(g, torch.Tensor) and g.dim() == 4 else 1
+    return run_delta_family(group, check, chunk_size, ("g (0: None, 1: per head, 2: per key channel)", "qk_l2norm"),
+                            (form, int(qk_l2norm is True)), (q, k, v, beta, g, initial_state),
                             lambda: delta_rule_affine_form(q, k, v, beta, g=g, scale=scale, qk_l2norm=qk_l2norm,
                                                            chunk_size=chunk_size))
+
+
+def sequence_parallel_kda(q, k, v, beta, g, *, group=None, scale: float | None = None, qk_l2norm: bool = False,
+                          initial_state=None, chunk_size: int = DEFAULT_CHUNK_SIZE) -> torch.Tensor:
+    """KDA (linattn.ops.kda.kda) over a sequence sharded across the ranks of `group`:
+    `sequence_parallel_delta_rule` with g (B, H, n_r, D), one log-decay per key channel."""
+    return sequence_parallel_delta_rule(q, k, v, beta, g=g, group=group, scale=scale, qk_l2norm=qk_l2norm,
+                                        initial_state=initial_state, chunk_size=chunk_size)
 
 
 def run_delta_family(group, check, chunk_size: int, flag_names: tuple, flags: tuple, tensors: tuple, make_form):

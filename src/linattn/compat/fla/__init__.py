@@ -15,7 +15,8 @@ One module per family:
     gla.py        chunk_simple_gla, fused_recurrent_simple_gla (g or g_gamma), chunk_gla, fused_recurrent_gla
     delta.py      chunk_delta_rule, fused_recurrent_delta_rule, chunk_gated_delta_rule,
                   fused_recurrent_gated_delta_rule (use_qk_l2norm_in_kernel, use_gate_in_kernel with
-                  A_log / dt_bias, use_beta_sigmoid_in_kernel)
+                  A_log / dt_bias, use_beta_sigmoid_in_kernel, allow_neg_eigval)
+    kda.py        chunk_kda, fused_recurrent_kda (the delta family with a per-channel gate)
     conv.py       causal_conv1d_fn, causal_conv1d_update (Dao's causal-conv1d, as transformers calls it)
     _edge.py      the shared edge: checks in FLA's layout, GVA, scale, states, refusals, handover
 
@@ -24,7 +25,7 @@ tests/test_compat_fla*.py): scale defaults to K^−1/2 and multiplies q after an
 natural-log decay; grouped value heads (v and its gates with HV = G·H heads, q/k head h serving
 value heads h·G … h·G + G − 1) in every family; states [N, HV, K, V] in float32 (float64 for
 float64 inputs), N the batch or the number of packed sequences (cu_seqlens, batch 1). Options that
-linattn's operators lack (reverse, gv, allow_neg_eigval, FLA's context parallelism, …) raise a
+linattn's operators lack (reverse, gv, FLA's context parallelism, …) raise a
 ValueError naming them; unknown keyword arguments a TypeError.
 
 On CUDA with the `fla` package installed every name hands over to FLA's own kernel (set

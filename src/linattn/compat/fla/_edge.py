@@ -20,6 +20,7 @@ import importlib
 import importlib.util
 import math
 import os
+import warnings
 
 import torch
 
@@ -73,8 +74,39 @@ def take_kwargs(fn: str, kwargs: dict, allowed: tuple[str, ...]) -> dict:
         raise ValueError(f"linattn.compat.fla.{fn}: head_first was removed from FLA; pass [B, T, H, ...] tensors")
     extra = sorted(set(kwargs) - set(allowed))
     if extra:
-        raise TypeError(f"linattn.compat.fla.{fn} got unsupported keyword argument(s): {', '.join(extra)}")
+        raise TypeError(f"linattn.compat.fla.{fn} got unexpected keyword argument(s) that linattn does not "
+                        f"support: {', '.join(extra)}")
     return {k: kwargs[k] for k in allowed if k in kwargs}
+
+
+def state_layout_alias(state_v_first: bool, extra: dict) -> bool:
+    """FLA's deprecated `transpose_state_layout` (= state_v_first), popped from the keyword arguments
+    `extra`: a DeprecationWarning, as FLA gives, and a ValueError when both are set."""
+    if "transpose_state_layout" not in extra:
+        return state_v_first
+    alias = extra.pop("transpose_state_layout")
+    if state_v_first:
+        raise ValueError("pass state_v_first or the deprecated transpose_state_layout, not both")
+    warnings.warn("transpose_state_layout is deprecated (FLA renamed it state_v_first)", DeprecationWarning,
+                  stacklevel=4)
+    return bool(alias)
+
+
+def beta_in(fn: str, beta, sigmoid: bool, allow_neg_eigval: bool):
+    """β as the delta-family operators take it. use_beta_sigmoid_in_kernel: beta holds logits and β =
+    sigmoid(beta), with allow_neg_eigval β = 2·sigmoid(beta) ∈ [0, 2] (negative eigenvalues of the
+    transition, design §13.2); computed in float32 or wider, as FLA's fused_beta_sigmoid does.
+    allow_neg_eigval without the sigmoid is refused as FLA refuses it."""
+    for name, flag in (("use_beta_sigmoid_in_kernel", sigmoid), ("allow_neg_eigval", allow_neg_eigval)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
+    if allow_neg_eigval and not sigmoid:
+        raise ValueError(f"linattn.compat.fla.{fn}: allow_neg_eigval=True requires use_beta_sigmoid_in_kernel=True "
+                         "(as in FLA; a β already in [0, 2] may be passed as it is)")
+    if not sigmoid or not isinstance(beta, torch.Tensor):
+        return beta
+    beta = torch.sigmoid(beta.to(torch.promote_types(beta.dtype, torch.float32)))
+    return 2 * beta if allow_neg_eigval else beta
 
 
 def check_qkv(q, k, v, *, mixed: bool = False) -> tuple[int, int]:

@@ -11,17 +11,18 @@ q, k: [B, T, H, K]; v: [B, T, HV, V]; beta, g: [B, T, HV] (HV a multiple of H: q
 value heads h·G … h·G+G−1) -> o [B, T, HV, V]; states S [N, HV, K, V] ([N, HV, V, K] with
 state_v_first). use_gate_in_kernel: g is the raw gate input and the log-decay is
 g ← −exp(A_log) · softplus(g + dt_bias) (A_log, dt_bias [HV]; Gated DeltaNet / Mamba2's
-discretisation, computed here in float32 or wider); use_beta_sigmoid_in_kernel: β ← sigmoid(β).
-linattn needs β in (0, 1], so allow_neg_eigval (β ∈ (0, 2)) is refused.
+discretisation, computed here in float32 or wider); use_beta_sigmoid_in_kernel: β ← sigmoid(β), with
+allow_neg_eigval β ← 2·sigmoid(β) (negative eigenvalues; any β ∈ [0, 2] may also be passed as it is).
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from ...ops import delta_rule, delta_rule_step
+from ...ops.delta.gate import mamba2_gate
 from ._edge import (
+    beta_in,
     check_head_vector,
     check_per_head,
     check_qkv,
@@ -33,6 +34,7 @@ from ._edge import (
     resolve_scale,
     state_count,
     state_in,
+    state_layout_alias,
     state_out,
     take_kwargs,
 )
@@ -100,15 +102,17 @@ def chunk_gated_delta_rule(
     **kwargs,
 ):
     """Gated DeltaNet over whole sequences (module docstring). kwargs: use_gate_in_kernel, A_log,
-    dt_bias (FLA passes them as keywords here) and chunk_size. chunk_indices and cp_context (FLA's
-    context parallelism) and allow_neg_eigval are refused. Returns (o, final state or None)."""
-    refuse("chunk_gated_delta_rule", allow_neg_eigval=allow_neg_eigval, chunk_indices=chunk_indices,
-           cp_context=cp_context)
-    extra = take_kwargs("chunk_gated_delta_rule", kwargs, ("use_gate_in_kernel", "A_log", "dt_bias", "chunk_size"))
+    dt_bias (FLA passes them as keywords here), chunk_size and FLA's deprecated transpose_state_layout
+    (= state_v_first). chunk_indices and cp_context (FLA's
+    context parallelism) are refused. Returns (o, final state or None)."""
+    refuse("chunk_gated_delta_rule", chunk_indices=chunk_indices, cp_context=cp_context)
+    extra = take_kwargs("chunk_gated_delta_rule", kwargs, ("use_gate_in_kernel", "A_log", "dt_bias", "chunk_size",
+                                                           "transpose_state_layout"))
+    state_v_first = state_layout_alias(state_v_first, extra)
     g = _gate(g, q, v, extra.pop("use_gate_in_kernel", False), extra.pop("A_log", None), extra.pop("dt_bias", None))
     if g is None:
         raise TypeError("chunk_gated_delta_rule needs g, the log-decays [B, T, HV] (chunk_delta_rule takes none)")
-    beta = beta.sigmoid() if use_beta_sigmoid_in_kernel and isinstance(beta, torch.Tensor) else beta
+    beta = beta_in("chunk_gated_delta_rule", beta, use_beta_sigmoid_in_kernel, allow_neg_eigval)
     return run_delta(q, k, v, beta, g, scale=scale, initial_state=initial_state,
                      output_final_state=output_final_state, l2norm=use_qk_l2norm_in_kernel,
                      state_v_first=state_v_first, cu_seqlens=cu_seqlens, **extra)
@@ -138,28 +142,21 @@ def fused_recurrent_gated_delta_rule(
 ):
     """The recurrent form of chunk_gated_delta_rule (g None: no decay; beta None: β = 1). T = 1
     without cu_seqlens is one decoding step (`linattn.delta_rule_step`, one fused operator on the
-    CPU when no gradient is wanted). The per-channel gates gk, gv (KDA-style) and allow_neg_eigval
-    are refused."""
-    refuse("fused_recurrent_gated_delta_rule", gk=gk, gv=gv, allow_neg_eigval=allow_neg_eigval)
-    take_kwargs("fused_recurrent_gated_delta_rule", kwargs, ())
+    CPU when no gradient is wanted). The per-channel gates gk, gv (KDA-style) are refused."""
+    refuse("fused_recurrent_gated_delta_rule", gk=gk, gv=gv)
+    state_v_first = state_layout_alias(state_v_first, take_kwargs("fused_recurrent_gated_delta_rule", kwargs,
+                                                                  ("transpose_state_layout",)))
     g = _gate(g, q, v, use_gate_in_kernel, A_log, dt_bias)
-    beta = beta.sigmoid() if use_beta_sigmoid_in_kernel and isinstance(beta, torch.Tensor) else beta
+    beta = beta_in("fused_recurrent_gated_delta_rule", beta, use_beta_sigmoid_in_kernel, allow_neg_eigval)
     return run_delta(q, k, v, beta, g, scale=scale, initial_state=initial_state,
                      output_final_state=output_final_state, l2norm=use_qk_l2norm_in_kernel,
                      state_v_first=state_v_first, cu_seqlens=cu_seqlens, step=True)
 
 
-def gdn_gate(g: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The log-decay of Gated DeltaNet from its raw input: −exp(A_log) · softplus(g + dt_bias),
-    g [..., HV], A_log and dt_bias [HV], in float32 (float64 for float64 inputs)."""
-    dt = torch.promote_types(g.dtype, torch.float32)
-    x = g.to(dt) if dt_bias is None else g.to(dt) + dt_bias.to(dt)
-    return -A_log.to(dt).exp() * F.softplus(x)
-
-
 def _gate(g, q, v, use_gate_in_kernel, A_log, dt_bias):
-    """g as the operator takes it: FLA's log-decay, or gdn_gate of the raw input with
-    use_gate_in_kernel (A_log required); A_log and dt_bias mean nothing without it, as in FLA."""
+    """g as the operator takes it: FLA's log-decay, or with use_gate_in_kernel Mamba2's gate of the raw
+    input, −exp(A_log) · softplus(g + dt_bias) (linattn.ops.delta.gate.mamba2_gate; A_log required);
+    A_log and dt_bias mean nothing without it, as in FLA."""
     if not isinstance(use_gate_in_kernel, bool):
         raise TypeError(f"use_gate_in_kernel must be a bool, got {type(use_gate_in_kernel).__name__}")
     if not use_gate_in_kernel or g is None:
@@ -174,30 +171,60 @@ def _gate(g, q, v, use_gate_in_kernel, A_log, dt_bias):
         if dt_bias is not None:
             check_head_vector("dt_bias", dt_bias, q, hv)
         check_per_head("g", g, q, hv)
-    return gdn_gate(g, A_log, dt_bias)
+    return mamba2_gate(g, A_log, dt_bias)
 
 
 def run_delta(q, k, v, beta, g, *, scale, initial_state, output_final_state: bool, l2norm: bool,
-              cu_seqlens, state_v_first: bool = False, step: bool = False, chunk_size: int = 64):
-    """Every delta-rule name on linattn's operators: checks in FLA's layout, GVA, β = 1 when None,
-    states in and out."""
+              cu_seqlens, state_v_first: bool = False, step: bool = False, chunk_size: int = 64,
+              per_channel: bool = False, chunk_states: bool = False):
+    """Every delta-family name on linattn's operators: checks in FLA's layout, GVA, β = 1 when None,
+    states in and out. per_channel: g is [B, T, HV, K] (KDA). chunk_states: also h, the states entering
+    every chunk (`with_chunk_states`); returns (o, final state or None, h) then."""
     _, hv = check_qkv(q, k, v)
     for name, flag in (("use_qk_l2norm_in_kernel", l2norm), ("state_v_first", state_v_first)):
         if not isinstance(flag, bool):
             raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
     b, t, _, kd = q.shape
+    if g is not None or per_channel:
+        check_per_head("g", g, q, hv, last=kd if per_channel else None)
     if beta is None:
         beta = q.new_ones(b, t, hv)
     check_per_head("beta", beta, q, hv)
-    if g is not None:
-        check_per_head("g", g, q, hv)
     S0 = state_in("initial_state", initial_state, q, state_count(q, cu_seqlens), hv, kd, v.shape[-1], state_v_first)
     q, k = expand_heads(q, k, hv)
-    scale = resolve_scale(scale, k)
     args = (heads_first(q), heads_first(k), heads_first(v), heads_first(beta))
+    opts = dict(g=heads_first(g), scale=resolve_scale(scale, k), qk_l2norm=l2norm)
+    if chunk_states:
+        o, S, h = with_chunk_states(*args, S0, cu_seqlens, chunk_size, **opts)
+        h = h.transpose(-1, -2) if state_v_first else h
+        return heads_first(o), state_out(S, output_final_state, state_v_first), h.to(k.dtype)
     if step and t == 1 and cu_seqlens is None:
-        o, S = delta_rule_step(S0, *args, g=heads_first(g), scale=scale, qk_l2norm=l2norm)
+        o, S = delta_rule_step(S0, *args, **opts)
     else:
-        o, S = delta_rule(*args, g=heads_first(g), scale=scale, qk_l2norm=l2norm, initial_state=S0, return_state=True,
-                          chunk_size=chunk_size, **packed(cu_seqlens))
+        o, S = delta_rule(*args, initial_state=S0, return_state=True, chunk_size=chunk_size, **opts,
+                          **packed(cu_seqlens))
     return heads_first(o), state_out(S, output_final_state, state_v_first)
+
+
+def with_chunk_states(q, k, v, beta, S0, cu_seqlens, chunk: int, **opts):
+    """(o, final states, h (B, NT, HV, K, V)): the operator run chunk by chunk (each sequence of a packed
+    row from its own start), h[:, i] the state entering chunk i, as FLA's chunk_kda returns it with
+    return_intermediate_states (NT counts the chunks of every sequence; B = 1 when packed)."""
+    b, hv, t, kd = q.shape
+    e, sdt = v.shape[-1], torch.promote_types(q.dtype, torch.float32)
+    bounds = [(0, t)] if cu_seqlens is None else list(zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist()))
+    outs, finals, hs = [], [], []
+    for n, (s, end) in enumerate(bounds):
+        S = S0 if cu_seqlens is None or S0 is None else S0[n:n + 1]
+        if S is None:
+            S = torch.zeros(b if cu_seqlens is None else 1, hv, kd, e, dtype=sdt, device=q.device)
+        for c0 in range(s, end, chunk):
+            hs.append(S)
+            part = [None if x is None else x[:, :, c0:min(c0 + chunk, end)] for x in (q, k, v, beta, opts["g"])]
+            o, S = delta_rule(*part[:4], **dict(opts, g=part[4]), initial_state=S, return_state=True,
+                              chunk_size=chunk)
+            outs.append(o)
+        finals.append(S)
+    o = torch.cat(outs, 2) if outs else v.new_zeros(b, hv, 0, e)
+    h = torch.stack(hs, 1) if hs else torch.zeros(b, 0, hv, kd, e, dtype=sdt, device=q.device)
+    return o, torch.cat(finals, 0), h

@@ -14,8 +14,6 @@ GLA: one g per key channel, g [B, T, HV, K]. q, k: [B, T, H, K]; v: [B, T, HV, V
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 
 from ...ops import gated_linear_attention, gated_linear_attention_step, linear_attention
@@ -34,6 +32,7 @@ from ._edge import (
     resolve_scale,
     state_count,
     state_in,
+    state_layout_alias,
     state_out,
     take_kwargs,
 )
@@ -133,15 +132,9 @@ def fused_recurrent_gla(
 
 
 def _state_layout_alias(fn: str, state_v_first: bool, kwargs: dict) -> bool:
-    """FLA's deprecated `transpose_state_layout` (= state_v_first); every other kwarg is refused."""
-    extra = take_kwargs(fn, kwargs, ("transpose_state_layout",))
-    if "transpose_state_layout" in extra:
-        if state_v_first:
-            raise ValueError("pass state_v_first or the deprecated transpose_state_layout, not both")
-        warnings.warn("transpose_state_layout is deprecated (FLA renamed it state_v_first)", DeprecationWarning,
-                      stacklevel=3)
-        return bool(extra["transpose_state_layout"])
-    return state_v_first
+    """FLA's deprecated `transpose_state_layout` (= state_v_first, _edge.state_layout_alias); every other
+    kwarg is refused."""
+    return state_layout_alias(state_v_first, take_kwargs(fn, kwargs, ("transpose_state_layout",)))
 
 
 def run_gated(q, k, v, g, g_gamma, *, scale, initial_state, output_final_state: bool, state_v_first: bool,

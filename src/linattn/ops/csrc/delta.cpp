@@ -16,8 +16,10 @@
 // reverse, recomputes a block's chunks from its saved state (keeping their K̂, Q̂, A, P, Γ, K̂K̂ᵀ ⊙ Γ,
 // S, X, V' in per-thread buffers), then runs the chunks' backward in reverse (formulas in chunked.py),
 // carrying ∂L/∂S from chunk to chunk. `delta_step`
-// is one token of the recurrence for decoding. β and g come in Acc, checked here only by `delta_step`
-// (linattn checks them before the chunked ops).
+// is one token of the recurrence for decoding, with g one decay per row or one per key channel (KDA:
+// S' = (I − β k̂k̂ᵀ) Diag(e^g) S + β k̂ vᵀ); the chunked kernels take one per row (a per-channel g runs
+// the torch-op path of linattn/ops/delta/chunked.py). β and g come in Acc, checked here only by
+// `delta_step` (linattn checks them before the chunked ops).
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -656,13 +658,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> delta_chunked(const at::Tensor& q
   return {o, S, S_blocks};
 }
 
-// β in (0, 1] and g ≤ 0, finite, for the n values of each (either may be undefined): raises a
+// β in [0, 2] and g ≤ 0, finite, for the n values of each (either may be undefined): raises a
 // ValueError naming the argument, as linattn's own checks do
 template <typename Acc>
 void check_gate_values(const at::Tensor& beta, const at::Tensor& g) {
   const Acc* b = beta.data_ptr<Acc>();
   for (int64_t i = 0; i < beta.numel(); ++i) {
-    TORCH_CHECK_VALUE(b[i] > Acc(0) && b[i] <= Acc(1), "beta must lie in (0, 1] (finite), got ", b[i]);
+    TORCH_CHECK_VALUE(b[i] >= Acc(0) && b[i] <= Acc(2), "beta must lie in [0, 2] (finite), got ", b[i]);
   }
   if (!g.defined()) return;
   const Acc* p = g.data_ptr<Acc>();
@@ -671,8 +673,8 @@ void check_gate_values(const at::Tensor& beta, const at::Tensor& g) {
   }
 }
 
-// S (B, H, D, E) in Acc, q, k (B, H, 1, D), v (B, H, 1, E), β and g (B, H, 1) in Acc (g optional).
-// Returns (o shaped like v, S').
+// S (B, H, D, E) in Acc, q, k (B, H, 1, D), v (B, H, 1, E), β (B, H, 1) and g (B, H, 1) or (B, H, 1, D)
+// in Acc (g optional). Returns (o shaped like v, S').
 std::tuple<at::Tensor, at::Tensor> delta_step(const at::Tensor& S_in, const at::Tensor& q_in, const at::Tensor& k_in,
                                               const at::Tensor& v_in, const at::Tensor& beta_in,
                                               const c10::optional<at::Tensor>& g_in, double scale, bool l2norm) {
@@ -685,7 +687,9 @@ std::tuple<at::Tensor, at::Tensor> delta_step(const at::Tensor& S_in, const at::
   const auto acc = q_in.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   TORCH_CHECK(S_in.scalar_type() == acc && beta_in.scalar_type() == acc && (!g_in.has_value() || g_in->scalar_type() == acc),
               "linattn_cpu::delta_step: the state, beta and g must be float64 for float64 inputs, else float32");
-  TORCH_CHECK(S_in.numel() == rows * D * E && beta_in.numel() == rows && (!g_in.has_value() || g_in->numel() == rows),
+  const bool channels = g_in.has_value() && g_in->dim() == 4;
+  TORCH_CHECK(S_in.numel() == rows * D * E && beta_in.numel() == rows &&
+                  (!g_in.has_value() || g_in->numel() == (channels ? rows * D : rows)),
               "linattn_cpu::delta_step: shapes of the state, beta and g do not agree with q, v");
   const at::Tensor S = S_in.contiguous(), q = q_in.contiguous(), k = k_in.contiguous(), v = v_in.contiguous();
   const at::Tensor beta = beta_in.contiguous(), g = g_in.has_value() ? g_in->contiguous() : at::Tensor();
@@ -701,13 +705,19 @@ std::tuple<at::Tensor, at::Tensor> delta_step(const at::Tensor& S_in, const at::
     const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, D * E));
     at::parallel_for(0, rows, grain, [&](int64_t r0, int64_t r1) {
       const FlushDenormals flush;  // α S with α = e^g tiny
-      Aligned<Acc> qk(2 * D), u(2 * E), rn(2);
+      Aligned<Acc> qk(2 * D), u(2 * E), rn(2), alpha(channels ? D : 0);
       for (int64_t r = r0; r < r1; ++r) {
         load_rows(pq + r * D, qk.data(), rn.data(), 1, D, l2norm);
         load_rows(pk + r * D, qk.data() + D, rn.data() + 1, 1, D, l2norm);
-        const Acc alpha = pg != nullptr ? std::exp(pg[r]) : Acc(1);
-        delta_update_row<scalar_t, Acc>(pS + r * D * E, pS2 + r * D * E, qk.data(), pv + r * E, pb[r], alpha,
-                                static_cast<Acc>(scale), po + r * E, u.data(), D, E);
+        if (channels) {
+          for (int64_t d = 0; d < D; ++d) alpha.data()[d] = std::exp(pg[r * D + d]);
+          delta_row<scalar_t, Acc, true>(pS + r * D * E, pS2 + r * D * E, qk.data(), pv + r * E, pb[r], alpha.data(),
+                                         static_cast<Acc>(scale), po + r * E, u.data(), D, E);
+          continue;
+        }
+        const Acc a = pg != nullptr ? std::exp(pg[r]) : Acc(1);
+        delta_update_row<scalar_t, Acc>(pS + r * D * E, pS2 + r * D * E, qk.data(), pv + r * E, pb[r], a,
+                                        static_cast<Acc>(scale), po + r * E, u.data(), D, E);
       }
     });
   });

@@ -84,34 +84,45 @@ LINATTN_CLONES void decay_update_row(const T* src, T* dst, const T* __restrict__
   }
 }
 
-// The delta rule for one token: u = Sᵀk̂, w = β (v − α u), S' = α S + k̂ wᵀ, o = scale · S'ᵀ q̂, with q̂
-// and k̂ the first and second D values of qk; u: 2·E of scratch.
-template <typename T, typename Acc>
-LINATTN_CLONES void delta_update_row(const Acc* S, Acc* S2, const Acc* __restrict__ qk, const T* __restrict__ v,
-                                     Acc beta, Acc alpha, Acc scale, T* __restrict__ o, Acc* __restrict__ u, int64_t D,
-                                     int64_t E) {
+// The delta family for one token: S_α = Diag(α) S, u = S_αᵀ k̂, w = β (v − u), S' = S_α + k̂ wᵀ,
+// o = scale · S'ᵀ q̂, with q̂ and k̂ the first and second D values of qk; α one decay per key channel
+// (alpha[d], Channels: KDA) or one for the row (alpha[0]: then u = α Sᵀk̂, w = β (v − α Sᵀk̂)); u: 2·E of
+// scratch.
+template <typename T, typename Acc, bool Channels>
+LINATTN_CLONES void delta_row(const Acc* S, Acc* S2, const Acc* __restrict__ qk, const T* __restrict__ v, Acc beta,
+                              const Acc* __restrict__ alpha, Acc scale, T* __restrict__ o, Acc* __restrict__ u,
+                              int64_t D, int64_t E) {
   const Acc* __restrict__ q = qk;
   const Acc* __restrict__ k = qk + D;
   for (int64_t e = 0; e < E; ++e) u[e] = Acc(0);
   for (int64_t d = 0; d < D; ++d) {
-    const Acc kd = k[d];
+    const Acc kd = Channels ? k[d] * alpha[d] : k[d];
 #pragma omp simd
     for (int64_t e = 0; e < E; ++e) u[e] += kd * S[d * E + e];
   }
+  const Acc a = Channels ? Acc(1) : alpha[0];
 #pragma omp simd
-  for (int64_t e = 0; e < E; ++e) u[e] = beta * (static_cast<Acc>(v[e]) - alpha * u[e]);  // w
+  for (int64_t e = 0; e < E; ++e) u[e] = beta * (static_cast<Acc>(v[e]) - a * u[e]);  // w
   Acc* __restrict__ out = u + E;
   for (int64_t e = 0; e < E; ++e) out[e] = Acc(0);
   for (int64_t d = 0; d < D; ++d) {
-    const Acc kd = k[d], qd = q[d];
+    const Acc kd = k[d], qd = q[d], ad = Channels ? alpha[d] : a;
 #pragma omp simd
     for (int64_t e = 0; e < E; ++e) {
-      const Acc x = alpha * S[d * E + e] + kd * u[e];
+      const Acc x = ad * S[d * E + e] + kd * u[e];
       S2[d * E + e] = x;
       out[e] += qd * x;
     }
   }
   for (int64_t e = 0; e < E; ++e) o[e] = static_cast<T>(scale * out[e]);
+}
+
+// The delta rule with one decay α for the row (1 without a gate): delta_row above.
+template <typename T, typename Acc>
+LINATTN_CLONES void delta_update_row(const Acc* S, Acc* S2, const Acc* __restrict__ qk, const T* __restrict__ v,
+                                     Acc beta, Acc alpha, Acc scale, T* __restrict__ o, Acc* __restrict__ u, int64_t D,
+                                     int64_t E) {
+  delta_row<T, Acc, false>(S, S2, qk, v, beta, &alpha, scale, o, u, D, E);
 }
 
 }  // namespace

@@ -3,12 +3,17 @@
 Per (batch, head), with q̂_t = scale · n(q_t), k̂_t = n(k_t) (n the L2 normalization x / √(‖x‖² + ε),
 ε = 1e-6, with qk_l2norm=True, else the identity) and α_t = e^{g_t} (1 without g):
 
-    S_t = α_t (I − β_t k̂_t k̂_tᵀ) S_{t−1} + β_t k̂_t v_tᵀ        o_t = S_tᵀ q̂_t
+    S_t = (I − β_t k̂_t k̂_tᵀ) Diag(α_t) S_{t−1} + β_t k̂_t v_tᵀ        o_t = S_tᵀ q̂_t
 
-DeltaNet (Schlag et al. 2021; Yang et al. 2024) has no g; Gated DeltaNet (Yang et al. 2024b) adds
-it. The state S is (B, H, D, E), float32 (float64 for float64 inputs) whatever the input dtype.
-For a stable recurrence keep β_t ‖k̂_t‖² ≤ 2, e.g. with qk_l2norm=True: I − β k̂k̂ᵀ then has spectral
-norm 1 and never amplifies the state (unnormalized keys can make it grow exponentially; not checked).
+DeltaNet (Schlag et al. 2021; Yang et al. 2024) has no g; Gated DeltaNet (Yang et al. 2024b) one
+decay per head and token, g (B, H, N), where the transition is α_t (I − β_t k̂_t k̂_tᵀ); Kimi Delta
+Attention (KDA; Kimi Linear, Moonshot AI 2025) one per key channel, g (B, H, N, D), Diag(α_t) scaling
+the D rows of S. The state S is (B, H, D, E), float32 (float64 for float64 inputs) whatever the input
+dtype.
+β_t ∈ [0, 2]: above 1 the transition has a negative eigenvalue 1 − β_t (negative eigenvalues, Grazzi
+et al. 2024; OLMo-Hybrid's allow_neg_eigval), β_t = 0 writes nothing. For a stable recurrence keep
+β_t ‖k̂_t‖² ≤ 2, e.g. with qk_l2norm=True: I − β k̂k̂ᵀ then has spectral norm 1 and never amplifies
+the state (unnormalized keys can make it grow exponentially; not checked).
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from ..linear.chunked import DEFAULT_CHUNK_SIZE, state_dtype
 from ..autodiff import has_tangent, refuse_forward_ad
 from ..nonfinite import all_finite
 from . import fused
-from .checks import check_arguments, check_values
+from .checks import check_arguments, check_values, op_name, per_channel
 from .chunked import ChunkedDeltaRule, normalize_rows
 from .exact import exact_delta_rule
 
@@ -45,9 +50,10 @@ def delta_rule(
 ):
     """The delta rule over a whole sequence (causal), in the chunked WY/UT form (design §13).
 
-    q, k: (B, H, N, D); v: (B, H, N, E); beta: (B, H, N) in (0, 1]; g: (B, H, N) log-decays ≤ 0
-    (Gated DeltaNet) or None (DeltaNet). Returns o (B, H, N, E) in q's dtype, or (o, S) with
-    return_state, S (B, H, D, E) the state after the last token.
+    q, k: (B, H, N, D); v: (B, H, N, E); beta: (B, H, N) in [0, 2]; g: log-decays ≤ 0, (B, H, N)
+    (Gated DeltaNet), (B, H, N, D) (KDA: one per key channel) or None (DeltaNet); finite, of any
+    strength (−1e30 resets exactly). Returns o (B, H, N, E) in q's dtype, or (o, S) with return_state,
+    S (B, H, D, E) the state after the last token.
 
     scale: multiplies q (after the L2 normalization; None: no scaling).
     qk_l2norm: L2-normalize q and k inside the op (the gradient flows through the normalization).
@@ -60,9 +66,10 @@ def delta_rule(
         call (the state resets at every boundary); initial_state and the returned state are per
         sequence, S (N, H, D, E).
 
-    Gradients reach q, k, v, beta, g and initial_state. On the CPU, fp32, fp64 and bf16 inputs run
-    as fused operators forward and backward (csrc/delta.cpp); other devices and dtypes (and
-    LINATTN_NATIVE=0) run the torch-op path of `linattn.ops.delta.chunked` (same numbers up to rounding).
+    Gradients reach q, k, v, beta, g and initial_state. On the CPU, fp32, fp64 and bf16 inputs without
+    a per-channel g run as fused operators forward and backward (csrc/delta.cpp); a per-channel g,
+    other devices and dtypes (and LINATTN_NATIVE=0) run the torch-op path of `linattn.ops.delta.chunked`
+    (same numbers up to rounding). First-order reverse mode only (`linattn.ops.autodiff`).
 
     NaN and Inf respect causality: one at token j changes no output before j and no gradient of a loss
     over those outputs (such a call runs an exact, slower pass: `linattn.ops.delta.exact`).
@@ -73,7 +80,7 @@ def delta_rule(
                        return_state=return_state, chunk_size=chunk_size)
     check_arguments(q, k, v, beta, g, scale, qk_l2norm, initial_state)
     check_values(beta, g)
-    refuse_forward_ad("delta_rule", q, k, v, beta, g, initial_state)
+    refuse_forward_ad(op_name(g), q, k, v, beta, g, initial_state)
     chunk_size = min(chunk_size, q.shape[2])  # one chunk at most: no C² work buffer beyond N²
     sdt = state_dtype(q.dtype)
     b, h, _, d = q.shape
@@ -81,7 +88,7 @@ def delta_rule(
     scale = None if scale is None else float(scale)
 
     def run(q, k, v, beta, g, S0):
-        if fused.usable(q):
+        if fused.usable(q) and not per_channel(g):
             return fused.chunked(q, k, v, beta.to(sdt), None if g is None else g.to(sdt), S0, scale=scale,
                                  l2norm=qk_l2norm, chunk=chunk_size)
         return ChunkedDeltaRule.apply(chunk_size, scale, qk_l2norm, q, k, v, beta, g, S0)
@@ -156,12 +163,13 @@ def delta_rule_step(
 ):
     """The recurrent form: returns (o, new_state); `state` is not modified.
 
-        u = S k̂,  S' = α S + k̂ (β (v − α u))ᵀ  (= α (I − β k̂k̂ᵀ) S + β k̂ vᵀ),   o = S'ᵀ q̂
+        S_α = Diag(α) S,  u = S_αᵀ k̂,  S' = S_α + k̂ (β (v − u))ᵀ  (= (I − β k̂k̂ᵀ) Diag(α) S + β k̂ vᵀ),
+        o = S'ᵀ q̂                                  (a scalar α: u = α Sᵀk̂, S' = α S + k̂ (β (v − u))ᵀ)
 
     state: S (B, H, D, E) in the state dtype, or None to start from zeros. q, k (B, H, T, D), v
-    (B, H, T, E), beta and g (B, H, T): T = 1 is the decoding path (on the CPU with fp32, fp64 or bf16
-    inputs and no gradient wanted, one fused operator); a short block of T > 1 tokens runs
-    `delta_rule` from the state.
+    (B, H, T, E), beta (B, H, T), g (B, H, T), (B, H, T, D) or None: T = 1 is the decoding path (on the
+    CPU with fp32, fp64 or bf16 inputs and neither a gradient nor a forward-mode tangent wanted, one
+    fused operator; else torch ops); a short block of T > 1 tokens runs `delta_rule` from the state.
     """
     if q.dim() == 4 and q.shape[2] != 1:
         return delta_rule(q, k, v, beta, g=g, scale=scale, qk_l2norm=qk_l2norm, initial_state=state,
@@ -189,8 +197,10 @@ def _step(S, q, k, v, beta, g, scale, l2norm):
     if scale is not None:
         q = q * scale
     beta = beta.to(sdt)  # (B, H, 1)
+    if per_channel(g):
+        S = g[:, :, 0].to(sdt).exp().unsqueeze(-1) * S  # Diag(α) S
     u = (k.unsqueeze(-2) @ S).squeeze(-2)  # Sᵀk̂ (B, H, E)
-    if g is None:
+    if g is None or per_channel(g):
         S_new = S + k.unsqueeze(-1) * (beta * (v - u)).unsqueeze(-2)
     else:
         alpha = g.to(sdt).exp()

@@ -36,6 +36,13 @@ numerics of b: after one strong gate, g = −1e8 say, b_i and b_j both carry it 
 a float64 difference of the two loses the small gates between them). Clamping changes nothing that
 can be seen: e^{GATE_FLOOR} ≈ 3.7e-44 is zero to fp32 and below any fp64 rounding of the state;
 the gradient of a clamped g is 0 (as that of e^g, ≤ 3.7e-44, would be after rounding).
+
+One decay per key channel (KDA, g (B, H, N, D)): the same form with the decays applied channel by
+channel — K ⊙ e^b, K ⊙ e^{b_c − b}, Q ⊙ e^b, S ← Diag(e^{b_c}) S + …, and K Kᵀ ⊙ Γ, Q Kᵀ ⊙ Γ replaced
+by Σ_d x_id k_jd e^{b_id − b_jd}, formed by sub-chunks so that no exponential overflows
+(`linattn.ops.delta.subchunk`; b from g clamped at CHANNEL_GATE_FLOOR). Its backward recomputes a
+block with autograd from the block's saved state and the gradient R after it (the same blocks, the
+same memory bound).
 """
 
 from __future__ import annotations
@@ -46,7 +53,9 @@ import torch
 
 from ..linear.chunked import chunk_blocks, state_dtype
 from ..autodiff import first_order
+from .checks import op_name, per_channel
 from .reference import L2_EPS
+from .subchunk import CHANNEL_GATE_FLOOR, eye, pair_products
 
 #: Every log-decay g is clamped at this floor before its chunk's cumulative sum b is formed (also in
 #: csrc/delta.cpp, kGateFloor): e^{−100} ≈ 3.7e-44, so a stronger gate forgets just as completely.
@@ -72,13 +81,10 @@ def normalize_rows_grad(n: torch.Tensor, r: torch.Tensor, dn: torch.Tensor) -> t
 
 @functools.lru_cache(maxsize=16)
 def _upper(c: int, device: torch.device) -> torch.Tensor:
-    """(c, c) bool, True strictly above the diagonal (cached: never written to)."""
-    return torch.ones(c, c, dtype=torch.bool, device=device).triu_(1)
-
-
-@functools.lru_cache(maxsize=16)
-def _eye(c: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    return torch.eye(c, dtype=dtype, device=device)
+    """(c, c) bool, True strictly above the diagonal (cached: never written to; made outside inference
+    mode, as subchunk's)."""
+    with torch.inference_mode(False):
+        return torch.ones(c, c, dtype=torch.bool, device=device).triu_(1)
 
 
 class _Features:
@@ -119,23 +125,40 @@ def _gates(g):
     return gam, b.exp().to(sdt), (last - b).exp().to(sdt), last.exp().to(sdt)
 
 
-def _block_forward(Q, K, V, beta, g, S):
-    """The forward of one block of nc chunks. Q, K (BH, nc, c, D), V (BH, nc, c, E), beta and g
-    (BH, nc, c), S (BH, D, E) entering the block. Returns (O, S after the block, everything the
-    backward needs)."""
-    c = Q.shape[-2]
-    gates = _gates(g)
+def _channel_gates(g):
+    """One decay per key channel: b = cumsum(max(g, CHANNEL_GATE_FLOOR)) per chunk in float64, then in g's
+    dtype e^b, e^{b_c − b} and e^{b_c}. g: (BH, nc, c, D)."""
+    b = g.to(torch.float64).clamp_min(CHANNEL_GATE_FLOOR).cumsum(-2)
+    last, dt = b[..., -1:, :], g.dtype
+    return b, b.to(dt).exp(), (last - b).to(dt).exp(), last.to(dt).exp()
+
+
+def _scores(Q, K, g):
+    """The gate terms of a block: (KKG = strict_tril(K Kᵀ ⊙ Γ), P = tril(Q Kᵀ ⊙ Γ), Kb = diag(e^b) K,
+    Kl = diag(e^{b_c − b}) K, Qb = diag(e^b) Q, the state's decay per chunk (None; (BH, nc, 1, 1); or
+    (BH, nc, D, 1) per channel), the scalar gates (`_gates`) or None). Differentiable where g is per
+    channel (that backward runs autograd over it)."""
+    if per_channel(g):
+        b, eb, el, elast = _channel_gates(g)
+        KK, P = pair_products(Q, K, b)
+        return KK.tril(-1), P, K * eb, K * el, Q * eb, elast[..., 0, :, None], None
     KK, QK = K @ K.mT, Q @ K.mT
+    gates = _gates(g)
     if gates is None:
-        KKG, P = KK.tril(-1), QK.tril()
-        Kb = Kl = K
-        Qb = Q
-    else:
-        gam, eb, el, elast = gates
-        KKG, P = (KK * gam).tril_(-1), QK * gam
-        Kb, Kl, Qb = K * eb[..., None], K * el[..., None], Q * eb[..., None]
+        return KK.tril(-1), QK.tril(), K, K, Q, None, None
+    gam, eb, el, elast = gates
+    return (KK * gam).tril_(-1), QK * gam, K * eb[..., None], K * el[..., None], Q * eb[..., None], \
+        elast[..., None], gates
+
+
+def _block_forward(Q, K, V, beta, g, S):
+    """The forward of one block of nc chunks. Q, K (BH, nc, c, D), V (BH, nc, c, E), beta (BH, nc, c),
+    g (BH, nc, c), (BH, nc, c, D) or None, S (BH, D, E) entering the block. Returns (O, S after the block,
+    everything the backward needs)."""
+    c = Q.shape[-2]
+    KKG, P, Kb, Kl, Qb, decay, gates = _scores(Q, K, g)
     A = beta[..., :, None] * KKG
-    Linv = torch.linalg.solve_triangular(A, _eye(c, A.dtype, A.device), upper=False, unitriangular=True)
+    Linv = torch.linalg.solve_triangular(A, eye(c, A.dtype, A.device), upper=False, unitriangular=True)
     T = Linv * beta[..., None, :]  # L⁻¹ diag(β)
     U, W = T @ V, T @ Kb
     S_before, Vp = [], []
@@ -143,7 +166,7 @@ def _block_forward(Q, K, V, beta, g, S):
         S_before.append(S)
         vp = torch.baddbmm(U[:, n], W[:, n], S, alpha=-1)
         Vp.append(vp)
-        S = torch.baddbmm(S if gates is None else S * gates[3][:, n, :, None], Kl[:, n].mT, vp)
+        S = torch.baddbmm(S if decay is None else S * decay[:, n], Kl[:, n].mT, vp)
     S_before, Vp = torch.stack(S_before, 1), torch.stack(Vp, 1)
     O = Qb @ S_before + P @ Vp
     saved = dict(gates=gates, KKG=KKG, P=P, A=A, Linv=Linv, T=T, Kb=Kb, Kl=Kl, Qb=Qb, S_before=S_before, Vp=Vp)
@@ -191,7 +214,7 @@ def _block_backward(Q, K, V, beta, dO, R, t):
 
 class ChunkedDeltaRule(torch.autograd.Function):
     """apply(chunk, scale, l2norm, q, k, v, beta, g, S0) -> (o, S): the delta rule over (B, H, N, ·)
-    tensors from the state S0 (B, H, D, E) in the state dtype; g may be None."""
+    tensors from the state S0 (B, H, D, E) in the state dtype; g (B, H, N), (B, H, N, D) or None."""
 
     @staticmethod
     def forward(ctx, chunk, scale, l2norm, q, k, v, beta, g, S0):
@@ -208,13 +231,13 @@ class ChunkedDeltaRule(torch.autograd.Function):
                 O, S, _ = _block_forward(Q, K, V, bt, gt, S)
                 o[:, :, s:t] = O.reshape(b, h, t - s, e)
         ctx.chunk, ctx.scale, ctx.l2norm, ctx.blocks, ctx.S0_dtype = chunk, scale, l2norm, blocks, S0.dtype
-        ctx.has_g = g is not None
+        ctx.has_g, ctx.op_name = g is not None, op_name(g)
         ctx.save_for_backward(q, k, v, beta, *([g] if g is not None else []), *S_in)
         ctx.set_materialize_grads(False)
         return o, S.reshape(b, h, d, e)
 
     @staticmethod
-    @first_order("delta_rule")
+    @first_order("delta_rule")  # named by ctx.op_name
     @torch.autograd.function.once_differentiable
     def backward(ctx, do, dS):
         q, k, v, beta, *rest = ctx.saved_tensors
@@ -222,6 +245,8 @@ class ChunkedDeltaRule(torch.autograd.Function):
         b, h, n, d = q.shape
         e, bh, sdt = v.shape[-1], b * h, state_dtype(q.dtype)
         R = torch.zeros(bh, d, e, dtype=sdt, device=q.device) if dS is None else dS.to(sdt).reshape(bh, d, e)
+        if per_channel(g):
+            return (None, None, None, *_channel_backward(ctx, (q, k, v, beta, g), S_in, do, R))
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         dbeta = torch.empty(b, h, n, dtype=sdt, device=q.device)
         dg = None if g is None else torch.empty(b, h, n, dtype=sdt, device=q.device)
@@ -243,13 +268,36 @@ class ChunkedDeltaRule(torch.autograd.Function):
                 R.reshape(b, h, d, e).to(ctx.S0_dtype))
 
 
+def _channel_backward(ctx, inputs, S_in, do, R):
+    """The gradients of q, k, v, beta, g (per channel) and S0: each block recomputed with autograd from
+    its saved state, in reverse, R = ∂L/∂S carried from block to block."""
+    q, v = inputs[0], inputs[2]
+    b, h, _, d = q.shape
+    e, sdt = v.shape[-1], state_dtype(q.dtype)
+    grads = [torch.empty_like(x) for x in inputs]
+    for i in reversed(range(len(ctx.blocks))):
+        s, t, c = ctx.blocks[i]
+        with torch.enable_grad():
+            xs = [x[:, :, s:t].detach().requires_grad_() for x in inputs]
+            S = S_in[i].detach().requires_grad_()
+            _, Q, K, V, bt, gt = _block_inputs(*xs, 0, t - s, c, ctx.scale, ctx.l2norm, sdt)
+            O, S_out, _ = _block_forward(Q, K, V, bt, gt, S)
+            O = O.reshape(b, h, t - s, e)
+            dO = torch.zeros_like(O) if do is None else do[:, :, s:t].to(sdt)
+            *got, R = torch.autograd.grad((O, S_out), (*xs, S), (dO, R), allow_unused=True)
+        for full, part in zip(grads, got):
+            full[:, :, s:t] = 0 if part is None else part
+    return (*grads, R.reshape(b, h, d, e).to(ctx.S0_dtype))
+
+
 def _block_inputs(q, k, v, beta, g, s, t, c, scale, l2norm, sdt):
-    """The block [s, t) as (features, Q, K (BH, nc, c, D), V (BH, nc, c, E), β, g (BH, nc, c)) in sdt."""
+    """The block [s, t) as (features, Q, K (BH, nc, c, D), V (BH, nc, c, E), β (BH, nc, c), g (BH, nc, c)
+    or (BH, nc, c, D)) in sdt."""
     b, h = q.shape[:2]
     feats = _Features(q[:, :, s:t], k[:, :, s:t], scale, l2norm, sdt)
     per = (b * h, (t - s) // c, c)
     Q, K = feats.q.reshape(*per, -1), feats.k.reshape(*per, -1)
     V = v[:, :, s:t].to(sdt).reshape(*per, -1)
     bt = beta[:, :, s:t].to(sdt).reshape(per)
-    gt = None if g is None else g[:, :, s:t].to(sdt).reshape(per)
+    gt = None if g is None else g[:, :, s:t].to(sdt).reshape(*per, *g.shape[3:])
     return feats, Q, K, V, bt, gt

@@ -1,9 +1,9 @@
 """The delta rule's exact pass for inputs holding NaN or Inf: causality for non-finite values.
 
-A NaN or Inf in k or v at token j makes S_t non-finite for every t ≥ j of that (batch, head) row; one
-in q reaches o_j alone. The chunked forms keep the outputs before j exact (they only read earlier
-states), but their backward multiplies the zero cotangents of unused outputs by those non-finite
-factors (0·NaN = NaN), so a loss over o_{<j} gets NaN gradients everywhere. Mathematically every
+A NaN or Inf in k, v, β or g (per head or per key channel) at token j makes S_t non-finite for every t ≥ j of
+that (batch, head) row; one in q reaches o_j alone. The chunked forms keep the outputs before j exact (they
+only read earlier states), but their backward multiplies the zero cotangents of unused outputs by those
+non-finite factors (0·NaN = NaN), so a loss over o_{<j} gets NaN gradients everywhere. Mathematically every
 gradient of such a loss is finite and those of the tokens from j on are exactly 0.
 
 The exact pass cuts the sequence around every token that is non-finite in some row while that row's
@@ -21,6 +21,7 @@ from typing import Callable
 import torch
 
 from ..autodiff import first_order
+from .checks import op_name
 
 Run = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
@@ -29,7 +30,7 @@ def _bad_tokens(q, k, v, beta, g) -> torch.Tensor:
     """Token indices where a cut is needed: non-finite in a row whose state is still finite there."""
     poisons = ~(torch.isfinite(k).all(-1) & torch.isfinite(v).all(-1) & torch.isfinite(beta))  # (B, H, N)
     if g is not None:
-        poisons |= ~torch.isfinite(g)
+        poisons |= ~(torch.isfinite(g) if g.dim() == 3 else torch.isfinite(g).all(-1))  # per head or per channel
     n = q.shape[2]
     pos = torch.arange(n, device=q.device)
     first = torch.where(poisons, pos, n).amin(-1, keepdim=True)  # (B, H, 1): the row's first poisoning token
@@ -60,13 +61,13 @@ class _Piece(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, run: Run, q, k, v, beta, g, S0):
-        ctx.run = run
+        ctx.run, ctx.op_name = run, op_name(g)
         ctx.save_for_backward(q, k, v, beta, g, S0)
         with torch.no_grad():
             return run(q, k, v, beta, g, S0)
 
     @staticmethod
-    @first_order("delta_rule")
+    @first_order("delta_rule")  # named by ctx.op_name
     @torch.autograd.function.once_differentiable
     def backward(ctx, do, dS):
         inputs = ctx.saved_tensors

@@ -1,6 +1,7 @@
-"""The fused CPU kernels of the delta rule (csrc/delta.cpp, built with the rest of linattn.ops.native):
-`linattn_cpu::delta_chunked` (the chunked forward, one (batch, head) row per task), its backward
-`linattn_cpu::delta_chunked_backward`, and `linattn_cpu::delta_step` (one token, for decoding).
+"""The fused CPU kernels of the delta family (csrc/delta.cpp, built with the rest of linattn.ops.native):
+`linattn_cpu::delta_chunked` (the chunked forward, one (batch, head) row per task; g None or one decay
+per head), its backward `linattn_cpu::delta_chunked_backward`, and `linattn_cpu::delta_step` (one
+token, for decoding; g None, one decay per head, or one per key channel as KDA's).
 
 They take fp32, fp64 and bf16 q, k, v (bf16 rows are widened to fp32 as they are read: fp32 products,
 triangular solves and state), β and g in the state dtype. Where the extension cannot be built, or with
@@ -44,8 +45,8 @@ def chunked(q, k, v, beta, g, S0, *, scale: float | None, l2norm: bool, chunk: i
 
 
 def step(S, q, k, v, beta, g, *, scale: float | None, l2norm: bool):
-    """One token (q, k (B, H, 1, D), v (B, H, 1, E), beta and g (B, H, 1) in S's dtype); the kernel
-    itself checks the values of beta and g. Returns (o (B, H, 1, E), S')."""
+    """One token (q, k (B, H, 1, D), v (B, H, 1, E), beta (B, H, 1), g (B, H, 1), (B, H, 1, D) or None,
+    in S's dtype); the kernel itself checks the values of beta and g. Returns (o (B, H, 1, E), S')."""
     return torch.ops.linattn_cpu.delta_step.default(S, q, k, v, beta, g, 1.0 if scale is None else scale, l2norm)
 
 
