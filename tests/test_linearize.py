@@ -224,3 +224,29 @@ def test_a_tiny_random_llama_is_linearized_by_one_command(tmp_path, capsys):
     student = LinearTransformerLM.from_pretrained(tmp_path / "out" / "model")
     assert student.config.layer_kinds == ["lolcats", "lolcats"] and student.config.n_heads == 4
     assert (tmp_path / "out" / "teacher-linattn" / "config.json").exists()
+
+
+def test_the_experiment_preset_aggregates_seeds_and_resumes(tmp_path):
+    from linattn.linearize.experiment import run_experiment
+
+    small = dict(teacher_overrides={"model": {"d_model": 32, "n_layers": 2, "n_heads": 2, "attention": "softmax",
+                                              "positions": "rope"}, "steps": 6, "seq_len": 96, "batch_size": 4,
+                                    "corpus_max_bytes": CORPUS, "eval_batches": 1, "warmup_steps": 1},
+                 linearize_overrides={"seq_len": 96, "batch_size": 4, "transfer_steps": 3, "finetune_steps": 3,
+                                      "eval_batches": 1, "recall": 4, "corpus_max_bytes": CORPUS},
+                 seeds=(0, 1), recipes=("liger", "t2r"), contexts=(100,), progress=False)
+    report = run_experiment(tmp_path, **small)
+    rows = {r["recipe"]: r for r in report["recipes"]}
+    assert set(rows) == {"liger", "t2r"} and "stage 1" in rows["t2r"] and "stage 1" not in rows["liger"]
+    for r in rows.values():
+        b = r["stage 2"]["bpb"]
+        assert len(b["values"]) == 2 and b["worst"] == max(b["values"])
+        assert b["mean"] == pytest.approx(sum(b["values"]) / 2)
+        assert r["decode"][0]["cache_bytes"] > 0
+    assert report["teacher"]["decode"][0]["cache_bytes"] > rows["t2r"]["decode"][0]["cache_bytes"]
+    for name in ("linearize.json", "linearize.md", "linearize.png", "decode.json"):
+        assert (tmp_path / name).stat().st_size > 0
+    mtime = (tmp_path / "t2r-seed1" / "linearize.json").stat().st_mtime
+    again = run_experiment(tmp_path, **small)  # everything is read back, nothing trained again
+    assert (tmp_path / "t2r-seed1" / "linearize.json").stat().st_mtime == mtime
+    assert again["recipes"] == report["recipes"]

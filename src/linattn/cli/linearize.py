@@ -47,8 +47,11 @@ def add_parser(subparsers) -> None:
                    help="file or folder of the byte corpus (repeatable; default: the Python standard library)")
     g.add_argument("--corpus-max-bytes", type=positive_int, default=None, metavar="N")
     g = p.add_argument_group("report")
-    g.add_argument("--contexts", type=int_list, default=[1024, 4096], metavar="N[,N...]",
-                   help="decode contexts for ms/token and cache bytes (default: 1024,4096)")
+    g.add_argument("--contexts", type=int_list, default=None, metavar="N[,N...]",
+                   help="decode contexts for ms/token and cache bytes (default: 1024,4096; the preset: "
+                        "1024,4096,8192,16384,32768)")
+    g.add_argument("--no-decode", action="store_true",
+                   help="--preset experiment: leave the decode timings for a later run on an idle machine")
     g.add_argument("--eval-batches", type=positive_int, default=16)
     p.add_argument("--threads", type=positive_int, default=None, metavar="T", help="torch threads")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -71,7 +74,8 @@ def run_linearize_command(args) -> int:
             from ..linearize.experiment import run_experiment
 
             out = output_dir("linearize", args.out)
-            run_experiment(out, seeds=args.seeds, console=console, progress=not args.quiet)
+            run_experiment(out, seeds=args.seeds, console=console, progress=not args.quiet,
+                           decode=not args.no_decode, **({"contexts": tuple(args.contexts)} if args.contexts else {}))
             return 0
         if not args.teacher:
             print("linattn linearize: error: --teacher PATH is required (or --preset experiment)", file=sys.stderr)
@@ -83,7 +87,7 @@ def run_linearize_command(args) -> int:
                               finetune_lr=args.finetune_lr, mode=args.mode, lora_rank=args.lora_rank,
                               kl_weight=args.kl_weight, corpus=args.corpus, corpus_max_bytes=args.corpus_max_bytes,
                               seed=args.seed or 0, device=args.device or "cpu", eval_batches=args.eval_batches,
-                              contexts=tuple(args.contexts))
+                              contexts=tuple(args.contexts or (1024, 4096)))
         report = linearize(cfg, progress=not args.quiet, console=console)
     except LinearizeInterrupted as exc:
         print(f"linattn linearize: interrupted: {exc}", file=sys.stderr)

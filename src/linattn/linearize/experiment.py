@@ -24,7 +24,7 @@ from ..report import make_table, machine_info, timestamp, write_json
 from ..training import TrainConfig, train
 from .run import LinearizeConfig, LinearizeInterrupted, linearize
 
-__all__ = ["LINEARIZE", "SEEDS", "TEACHER", "run_experiment", "summarize"]
+__all__ = ["LINEARIZE", "SEEDS", "TEACHER", "measure_decode", "run_experiment", "summarize"]
 
 SEEDS = (0, 1, 2)
 #: the teacher: 4 softmax layers of d_model 128 (4 heads, RoPE), windows of 512 bytes, 16 per step
@@ -82,10 +82,27 @@ def _teacher(out: Path, fields: dict, progress: bool, console):
     return res
 
 
+def measure_decode(out: Path, recipes, seed: int, contexts) -> dict:
+    """{"teacher": decode_costs, recipe: decode_costs of its seed's final model}, all in one pass (so
+    that they are measured side by side, on one machine state), written to out/decode.json."""
+    from ..training.linearize import load_teacher
+    from .evaluate import decode_costs
+
+    models = {"teacher": load_teacher(out / "teacher")}
+    models.update({r: load_teacher(out / f"{r}-seed{seed}" / "model", r) for r in recipes})
+    result = {name: decode_costs(m, contexts) for name, m in models.items()}
+    result["_machine"] = machine_info("cpu")
+    write_json(out / "decode.json", result)
+    return result
+
+
 def run_experiment(out, *, seeds=None, recipes=None, console=None, progress: bool = True,
                    teacher_overrides: dict | None = None, linearize_overrides: dict | None = None,
-                   contexts=CONTEXTS) -> dict:
-    """Runs (or resumes) the preset into `out`; returns the report (also written as linearize.*)."""
+                   contexts=CONTEXTS, decode: bool = True) -> dict:
+    """Runs (or resumes) the preset into `out`; returns the report (also written as linearize.*).
+    The decode costs are measured at the end, for the teacher and every recipe's first-seed model in
+    one pass (out/decode.json, reused when present; decode=False leaves them out, so that they can be
+    measured later on an idle machine)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     seeds = tuple(SEEDS if seeds is None else seeds)
@@ -101,14 +118,21 @@ def run_experiment(out, *, seeds=None, recipes=None, console=None, progress: boo
                 runs[(recipe, seed)] = json.loads(done.read_text(encoding="utf-8"))
                 continue
             cfg = LinearizeConfig(teacher=str(out / "teacher"), out=str(folder), recipe=recipe, seed=seed,
-                                  contexts=tuple(contexts) if seed == seeds[0] else (),
-                                  **{**LINEARIZE, **(linearize_overrides or {})})
+                                  contexts=(), **{**LINEARIZE, **(linearize_overrides or {})})
             runs[(recipe, seed)] = linearize(cfg, progress=progress, console=console)
     first = runs[(recipes[0], seeds[0])]
     teacher_row = next(x for x in first["rows"] if x["model"] == "teacher")
+    dec = None
+    if (out / "decode.json").exists():
+        dec = json.loads((out / "decode.json").read_text(encoding="utf-8"))
+    elif decode and contexts:
+        dec = measure_decode(out, recipes, seeds[0], contexts)
+    for (r, s), rep in runs.items():
+        if dec is not None and s == seeds[0]:
+            rep["decode"] = {"teacher": dec["teacher"], "stage 2": dec.get(r)}
     report = {"teacher": {"bpb": teacher_row["bpb"], "recall": teacher_row["recall"], "tokens": teacher.tokens,
                           "config": teacher_fields,
-                          "decode": first.get("decode", {}).get("teacher")},
+                          "decode": None if dec is None else dec["teacher"]},
               "linearize": {**LINEARIZE, **(linearize_overrides or {})}, "seeds": list(seeds),
               "recipes": summarize(runs, teacher_row["bpb"]),
               "runs": {f"{r}-seed{s}": rep["rows"] for (r, s), rep in runs.items()},
