@@ -325,6 +325,12 @@ def test_init_preset_runs_both_ranges_and_judges_by_its_stated_rule():
     found = {f["kind"]: f for f in ri.init_findings({"summary": summarize_seeds(recs)})}
     assert found["gated_deltanet"]["slow_better"] and found["gated_deltanet"]["default"]["plateau_seeds"] == [1]
     assert not found["kda"]["slow_better"]
+    # where both ranges reach the early stop on every seed, fewer steps to it decide
+    solved = [{**_rec("kda", 1e-2, 0.991, s, variant=v, steps=t), "steps_to_stop": t}
+              for v, ts in ((ri.DEFAULT_LABEL, (600, 700, 800)), (ri.SLOW_LABEL, (900, 600, 800)))
+              for s, t in enumerate(ts)]
+    f = ri.init_findings({"summary": summarize_seeds(solved)})[0]
+    assert not f["slow_better"] and "steps to 99%" in f["compared_by"]
 
 
 def test_slow_init_range_reaches_the_layers():
