@@ -125,8 +125,15 @@ def test_left_padded_rows_equal_the_rows_alone_and_pads_leave_the_state():
     torch.testing.assert_close(y[mask], reference(layer, x, mask=mask)[mask], rtol=1e-10, atol=1e-12)
 
 
-def test_initialization_is_kimi_linears():
-    layer = KimiDeltaAttention(64, 4, short_conv=4)
+def test_initialization_is_kimi_linears_with_their_range():
+    """Kimi Linear's init with its Δ range passed; linattn's default Δ range is slower
+    (KDA_DT_INIT_RANGE, chosen by the recall-init study) and drawn the same way."""
+    from linattn.nn.kda import KDA_DT_INIT_RANGE
+
+    lo, hi = KDA_DT_INIT_RANGE
+    dt = F.softplus(KimiDeltaAttention(64, 4).forget_gate.dt_bias.detach().double())
+    assert (dt >= lo * (1 - 1e-6)).all() and (dt <= hi * (1 + 1e-6)).all()
+    layer = KimiDeltaAttention(64, 4, short_conv=4, dt_init_range=(0.001, 0.1))
     fg = layer.forget_gate
     assert fg.A_log.shape == (4,) and fg.dt_bias.shape == (4 * layer.qk_dim,)
     a = fg.A_log.exp()

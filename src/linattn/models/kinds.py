@@ -21,7 +21,7 @@ from torch import nn
 from ..nn.attention import LinearAttention, SoftmaxAttention
 from ..nn.decay import DT_INIT_RANGE
 from ..nn.feature_maps import FEATURE_MAPS
-from ..nn.kda import KimiDeltaAttention
+from ..nn.kda import KDA_DT_INIT_RANGE, KimiDeltaAttention
 from ..nn.liger import LigerAttention
 from ..nn.lolcats import LoLCATsAttention
 from ..nn.swa import DEFAULT_WINDOW, SlidingWindowAttention
@@ -105,7 +105,7 @@ _ROWS = (
     Kind("gated_deltanet", GatedDeltaNetAttention, "Gated DeltaNet", "delta", rnn=True, causal_only=True, short_conv=4,
          output_gate=True, positions="none", options={"dt_init_range": DT_INIT_RANGE}, fused="delta"),
     Kind("kda", KimiDeltaAttention, "KDA", "delta", rnn=True, causal_only=True, short_conv=4, output_gate=True,
-         positions="none", options={"dt_init_range": DT_INIT_RANGE}),
+         positions="none", options={"dt_init_range": KDA_DT_INIT_RANGE}),
     Kind("swa", SlidingWindowAttention, "sliding window", "window", rnn=True, causal_only=True, positions="rope",
          options={"window": DEFAULT_WINDOW}, build=_windowed),
     Kind("lolcats", LoLCATsAttention, "LoLCATs (window + linear)", "window", rnn=True, causal_only=True,
