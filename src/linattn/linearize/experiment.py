@@ -62,7 +62,8 @@ def summarize(runs: dict, teacher_bpb: float) -> list[dict]:
                 continue
             bpb = _stats([g and g["bpb"] for g in got])
             bpb["worst"] = max(v for v in bpb["values"] if v is not None)
-            row[stage] = {"bpb": bpb, "recall": _stats([g and g["recall"] for g in got])}
+            row[stage] = {"bpb": bpb, "recall": _stats([g and g["recall"] for g in got]),
+                          "recall_gain": _stats([g and g.get("recall_gain") for g in got])}
             if stage != "naive swap":
                 rec = _stats([g and g["recovered"] for g in got])
                 rec["worst"] = min((v for v in rec["values"] if v is not None), default=None)
@@ -130,7 +131,8 @@ def run_experiment(out, *, seeds=None, recipes=None, console=None, progress: boo
     for (r, s), rep in runs.items():
         if dec is not None and s == seeds[0]:
             rep["decode"] = {"teacher": dec["teacher"], "stage 2": dec.get(r)}
-    report = {"teacher": {"bpb": teacher_row["bpb"], "recall": teacher_row["recall"], "tokens": teacher.tokens,
+    report = {"teacher": {"bpb": teacher_row["bpb"], "recall": teacher_row["recall"],
+                          "recall_gain": teacher_row.get("recall_gain"), "tokens": teacher.tokens,
                           "config": teacher_fields,
                           "decode": None if dec is None else dec["teacher"]},
               "linearize": {**LINEARIZE, **(linearize_overrides or {})}, "seeds": list(seeds),
@@ -151,17 +153,23 @@ def _fmt(stat: dict | None, pct: bool = False) -> str:
 
 
 def _rows(report: dict) -> list[list[str]]:
+    gain = report["teacher"].get("recall_gain")
     rows = [["teacher (softmax)", f"{report['teacher']['bpb']:.3f}", "—", "—", "—", "—",
-             f"{report['teacher']['recall']:.3f}"]]
+             f"{report['teacher']['recall']:.3f}" + ("" if gain is None else f" ({gain:+.3f})")]]
     for r in report["recipes"]:
         s1, s2 = r.get("stage 1", {}), r["stage 2"]
         rows.append([r["recipe"], _fmt(r["naive swap"]["bpb"]), _fmt(s1.get("bpb")), _fmt(s2["bpb"]),
-                     _fmt(s2.get("recovered"), pct=True), f"{r['stage 2 / teacher']:.3f}×", _fmt(s2["recall"])])
+                     _fmt(s2.get("recovered"), pct=True), f"{r['stage 2 / teacher']:.3f}×",
+                     _fmt(s2["recall"]) + _gain(s2.get("recall_gain"))])
     return rows
 
 
+def _gain(stat: dict | None) -> str:
+    return "" if not stat or stat.get("mean") is None else f" ({stat['mean']:+.3f})"
+
+
 _HEADER = ["model", "naive swap bpb", "stage 1 bpb", "stage 2 bpb", "gap recovered (stage 2)", "stage 2 / teacher",
-           "recall probe (stage 2)"]
+           "copy probe (gain from context)"]
 
 
 def write_experiment(report: dict, out: Path, console=None) -> None:

@@ -172,10 +172,11 @@ def evaluate_models(models: dict, cfg: LinearizeConfig) -> dict:
     rows = []
     for name, m in models.items():
         m.eval()
+        copy = E.recall_accuracy(m, cfg.corpus, cfg.corpus_max_bytes, n_examples=cfg.recall, seed=cfg.seed)
         rows.append({"model": name, "bpb": E.bpb(m, seq_len=cfg.seq_len, corpus=cfg.corpus,
                                                   corpus_max_bytes=cfg.corpus_max_bytes, eval_batches=cfg.eval_batches,
                                                   batch_size=cfg.batch_size),
-                     "recall": E.recall_accuracy(m, n_examples=cfg.recall, seed=cfg.seed)})
+                     "recall": copy["second"], "recall_gain": copy["gain"]})
     by = {r["model"]: r["bpb"] for r in rows}
     for r in rows:
         r["recovered"] = None if r["model"] in ("teacher", "naive swap") else E.recovered(by["naive swap"], r["bpb"],
