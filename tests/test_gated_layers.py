@@ -17,7 +17,8 @@ from linattn.nn.recurrent import (
     RetNetAttention,
     SimpleGLAAttention,
 )
-from linattn.nn.attention import LinearAttention, OutputGate, SoftmaxAttention
+from linattn.nn.attention import LinearAttention, SoftmaxAttention
+from linattn.nn.base import OutputGate
 
 from .conftest import spread
 
@@ -296,8 +297,9 @@ def test_sequence_parallel_hook(kind, monkeypatch):
     """With a group set and no cache, a layer calls linattn.parallel's operator of its kind with the
     single-process op's arguments and the short convolution asks for its halo; a padding mask is
     refused; decoding with a cache stays local. (The sharded results: tests/parallel/.)"""
-    import linattn.nn.recurrent as gl
-    import linattn.nn.attention as ly
+    import linattn.nn.families.delta as delta_family
+    import linattn.nn.families.gated as gated_family
+    import linattn.nn.base as ly
 
     calls = {}
 
@@ -311,8 +313,8 @@ def test_sequence_parallel_hook(kind, monkeypatch):
         calls["halo"] = (width, group)
         return torch.zeros(x.shape[0], width, x.shape[2], dtype=x.dtype)
 
-    monkeypatch.setattr(gl, "sequence_parallel_gated_linear_attention", sp_op("gated"))
-    monkeypatch.setattr(gl, "sequence_parallel_delta_rule", sp_op("delta"))
+    monkeypatch.setattr(gated_family, "sequence_parallel_gated_linear_attention", sp_op("gated"))
+    monkeypatch.setattr(delta_family, "sequence_parallel_delta_rule", sp_op("delta"))
     monkeypatch.setattr(ly, "sequence_halo", halo)
     layer = make_layer(kind)
     layer.sequence_parallel_group = "GROUP"

@@ -32,7 +32,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..nn.attention import Block, ConvMixerBlock, KVCache, RMSNorm
+from ..nn.blocks import Block, ConvMixerBlock
+from ..nn.caches import KVCache
+from ..nn.norms import RMSNorm
 from ..nn.decay import FeatureDecay, FixedDecay, ScalarDecay
 from ..ops import native
 from ..ops.features import native_code
@@ -86,7 +88,7 @@ def fused_decoding_obstacle(model) -> str | None:
 
 
 def _weight(linear: nn.Linear) -> dict:
-    """A Linear's weight as the plan reads it: 'kn' (Wt (in, out) contiguous: linattn.nn.attention.column_major)
+    """A Linear's weight as the plan reads it: 'kn' (Wt (in, out) contiguous: linattn.nn.base.column_major)
     or 'nk' (W (out, in) contiguous), and its bias."""
     w = linear.weight.detach()
     t = {"weight": w.t()} if w.t().is_contiguous() else {"weight": w.contiguous()}

@@ -88,6 +88,9 @@ class Kind:
     def __post_init__(self):
         if self.family not in FAMILIES:
             raise ValueError(f"kind {self.name!r}: family must be one of {FAMILIES}, got {self.family!r}")
+        record = getattr(self.layer, "family", None)  # the layer's linattn.nn.families record
+        if record is not None and record.name != self.family:
+            raise ValueError(f"kind {self.name!r}: family {self.family!r}, but its layer runs the {record.name!r} family")
         if self.fused is not None and self.fused not in FUSED_MIXERS:
             raise ValueError(f"kind {self.name!r}: fused must be one of {FUSED_MIXERS} or None, got {self.fused!r}")
 

@@ -27,7 +27,9 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from .._checks import check_positions, check_positive_int
-from ..nn.attention import Block, ConvMixerBlock, PositionCounter, make_norm, token_positions
+from ..nn.blocks import Block, ConvMixerBlock
+from ..nn.caches import PositionCounter, token_positions
+from ..nn.norms import make_norm
 from ..ops import packed
 from .checkpoint import CONFIG_NAME, CheckpointError, load_model, read_config, save_pretrained
 from .config import ModelConfig
