@@ -7,8 +7,9 @@ gate, the positions its paper uses, the options its layer takes from `ModelConfi
 and the mixer of the fused decoder (csrc/model_mixers.h) that runs its step — or None, and then
 generation takes the eager step for models with that kind (and says so once).
 
-Adding a kind (docs/design.md, "Adding a kind"): its layer in linattn.nn, one row here, and where
-it has one, its C++ mixer in csrc/model_mixers.h with its arguments in linattn.models.decoding.
+Adding a kind (docs/design.md §10.1): its layer in linattn.nn (its parameters, its operator family's
+record and `mix`), one row here, and where it has one, its C++ mixer in csrc/model_mixers.h with its
+arguments in linattn.models.decoding.
 """
 
 from __future__ import annotations
