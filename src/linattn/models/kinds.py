@@ -22,6 +22,7 @@ from torch import nn
 from ..nn.attention import LinearAttention, SoftmaxAttention
 from ..nn.decay import DT_INIT_RANGE
 from ..nn.feature_maps import FEATURE_MAPS
+from ..nn.hgrn2 import HGRN2Attention
 from ..nn.kda import KimiDeltaAttention
 from ..nn.liger import LigerAttention
 from ..nn.lolcats import LoLCATsAttention
@@ -110,6 +111,7 @@ _ROWS = (
          output_gate=True, positions="none", options={"dt_init_range": DT_INIT_RANGE}, fused="delta"),
     Kind("kda", KimiDeltaAttention, "KDA", "delta", rnn=True, causal_only=True, short_conv=4, output_gate=True,
          positions="none", options={"dt_init_range": DT_INIT_RANGE}),
+    Kind("hgrn2", HGRN2Attention, "HGRN2", "gated", rnn=True, causal_only=True, output_gate=True, positions="none"),
     Kind("swa", SlidingWindowAttention, "sliding window", "window", rnn=True, causal_only=True, positions="rope",
          options={"window": DEFAULT_WINDOW}, build=_windowed),
     Kind("lolcats", LoLCATsAttention, "LoLCATs (window + linear)", "window", rnn=True, causal_only=True,
