@@ -8,8 +8,8 @@ and the mixer of the fused decoder (csrc/model_mixers.h) that runs its step — 
 generation takes the eager step for models with that kind (and says so once).
 
 Adding a kind (docs/design.md §10.1): its layer in linattn.nn (its parameters, its operator family's
-record and `mix`), one row here, and where it has one, its C++ mixer in csrc/model_mixers.h with its
-arguments in linattn.models.decoding.
+record and `mix`; to decode fused, `plan_mixer`, the arguments of its family's C++ mixer in
+csrc/model_mixers.h), and one row here.
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ from __future__ import annotations
 from torch import nn
 
 from .._checks import check_positive_int
+from ..ops.features import native_code
 from ..ops.linear.chunked import DEFAULT_CHUNK_SIZE
 from .base import Attention
 from .families import LINEAR, SOFTMAX, LinearMix, SoftmaxMix
@@ -64,6 +65,26 @@ class LinearAttention(Attention):
         return LinearMix(q, k, v, feature_map=self.feature_map, normalize=self.normalize, eps=self.eps, rope=self.rope,
                          causal=self.causal, chunk_size=self.chunk_size, positions=positions)
 
+    def step_obstacle(self) -> str | None:
+        if native_code(self.feature_map) is None:
+            return f"feature map {type(self.feature_map).__name__} takes the eager path"
+        return super().step_obstacle()
+
+    def plan_mixer(self, plan, cache, tensors: dict, ints: dict, floats: dict) -> None:
+        """(kv, z), φ's code and tensors; RoPE on φ's features, in the dtype the eager path holds them."""
+        fm = self.feature_map
+        kv, z = plan.state(cache)
+        tensors.update(kv=kv, z=z)
+        features_bf16 = plan.bf16 and not fm.float32_features
+        ints.update(feature_map=native_code(fm), feature_dim=fm.feature_dim, normalize=int(self.normalize),
+                    features_bf16=int(features_bf16), stabilize=int(getattr(fm, "stabilize", False)),
+                    max_len=int(getattr(fm, "max_len", 0)))
+        floats.update(eps=self.eps, map_eps=float(getattr(fm, "eps", 0.0)))
+        tensors.update(fm.native_tensors())
+        if self.rope is not None:
+            tensors["feature_rope_cos"], tensors["feature_rope_sin"] = plan.rope(self.rope.dim, self.rope.base,
+                                                                                 features_bf16)
+
     def extra_repr(self) -> str:
         return (f"d_model={self.d_model}, n_heads={self.n_heads}, qk_dim={self.qk_dim}, causal={self.causal}, "
                 f"rope={self.rope is not None}, normalize={self.normalize}")
@@ -91,6 +112,14 @@ class SoftmaxAttention(Attention):
     def mix(self, x, q, k, v, positions) -> SoftmaxMix:
         q, k = self.rotate(q, k, positions)
         return SoftmaxMix(q, k, v, causal=self.causal, dropout_p=self.dropout_p if self.training else 0.0)
+
+    def plan_mixer(self, plan, cache, tensors: dict, ints: dict, floats: dict) -> None:
+        """The KV cache (grown to hold the tokens the plan reserves) and its padding mask."""
+        plan.reserve_kv(cache)
+        tensors.update(k_cache=cache.k, v_cache=cache.v)
+        if cache.mask is not None:
+            tensors["key_mask"] = cache.mask
+        self.plan_qk_rope(plan, tensors)
 
     def extra_repr(self) -> str:
         return (f"d_model={self.d_model}, n_heads={self.n_heads}, qk_dim={self.qk_dim}, causal={self.causal}, "

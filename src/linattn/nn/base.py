@@ -269,6 +269,51 @@ class Attention(nn.Module):
         y = self.out(o.reshape(b, n, self.n_heads * self.head_dim))
         return self.dropout(y) if self.dropout_p and self.training else y
 
+    # ---- the fused decoding step (linattn.models.decoding.FusedDecoder, csrc/model_mixers.h, design §15)
+    def step_obstacle(self) -> str | None:
+        """Why the fused decoder cannot plan this layer's one-token step (None: it can; whether the
+        kind runs fused at all is its kinds-table row's word)."""
+        if type(self).plan_mixer is Attention.plan_mixer:
+            return f"{type(self).__name__} has no fused step"
+        if self.q_norm is not None:
+            return "q/k norms (qk_norm) take the eager path"
+        if self.output_gate is not None and type(self.output_gate.norm) is not RMSNorm:
+            return "output gate norm takes the eager path"
+        return None
+
+    def plan_step(self, plan, norm: nn.Module, cache: LayerCache) -> None:
+        """Adds x ← x + Attn(norm(x)) for one token to `plan`, a fused decoder being built (its
+        vocabulary: x, buffer, group, product, project, rope, state, reserve_kv, mixer): the input
+        group, the q|k|v (and output gate) products, the call of the family's mixer on the cached
+        state (`plan_mixer` adds the kind's own arguments), the output product added to x."""
+        t = {"qkv": plan.buffer(self.qkv.out_features), "out": plan.buffer(self.n_heads * self.head_dim)}
+        i = {"heads": self.n_heads, "qk_dim": self.qk_dim, "v_dim": self.head_dim}
+        f: dict = {}
+        plan.group(plan.x, norm)
+        plan.product(self.qkv, t["qkv"])
+        if self.output_gate is not None:
+            t.update(gate=plan.project(self.output_gate.proj), gate_norm_weight=self.output_gate.norm.weight.detach())
+            f["gate_norm_eps"] = float(self.output_gate.norm.eps)
+        if self.conv is not None:
+            if cache.conv is None or not cache.conv.is_contiguous():
+                raise ValueError("fused decoding: the short convolution's cache is missing; run the prefill first")
+            t.update(conv_weight=self.conv.weight.detach(), tail=cache.conv)
+        self.plan_mixer(plan, cache, t, i, f)
+        plan.mixer(self.family.name, t, i, f)
+        plan.group(t["out"], None)
+        plan.product(self.out, plan.x, "residual")
+
+    def plan_mixer(self, plan, cache: LayerCache, tensors: dict, ints: dict, floats: dict) -> None:
+        """The kind's own arguments of its family's mixer call (csrc/model_mixers.h) into tensors,
+        ints, floats: its state from the cache, its gates' products and tensors (kinds with a fused
+        step implement it)."""
+        raise NotImplementedError
+
+    def plan_qk_rope(self, plan, tensors: dict) -> None:
+        """The RoPE tables of q and k (in the model's dtype), where the layer rotates them."""
+        if self.rope is not None:
+            tensors["rope_cos"], tensors["rope_sin"] = plan.rope(self.rope.dim, self.rope.base, plan.bf16)
+
     def extra_repr(self) -> str:
         return (f"d_model={self.d_model}, n_heads={self.n_heads}, qk_dim={self.qk_dim}, causal={self.causal}, "
                 f"short_conv={0 if self.conv is None else self.conv.kernel_size}, "

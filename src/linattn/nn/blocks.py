@@ -20,9 +20,16 @@ from .._checks import check_positive_int
 from .base import Attention, check_dropout, column_major, shard_halo
 from .caches import PositionCounter, nbytes
 from .convolution import ShortConvolution
-from .norms import make_norm
+from .norms import make_norm, native_norm_code
 
 ACTIVATIONS = ("gelu", "swiglu", "gelu_tanh")
+#: the activations the fused decoding step knows (csrc/model_ops.h)
+FUSED_ACTIVATIONS = ("swiglu", "gelu")
+
+
+def _norms_obstacle(*norms) -> str | None:
+    bad = [n for n in norms if native_norm_code(n) is None]
+    return f"norm {type(bad[0]).__name__} takes the eager path" if bad else None
 
 
 class FeedForward(nn.Module):
@@ -74,6 +81,22 @@ class Block(nn.Module):
     def new_cache(self):
         """The attention layer's empty cache."""
         return self.attn.new_cache()
+
+    def step_obstacle(self) -> str | None:
+        """Why the fused decoder cannot plan this block's one-token step (None: it can)."""
+        return _norms_obstacle(self.norm1, self.norm2) or (
+            None if self.ffn.activation in FUSED_ACTIVATIONS else f"activation {self.ffn.activation} takes the eager path")
+
+    def plan_step(self, plan, cache) -> None:
+        """x ← x + Attn(Norm₁(x)), x ← x + FFN(Norm₂(x)) for one token, added to `plan` (a fused
+        decoder being built: linattn.nn.base.Attention.plan_step)."""
+        self.attn.plan_step(plan, self.norm1, cache)
+        ffn = self.ffn
+        h = plan.buffer(ffn.down.in_features)
+        plan.group(plan.x, self.norm2)
+        plan.product(ffn.up, h, ffn.activation)
+        plan.group(h, None)
+        plan.product(ffn.down, plan.x, "residual")
 
     def forward(self, x, mask=None, cache=None, positions=None, *, cu_seqlens=None):
         if cu_seqlens is not None:
@@ -143,6 +166,20 @@ class ConvMixerBlock(nn.Module):
 
     def new_cache(self) -> ConvMixerCache:
         return ConvMixerCache(attn=self.attn.new_cache())
+
+    def step_obstacle(self) -> str | None:
+        """Why the fused decoder cannot plan this block's one-token step (None: it can)."""
+        return _norms_obstacle(self.norm1, self.norm2)
+
+    def plan_step(self, plan, cache: ConvMixerCache) -> None:
+        """x ← x + GatedConv(Norm₁(x)), x ← x + Attn(Norm₂(x)) for one token, added to `plan`."""
+        if cache.conv is None:
+            raise ValueError("fused decoding: a gated convolution's cache is missing; run the prefill first")
+        plan.group(plan.x, self.norm1)
+        conv = self.conv.conv
+        plan.product(self.conv.proj, plan.x, "gated_conv", conv_weight=conv.weight.detach(),
+                     conv_bias=conv.bias.detach(), tail=cache.conv)
+        self.attn.plan_step(plan, self.norm2, cache.attn)
 
     def forward(self, x, mask=None, cache=None, positions=None, *, cu_seqlens=None):
         if cu_seqlens is not None:

@@ -33,6 +33,15 @@ class RMSNorm(nn.Module):
 NORMS = ("rmsnorm", "layernorm")
 
 
+def native_norm_code(norm: nn.Module | None) -> int | None:
+    """The norm's code in the fused decoding kernels (csrc/model_ops.h): 0 none, 1 RMSNorm, 2
+    LayerNorm; None for a norm they do not know (read from the exact class, as `native_code` of
+    feature maps, so a subclass that changes the norm is not taken for its parent)."""
+    if norm is None:
+        return 0
+    return {RMSNorm: 1, nn.LayerNorm: 2}.get(type(norm))
+
+
 def make_norm(kind: str, d: int, eps: float = 1e-5) -> nn.Module:
     """'rmsnorm' -> RMSNorm(d), 'layernorm' -> nn.LayerNorm(d)."""
     if kind == "rmsnorm":
@@ -42,4 +51,4 @@ def make_norm(kind: str, d: int, eps: float = 1e-5) -> nn.Module:
     raise ValueError(f"norm must be one of {NORMS}, got {kind!r}")
 
 
-__all__ = ["NORMS", "RMSNorm", "make_norm"]
+__all__ = ["NORMS", "RMSNorm", "make_norm", "native_norm_code"]

@@ -40,7 +40,7 @@ from .._checks import check_positive_int
 from ..ops.linear.chunked import DEFAULT_CHUNK_SIZE, state_dtype
 from .base import Attention
 from .caches import RecurrentCache
-from .decay import DT_INIT_RANGE, FeatureDecay, FixedDecay, ScalarDecay
+from .decay import DT_INIT_RANGE, FeatureDecay, FixedDecay, ScalarDecay, plan_decay
 from .families import DELTA, GATED, DeltaMix, GatedMix
 from .positional import RotaryEmbedding
 
@@ -59,6 +59,16 @@ class RecurrentAttention(Attention):
         self.chunk_size = chunk_size
         self.scale = self.qk_dim ** -0.5
         self.rope = RotaryEmbedding(self.qk_dim, rope_base) if rope else None
+        #: the log-decay module (linattn.nn.decay) of kinds that have one; None: none
+        self.decay = None
+
+    def plan_state(self, plan, cache, tensors: dict, ints: dict, floats: dict) -> None:
+        """What the gated and delta mixers share in the fused step: the state S, the scale, the RoPE
+        tables of q and k, the decay's code and tensors."""
+        self.plan_qk_rope(plan, tensors)
+        tensors["state"] = plan.state(cache)
+        floats["scale"] = float(self.scale)
+        plan_decay(self.decay, plan, tensors, ints, floats)
 
 
 class GatedAttention(RecurrentAttention):
@@ -67,11 +77,12 @@ class GatedAttention(RecurrentAttention):
     applied to q here rather than by the operator, whose fused CPU kernels take no scale."""
 
     family = GATED
-    decay: nn.Module
 
     def mix(self, x, q, k, v, positions) -> GatedMix:
         q, k = self.rotate(q, k, positions)
         return GatedMix(q * self.scale, k, v, self.decay(x), chunk_size=self.chunk_size)
+
+    plan_mixer = RecurrentAttention.plan_state
 
 
 class RetNetAttention(GatedAttention):
@@ -121,7 +132,6 @@ class DeltaNetAttention(RecurrentAttention):
     def __init__(self, d_model: int, n_heads: int, **kw):
         super().__init__(d_model, n_heads, **kw)
         self.beta_proj = nn.Linear(d_model, n_heads, bias=False)
-        self.decay = None
 
     def mix(self, x, q, k, v, positions) -> DeltaMix:
         # SiLU on q, k and v after the projection and convolution: Gated DeltaNet's block (Yang et al. 2024b, Fig. 1)
@@ -131,6 +141,16 @@ class DeltaNetAttention(RecurrentAttention):
         beta = torch.sigmoid(self.beta_proj(x).to(sdt)).clamp_min(torch.finfo(sdt).tiny).transpose(1, 2)
         g = None if self.decay is None else self.decay(x)
         return DeltaMix(q, k, F.silu(v), beta, g, scale=self.scale, chunk_size=self.chunk_size)
+
+    def step_obstacle(self) -> str | None:
+        if self.decay is not None and self.decay.native_code != ScalarDecay.native_code:
+            return f"decay {type(self.decay).__name__} takes the eager path"
+        return super().step_obstacle()
+
+    def plan_mixer(self, plan, cache, tensors: dict, ints: dict, floats: dict) -> None:
+        """The gated mixer's arguments (`plan_state`) and β's product."""
+        self.plan_state(plan, cache, tensors, ints, floats)
+        tensors["beta"] = plan.project(self.beta_proj)
 
 
 class GatedDeltaNetAttention(DeltaNetAttention):
