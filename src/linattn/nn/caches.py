@@ -18,7 +18,7 @@ States are float32 (float64 for float64 models), None before the first call.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -64,22 +64,30 @@ class PositionCounter:
 
 
 def nbytes(*parts) -> int:
-    """Bytes held by tensors (None skipped) and by states that say their own size (`.nbytes`)."""
+    """Bytes held by tensors, by states that say their own size (`.nbytes`) and by tuples of them
+    (None skipped)."""
     total = 0
     for p in parts:
         if isinstance(p, torch.Tensor):
             total += p.numel() * p.element_size()
-        elif p is not None:
+        elif hasattr(p, "nbytes"):
             total += p.nbytes
+        elif isinstance(p, tuple):
+            total += nbytes(*p)
     return total
 
 
 @dataclass
 class LayerCache(PositionCounter):
     """What every attention layer's cache holds besides its mixer's context: `conv`, the last K−1
-    inputs of the layer's short convolution (B, K−1, C) (None without one, or before the first call)."""
+    inputs of the layer's short convolution (B, K−1, C) (None without one, or before the first call).
+    `nbytes`: the bytes of the convolution's tail and of the family's state fields."""
 
     conv: torch.Tensor | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return nbytes(*(getattr(self, f.name) for f in fields(self) if f.name not in ("length", "seen")))
 
 
 @dataclass
@@ -89,10 +97,6 @@ class LinearAttentionCache(LayerCache):
 
     state: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    @property
-    def nbytes(self) -> int:
-        return nbytes(self.conv, *(self.state or ()))
-
 
 @dataclass
 class RecurrentCache(LayerCache):
@@ -100,10 +104,6 @@ class RecurrentCache(LayerCache):
     first call) and the short convolution's tail. Its size does not depend on the context length."""
 
     state: torch.Tensor | None = None
-
-    @property
-    def nbytes(self) -> int:
-        return nbytes(self.state, self.conv)
 
 
 @dataclass
@@ -165,10 +165,6 @@ class SlidingWindowCache(LayerCache):
 
     window: WindowState | None = None
 
-    @property
-    def nbytes(self) -> int:
-        return nbytes(self.conv, self.window)
-
 
 @dataclass
 class LoLCATsCache(LayerCache):
@@ -178,10 +174,6 @@ class LoLCATsCache(LayerCache):
 
     state: HybridState | None = None
 
-    @property
-    def nbytes(self) -> int:
-        return nbytes(self.conv, self.state)
-
 
 @dataclass
 class LigerCache(SlidingWindowCache):
@@ -189,10 +181,6 @@ class LigerCache(SlidingWindowCache):
     `state`, the gated recurrence's kv (B, H, D, E) in float32 (None before the first call)."""
 
     state: torch.Tensor | None = None
-
-    @property
-    def nbytes(self) -> int:
-        return super().nbytes + nbytes(self.state)
 
 
 __all__ = [
