@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from linattn.nn.convolution import ShortConvolution
-from linattn.nn.attention import GatedConvolution
+from linattn.nn.blocks import GatedConvolution
 
 
 @pytest.fixture(autouse=True)

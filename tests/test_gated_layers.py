@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from linattn.nn.decay import FeatureDecay, FixedDecay
+from linattn.nn.hgrn2 import HGRN2Attention
 from linattn.nn.recurrent import (
     DeltaNetAttention,
     GatedDeltaNetAttention,
@@ -17,7 +18,8 @@ from linattn.nn.recurrent import (
     RetNetAttention,
     SimpleGLAAttention,
 )
-from linattn.nn.attention import LinearAttention, OutputGate, SoftmaxAttention
+from linattn.nn.attention import LinearAttention, SoftmaxAttention
+from linattn.nn.base import OutputGate
 
 from .conftest import spread
 
@@ -28,7 +30,7 @@ def _one_thread(one_thread):
 
 
 LAYERS = {"retnet": RetNetAttention, "simple_gla": SimpleGLAAttention, "gla": GLAAttention,
-          "deltanet": DeltaNetAttention, "gated_deltanet": GatedDeltaNetAttention}
+          "deltanet": DeltaNetAttention, "gated_deltanet": GatedDeltaNetAttention, "hgrn2": HGRN2Attention}
 DELTA = ("deltanet", "gated_deltanet")
 KINDS = sorted(LAYERS)
 D_MODEL, HEADS = 16, 2
@@ -84,6 +86,9 @@ def reference(kind, layer, x, mask=None, positions=None):
     q, k, v = (_heads(t, h) for t in y.split((h * dk, h * dk, h * dv), -1))
     if kind in DELTA:
         q, k, v = F.silu(q), F.silu(k), F.silu(v)
+    g = _log_decay(kind, layer, x)
+    if kind == "hgrn2":  # the k block holds the forget logits f: g = logsigmoid(f), k = 1 − e^g; SiLU on q
+        g, q, k = F.logsigmoid(k), F.silu(q), 1 - torch.sigmoid(k)
     if layer.rope is not None:
         q, k = layer.rope.rotate(q, positions), layer.rope.rotate(k, positions)
     if kind in DELTA:
@@ -93,7 +98,6 @@ def reference(kind, layer, x, mask=None, positions=None):
     else:  # gated linear attention: S_t = diag(e^g) S + k vᵀ, i.e. the delta rule's form with β k̂k̂ᵀ = 0, β k̂ = k
         beta = None
     q = q / math.sqrt(dk)
-    g = _log_decay(kind, layer, x)
     S = torch.zeros(b, h, dk, dv, dtype=x.dtype)
     outs = []
     for t in range(n):
@@ -296,8 +300,9 @@ def test_sequence_parallel_hook(kind, monkeypatch):
     """With a group set and no cache, a layer calls linattn.parallel's operator of its kind with the
     single-process op's arguments and the short convolution asks for its halo; a padding mask is
     refused; decoding with a cache stays local. (The sharded results: tests/parallel/.)"""
-    import linattn.nn.recurrent as gl
-    import linattn.nn.attention as ly
+    import linattn.nn.families.delta as delta_family
+    import linattn.nn.families.gated as gated_family
+    import linattn.nn.base as ly
 
     calls = {}
 
@@ -311,8 +316,8 @@ def test_sequence_parallel_hook(kind, monkeypatch):
         calls["halo"] = (width, group)
         return torch.zeros(x.shape[0], width, x.shape[2], dtype=x.dtype)
 
-    monkeypatch.setattr(gl, "sequence_parallel_gated_linear_attention", sp_op("gated"))
-    monkeypatch.setattr(gl, "sequence_parallel_delta_rule", sp_op("delta"))
+    monkeypatch.setattr(gated_family, "sequence_parallel_gated_linear_attention", sp_op("gated"))
+    monkeypatch.setattr(delta_family, "sequence_parallel_delta_rule", sp_op("delta"))
     monkeypatch.setattr(ly, "sequence_halo", halo)
     layer = make_layer(kind)
     layer.sequence_parallel_group = "GROUP"

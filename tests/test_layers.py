@@ -6,18 +6,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from linattn.nn import attention as layers_module
+from linattn.nn.families import linear as linear_family, softmax as softmax_family
 from linattn.nn.feature_maps import FEATURE_MAPS
-from linattn.nn.attention import (
-    Block,
-    FeedForward,
-    KVCache,
-    LinearAttention,
-    RMSNorm,
-    SoftmaxAttention,
-    make_norm,
-    token_positions,
-)
+from linattn.nn.attention import LinearAttention, SoftmaxAttention
+from linattn.nn.blocks import Block, FeedForward
+from linattn.nn.caches import KVCache, token_positions
+from linattn.nn.norms import RMSNorm, make_norm
 
 from .conftest import spread
 
@@ -282,8 +276,8 @@ def test_sequence_parallel_hook(monkeypatch):
         calls["softmax"] = kw
         return torch.zeros_like(v)
 
-    monkeypatch.setattr(layers_module, "sequence_parallel_linear_attention", sp_linear)
-    monkeypatch.setattr(layers_module, "sequence_parallel_softmax_attention", sp_softmax)
+    monkeypatch.setattr(linear_family, "sequence_parallel_linear_attention", sp_linear)
+    monkeypatch.setattr(softmax_family, "sequence_parallel_softmax_attention", sp_softmax)
     lin, soft = LinearAttention(16, 2, rope=True), SoftmaxAttention(16, 2)
     for layer in (lin, soft):
         layer.sequence_parallel_group = "GROUP"

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from linattn.nn.feature_maps import FEATURE_MAPS
-from linattn.nn.attention import KVCache, LinearAttentionCache
+from linattn.nn.caches import KVCache, LinearAttentionCache
 from linattn.models import LinearTransformerEncoder, LinearTransformerLM, ModelConfig
 
 from .conftest import spread, tiny_config
@@ -72,7 +72,7 @@ def test_config_rejects_bad_values(kw, field):
 def test_chunk_size_reaches_the_linear_layers_and_keeps_the_numbers(monkeypatch):
     """ModelConfig.chunk_size (default 64) is the chunk of every linear layer's chunked operator;
     other chunk sizes give the same logits up to rounding (float64 here)."""
-    from linattn.nn import attention as layers
+    from linattn.nn.families import linear as layers
 
     assert tiny().chunk_size == 64
     cfg = tiny(attention=["linear", "softmax"], chunk_size=5)

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from linattn.nn.recurrent import RecurrentCache
-from linattn.nn.attention import Block, ConvMixerBlock, ConvMixerCache, KVCache
+from linattn.nn.blocks import Block, ConvMixerBlock, ConvMixerCache
+from linattn.nn.caches import KVCache
 from linattn.models import (
     KINDS,
     ATTENTION_KINDS,

@@ -197,7 +197,7 @@ def test_fused_rms_norm_equals_torch_in_float64(rows, d, transpose, seed):
 @needs_native
 def test_rmsnorm_layer_is_the_same_with_and_without_gradients():
     """The layer takes the fused operator only without gradients; both give the same numbers (fp32)."""
-    from linattn.nn.attention import RMSNorm
+    from linattn.nn.norms import RMSNorm
 
     torch.manual_seed(0)
     norm = RMSNorm(64)

@@ -5,7 +5,7 @@ layers of Kimi Linear through module-level functions of each modeling file — t
 recurrent rule, Dao's `causal_conv1d_fn` / `causal_conv1d_update` for the short convolution — that
 fall back to plain torch (or, where the `fla` package imports, to FLA's Triton kernels, which need a
 GPU). `use_linattn_kernels()` rebinds those module globals to linattn.compat.fla (FLA's API on
-linattn's CPU operators, design §17), so the layers' own code runs unchanged on linattn:
+linattn's CPU operators, design §18), so the layers' own code runs unchanged on linattn:
 
     import linattn.hf
     patch = linattn.hf.use_linattn_kernels()      # every listed model type that transformers has
@@ -18,7 +18,7 @@ package implementation, plus packing):
   **kwargs: use_cache, the flash-attention keys, …), as transformers' wrapper does;
 - packed rows: `cu_seq_lens_q` (transformers' name, from DataCollatorWithFlattening with
   return_flash_attn_kwargs) becomes `cu_seqlens` for the rule, and the short convolution runs
-  each packed sequence by itself (zeros before its first token, design §16);
+  each packed sequence by itself (zeros before its first token, design §17);
 - padding-free rows described only by `position_ids` restarting at 0 (batch 1): each decoder layer
   class gets a `__call__` that derives `cu_seq_lens_q` from them under the condition transformers'
   mask builder reads them as documents (no cache, no 2-D padding mask; `masking_utils`), so the

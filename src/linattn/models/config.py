@@ -19,7 +19,8 @@ from .._checks import (
     check_seed,
     dataclass_from_dict,
 )
-from ..nn.attention import ACTIVATIONS, NORMS
+from ..nn.blocks import ACTIVATIONS
+from ..nn.norms import NORMS
 from ..nn.feature_maps import FEATURE_MAPS, make_feature_map
 from ..nn.positional import RotaryEmbedding
 from ..ops.linear.chunked import DEFAULT_CHUNK_SIZE

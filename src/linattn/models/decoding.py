@@ -9,7 +9,11 @@ builds, once per decoding run, a plan of the model's step from its modules and i
     → [FFN down + residual] (conv_mixer blocks: [norm₁ → gated convolution + residual], then the
     attention after norm₂) ─ final norm ─ LM head ─ logits (B, V)
 
-and `step(ids)` runs it: no tensor is allocated per token, the caches (linear (kv, z), gated and
+Each block plans its own part (`plan_step(decoder, cache)`, linattn.nn.blocks; its attention layer's
+`Attention.plan_step` and, per kind, `plan_mixer`: the kind's state, gates and tensors), with the
+decoder's small vocabulary — `x`, `buffer`, `group`, `product`, `project`, `rope`, `state`,
+`reserve_kv`, `mixer` —, so the decoder reads no layer's parameters by name and a kind's fused
+arguments live beside its eager code. `step(ids)` runs the plan: no tensor is allocated per token, the caches (linear (kv, z), gated and
 delta-rule S, short-convolution and gated-convolution tails, KV caches) are updated in place, so the model's ModelCache
 stays the one the eager path would hold and either path can continue it. The eager path is the
 reference: the fused step computes the same values, in float32 (the state dtype), and differs only by
@@ -32,16 +36,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..nn.attention import Block, ConvMixerBlock, KVCache, RMSNorm
-from ..nn.decay import FeatureDecay, FixedDecay, ScalarDecay
+from ..nn.caches import KVCache
+from ..nn.norms import native_norm_code
 from ..ops import native
-from ..ops.features import native_code
 from .kinds import kind_of
 
-#: C++ codes (csrc/model_ops.h, model_mixers.h)
-_NORMS = {RMSNorm: 1, nn.LayerNorm: 2}
-_STORE, _RESIDUAL, _SWIGLU, _GELU, _GATED_CONV = 0, 1, 2, 3, 4
-_FIXED_DECAY, _SCALAR_DECAY, _FEATURE_DECAY = 1, 2, 3
+#: the epilogues of a product (csrc/model_ops.h): store, add to x, SwiGLU, GELU, Zoology's gated convolution
+_EPILOGUES = {"store": 0, "residual": 1, "swiglu": 2, "gelu": 3, "gated_conv": 4}
 _DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -58,35 +59,26 @@ def fused_decoding_obstacle(model) -> str | None:
     if not (native.enabled() and native.load() and hasattr(torch.classes.linattn_cpu, "DecodePlan")):
         return "the fused CPU kernels are not available (linattn.ops.native)"
     for i, block in enumerate(model.blocks):
-        if not isinstance(block, (Block, ConvMixerBlock)):
+        if not hasattr(block, "plan_step"):
             return f"block {i}: {type(block).__name__} blocks take the eager path"
-        if type(block.norm1) not in _NORMS or type(block.norm2) not in _NORMS:
-            return f"block {i}: norm {type(block.norm1).__name__} takes the eager path"
         attn = block.attn
         kind = kind_of(attn)
         if kind is None:
             return f"block {i}: attention {type(attn).__name__} is no kind of linattn.models.KINDS"
         if kind.fused is None:
             return f"block {i}: kind {kind.name} has no fused mixer"
-        if kind.fused == "linear" and native_code(attn.feature_map) is None:
-            return f"block {i}: feature map {type(attn.feature_map).__name__} takes the eager path"
-        decay = getattr(attn, "decay", None)
-        if kind.fused == "delta" and decay is not None and not isinstance(decay, ScalarDecay):
-            return f"block {i}: decay {type(decay).__name__} takes the eager path"
-        if attn.output_gate is not None and type(attn.output_gate.norm) is not RMSNorm:
-            return f"block {i}: output gate norm takes the eager path"
-        if getattr(attn, "q_norm", None) is not None:
-            return f"block {i}: q/k norms (qk_norm) take the eager path"
-        ffn = getattr(block, "ffn", None)
-        if ffn is not None and ffn.activation not in ("swiglu", "gelu"):
-            return f"block {i}: activation {ffn.activation} takes the eager path"
-    if type(model.norm) not in _NORMS:
+        if kind.fused != attn.family.name:
+            return f"block {i}: kind {kind.name} names the {kind.fused} mixer, its layer runs the {attn.family.name} family"
+        obstacle = block.step_obstacle() or attn.step_obstacle()
+        if obstacle is not None:
+            return f"block {i}: {obstacle}"
+    if native_norm_code(model.norm) is None:
         return f"final norm {type(model.norm).__name__} takes the eager path"
     return None
 
 
 def _weight(linear: nn.Linear) -> dict:
-    """A Linear's weight as the plan reads it: 'kn' (Wt (in, out) contiguous: linattn.nn.attention.column_major)
+    """A Linear's weight as the plan reads it: 'kn' (Wt (in, out) contiguous: linattn.nn.base.column_major)
     or 'nk' (W (out, in) contiguous), and its bias."""
     w = linear.weight.detach()
     t = {"weight": w.t()} if w.t().is_contiguous() else {"weight": w.contiguous()}
@@ -103,7 +95,7 @@ def _norm(prefix: str, norm: nn.Module | None):
     t = {f"{prefix}_weight": norm.weight.detach()}
     if getattr(norm, "bias", None) is not None:
         t[f"{prefix}_bias"] = norm.bias.detach()
-    return t, {f"{prefix}_kind": _NORMS[type(norm)]}, {f"{prefix}_eps": float(norm.eps)}
+    return t, {f"{prefix}_kind": native_norm_code(norm)}, {f"{prefix}_eps": float(norm.eps)}
 
 
 class FusedDecoder:
@@ -148,17 +140,21 @@ class FusedDecoder:
         self.x = torch.zeros(b, c.d_model, **f32)
         self.logits = torch.zeros(b, c.vocab_size, dtype=self.dtype)
         self._ropes: dict = {}
-        self._keep: list = []  # tensors the plan reads (kept alive with it)
-        self._add_ropes()
+        self._ops: list = []  # (kind, tensors, ints, floats) in order, the RoPE tables' ops before them
+        self._reserve = reserve
         emb = {"table": model.tok_emb.weight.detach(), "x": self.x}
         if model.pos_emb is not None:
             emb["positions"] = model.pos_emb.weight.detach()
         self._add("embed", emb, {"bf16": int(self.bf16)})
         for block, layer_cache in zip(model.blocks, cache.layers):
-            self._add_block(block, layer_cache, reserve)
-        self._group(self.x, model.norm)
-        self._product(model.lm_head, self.logits)
-        self._reserve = reserve
+            block.plan_step(self, layer_cache)
+        self.group(self.x, model.norm)
+        self.product(model.lm_head, self.logits)
+        self._keep: list = []  # tensors the plan reads (kept alive with it)
+        for (dim, base, bf16), (cos, sin) in self._ropes.items():  # computed once per step, first
+            self._emit("rope", {"cos": cos, "sin": sin}, {"dim": dim, "bf16": int(bf16)}, {"base": base})
+        for op in self._ops:
+            self._emit(*op)
         self._synced = self._cache_parts()
 
     def _cache_parts(self) -> tuple:
@@ -187,151 +183,65 @@ class FusedDecoder:
         raise ValueError("fused decoding: the cache is empty; run the prefill (model(ids, cache=...)) first")
 
     def _add(self, kind: str, tensors: dict, ints: dict | None = None, floats: dict | None = None):
+        self._ops.append((kind, tensors, ints, floats))
+
+    def _emit(self, kind: str, tensors: dict, ints: dict | None, floats: dict | None):
         self._keep.append(tensors)
         # "_": TorchScript cannot type an empty dict, and the plan ignores names it does not read
         self.plan.add(kind, tensors, {"_": 0, **(ints or {})}, {"_": 0.0, **(floats or {})})
 
-    def _buffer(self, width: int) -> torch.Tensor:
+    # ---- the vocabulary the layers plan their step with (linattn.nn.base.Attention.plan_step, the blocks')
+    def buffer(self, width: int) -> torch.Tensor:
+        """A (B, width) float32 buffer of the plan."""
         return torch.zeros(self.batch, width, dtype=torch.float32)
 
-    def _rope(self, dim: int, base: float, bf16: bool):
+    def rope(self, dim: int, base: float, bf16: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """The (cos, sin) buffers of RoPE of `dim` and `base` at the step's positions (rounded to bf16
+        where `bf16`), computed once per step for every layer that reads them."""
         key = (dim, base, bf16)
         if key not in self._ropes:
-            self._ropes[key] = (self._buffer(dim), self._buffer(dim))
+            self._ropes[key] = (self.buffer(dim), self.buffer(dim))
         return self._ropes[key]
 
-    def _add_ropes(self):
-        """The RoPE tables every layer reads, computed once per step (before the embedding)."""
-        for block in self.model.blocks:
-            attn = block.attn
-            if getattr(attn, "rope", None) is not None:
-                # linear layers rotate φ's features in their dtype; the others q, k in the model dtype
-                self._rope(attn.rope.dim, attn.rope.base, self._rotated_bf16(attn))
-        for (dim, base, bf16), (cos, sin) in self._ropes.items():
-            self._add("rope", {"cos": cos, "sin": sin}, {"dim": dim, "bf16": int(bf16)}, {"base": base})
-
-    def _rotated_bf16(self, attn) -> bool:
-        """Whether the eager path holds what RoPE rotates in this layer (q, k or φ's features) in bf16."""
-        if kind_of(attn).fused == "linear":
-            return self.bf16 and not attn.feature_map.float32_features
-        return self.bf16
-
-    def _group(self, inp: torch.Tensor, norm: nn.Module | None):
+    def group(self, inp: torch.Tensor, norm: nn.Module | None) -> None:
+        """Starts a group of products that read norm(inp) (None: inp as it is)."""
         t, i, f = _norm("norm", norm)
         self._add("group", {"input": inp, **t}, i, f)
 
-    def _product(self, linear: nn.Linear, out: torch.Tensor, epilogue: int = _STORE):
+    def product(self, linear: nn.Linear, out: torch.Tensor, epilogue: str = "store", **tensors) -> None:
+        """out ← (or +=, or an activation of) linear(the group's input); `tensors`: the epilogue's own."""
         t, kn = _weight(linear)
-        self._add("product", {**t, "out": out}, {"kn": kn, "epilogue": epilogue})
+        self._add("product", {**t, "out": out, **tensors}, {"kn": kn, "epilogue": _EPILOGUES[epilogue]})
 
-    def _add_block(self, block, lc, reserve: int):
-        if isinstance(block, ConvMixerBlock):  # x += GatedConv(norm₁(x)); x += Attn(norm₂(x))
-            if lc.conv is None:
-                raise ValueError("fused decoding: a gated convolution's cache is missing; run the prefill first")
-            self._group(self.x, block.norm1)
-            t, kn = _weight(block.conv.proj)
-            conv = block.conv.conv
-            self._add("product", {**t, "out": self.x, "conv_weight": conv.weight.detach(),
-                                  "conv_bias": conv.bias.detach(), "tail": lc.conv},
-                      {"kn": kn, "epilogue": _GATED_CONV})
-            self._add_attention(block.attn, block.norm2, lc.attn, reserve)
-            return
-        self._add_attention(block.attn, block.norm1, lc, reserve)
-        ffn = block.ffn
-        h = self._buffer(ffn.down.in_features)
-        self._group(self.x, block.norm2)
-        self._product(ffn.up, h, _SWIGLU if ffn.activation == "swiglu" else _GELU)
-        self._group(h, None)
-        self._product(ffn.down, self.x, _RESIDUAL)
+    def project(self, linear: nn.Linear) -> torch.Tensor:
+        """A new buffer holding linear(the group's input)."""
+        out = self.buffer(linear.out_features)
+        self.product(linear, out)
+        return out
 
-    def _add_attention(self, attn, norm: nn.Module, lc, reserve: int):
-        """x += Attn(norm(x)): the input group, the attention op, the output product."""
-        qkv = self._buffer(attn.qkv.out_features)
-        o = self._buffer(attn.n_heads * attn.head_dim)
-        t = {"qkv": qkv, "out": o}
-        i = {"heads": attn.n_heads, "qk_dim": attn.qk_dim, "v_dim": attn.head_dim}
-        f: dict = {}
-        self._group(self.x, norm)
-        self._product(attn.qkv, qkv)
-        if attn.output_gate is not None:
-            gate = self._buffer(attn.n_heads * attn.head_dim)
-            self._product(attn.output_gate.proj, gate)
-            t.update(gate=gate, gate_norm_weight=attn.output_gate.norm.weight.detach())
-            f["gate_norm_eps"] = float(attn.output_gate.norm.eps)
-        if attn.conv is not None:
-            if lc.conv is None or not lc.conv.is_contiguous():
-                raise ValueError("fused decoding: the short convolution's cache is missing; run the prefill first")
-            t.update(conv_weight=attn.conv.weight.detach(), tail=lc.conv)
-        if getattr(attn, "rope", None) is not None and kind_of(attn).fused != "linear":
-            t["rope_cos"], t["rope_sin"] = self._rope(attn.rope.dim, attn.rope.base, self.bf16)
-        kind = self._mixer(attn, lc, t, i, f, reserve)
-        self._add(kind, t, i, f)
-        self._group(o, None)
-        self._product(attn.out, self.x, _RESIDUAL)
+    def mixer(self, name: str, tensors: dict, ints: dict, floats: dict) -> None:
+        """The call of a family's mixer (Kind.fused, csrc/model_mixers.h) on a layer's cached state."""
+        self._add(name, tensors, ints, floats)
 
-    def _mixer(self, attn, lc, t: dict, i: dict, f: dict, reserve: int) -> str:
-        """The attention op's own arguments (into t, i, f); returns its mixer (Kind.fused)."""
-        mixer = kind_of(attn).fused
-        if mixer == "linear":
-            fm = attn.feature_map
-            kv, z = self._state(lc, "state", tuple)
-            t.update(kv=kv, z=z)
-            features_bf16 = self._rotated_bf16(attn)
-            i.update(feature_map=native_code(fm), feature_dim=fm.feature_dim,
-                     normalize=int(attn.normalize), features_bf16=int(features_bf16),
-                     stabilize=int(getattr(fm, "stabilize", False)), max_len=int(getattr(fm, "max_len", 0)))
-            f.update(eps=attn.eps, map_eps=float(getattr(fm, "eps", 0.0)))
-            t.update(fm.native_tensors())
-            if attn.rope is not None:
-                t["feature_rope_cos"], t["feature_rope_sin"] = self._rope(attn.rope.dim, attn.rope.base,
-                                                                          features_bf16)
-            return "linear"
-        if mixer == "softmax":
-            self._reserve_kv(lc, reserve)
-            t.update(k_cache=lc.k, v_cache=lc.v)
-            if lc.mask is not None:
-                t["key_mask"] = lc.mask
-            return "softmax"
-        t["state"] = self._state(lc, "state", torch.Tensor)
-        f["scale"] = float(attn.scale)
-        decay = attn.decay if hasattr(attn, "decay") else None
-        if isinstance(decay, FixedDecay):
-            i["decay"] = _FIXED_DECAY
-            t["log_decay"] = decay(torch.zeros(1, 1, 1, dtype=self.dtype))[0, :, 0].float()
-        elif isinstance(decay, ScalarDecay):
-            i["decay"] = _SCALAR_DECAY
-            proj = self._buffer(decay.n_heads)
-            self._product(decay.proj, proj)
-            t.update(decay_proj=proj, A_log=decay.A_log.detach(), dt_bias=decay.dt_bias.detach())
-        elif isinstance(decay, FeatureDecay):
-            i["decay"] = _FEATURE_DECAY
-            down = self._buffer(decay.down.out_features)
-            self._product(decay.down, down)
-            t.update(decay_down=down, decay_up_weight=decay.up.weight.detach(), decay_up_bias=decay.up.bias.detach())
-            f["temperature"] = decay.temperature
-        if mixer == "delta":
-            beta = self._buffer(attn.n_heads)
-            self._product(attn.beta_proj, beta)
-            t["beta"] = beta
-        return mixer
-
-    def _state(self, lc, name: str, kind):
-        state = getattr(lc, name)
+    def state(self, lc):
+        """The layer cache's state (a tensor, or a tuple of them), float32 and contiguous, put back
+        into the cache (the plan updates it in place)."""
+        state = lc.state
         if state is None:
             raise ValueError("fused decoding: a layer's cache is empty; run the prefill first")
         parts = state if isinstance(state, tuple) else (state,)
         if any(p.dtype != torch.float32 for p in parts):
             raise ValueError(f"fused decoding: states must be float32, got {[p.dtype for p in parts]}")
         parts = tuple(p.contiguous() for p in parts)  # updated in place: the cache must hold these tensors
-        setattr(lc, name, parts if isinstance(state, tuple) else parts[0])
-        return parts if isinstance(state, tuple) else parts[0]
+        lc.state = parts if isinstance(state, tuple) else parts[0]
+        return lc.state
 
-    def _reserve_kv(self, lc: KVCache, reserve: int):
-        """Grows the KV cache to hold `reserve` more tokens (the plan writes into it in place)."""
+    def reserve_kv(self, lc: KVCache) -> None:
+        """Grows the KV cache to hold the tokens the decoder reserves (the plan writes into it in place)."""
         if lc.k is None:
             raise ValueError("fused decoding: a KV cache is empty; run the prefill first")
         b, h, cap, _ = lc.k.shape
-        need = lc.length + max(reserve, 1) + 1
+        need = lc.length + max(self._reserve, 1) + 1
         if cap < need:
             for name in ("k", "v"):
                 old = getattr(lc, name)

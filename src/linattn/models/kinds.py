@@ -7,8 +7,9 @@ gate, the positions its paper uses, the options its layer takes from `ModelConfi
 and the mixer of the fused decoder (csrc/model_mixers.h) that runs its step — or None, and then
 generation takes the eager step for models with that kind (and says so once).
 
-Adding a kind (docs/design.md, "Adding a kind"): its layer in linattn.nn, one row here, and where
-it has one, its C++ mixer in csrc/model_mixers.h with its arguments in linattn.models.decoding.
+Adding a kind (docs/design.md §10.1): its layer in linattn.nn (its parameters, its operator family's
+record and `mix`; to decode fused, `plan_mixer`, the arguments of its family's C++ mixer in
+csrc/model_mixers.h), and one row here.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from torch import nn
 from ..nn.attention import LinearAttention, SoftmaxAttention
 from ..nn.decay import DT_INIT_RANGE
 from ..nn.feature_maps import FEATURE_MAPS
+from ..nn.hgrn2 import HGRN2Attention
 from ..nn.kda import KDA_DT_INIT_RANGE, KimiDeltaAttention
 from ..nn.liger import LigerAttention
 from ..nn.lolcats import LoLCATsAttention
@@ -88,6 +90,9 @@ class Kind:
     def __post_init__(self):
         if self.family not in FAMILIES:
             raise ValueError(f"kind {self.name!r}: family must be one of {FAMILIES}, got {self.family!r}")
+        record = getattr(self.layer, "family", None)  # the layer's linattn.nn.families record
+        if record is not None and record.name != self.family:
+            raise ValueError(f"kind {self.name!r}: family {self.family!r}, but its layer runs the {record.name!r} family")
         if self.fused is not None and self.fused not in FUSED_MIXERS:
             raise ValueError(f"kind {self.name!r}: fused must be one of {FUSED_MIXERS} or None, got {self.fused!r}")
 
@@ -106,6 +111,7 @@ _ROWS = (
          output_gate=True, positions="none", options={"dt_init_range": DT_INIT_RANGE}, fused="delta"),
     Kind("kda", KimiDeltaAttention, "KDA", "delta", rnn=True, causal_only=True, short_conv=4, output_gate=True,
          positions="none", options={"dt_init_range": KDA_DT_INIT_RANGE}),
+    Kind("hgrn2", HGRN2Attention, "HGRN2", "gated", rnn=True, causal_only=True, output_gate=True, positions="none"),
     Kind("swa", SlidingWindowAttention, "sliding window", "window", rnn=True, causal_only=True, positions="rope",
          options={"window": DEFAULT_WINDOW}, build=_windowed),
     Kind("lolcats", LoLCATsAttention, "LoLCATs (window + linear)", "window", rnn=True, causal_only=True,

@@ -27,11 +27,17 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from .._checks import check_positions, check_positive_int
-from ..nn.attention import Block, ConvMixerBlock, PositionCounter, make_norm, token_positions
+from ..nn.blocks import Block, ConvMixerBlock
+from ..nn.caches import PositionCounter, token_positions
+from ..nn.norms import make_norm
 from ..ops import packed
 from .checkpoint import CONFIG_NAME, CheckpointError, load_model, read_config, save_pretrained
 from .config import ModelConfig
 from .kinds import KINDS
+
+
+#: the target that scores nothing (torch's ignore_index): padding, a document's last token, an unscored position
+IGNORE_INDEX = -100
 
 
 @dataclass
@@ -239,7 +245,10 @@ class LinearTransformerLM(_Transformer):
     logits are (B, P, V) for those positions only: the output projection runs on P rows instead of N.
     positions: the tokens' global indices, needed under sequence parallelism (see
     set_sequence_parallel_group).
-    cu_seqlens: packed documents (design §16, linattn.ops.packed): ids (1, T) holds N documents end to
+    targets: the ids each logit should predict, of the logits' shape without V (IGNORE_INDEX: not
+    scored); then forward returns (logits, Σ cross-entropy in float32) instead of (logits, cache) —
+    the loss the training tasks use (`loss` takes its mean over the next-token targets of ids).
+    cu_seqlens: packed documents (design §17, linattn.ops.packed): ids (1, T) holds N documents end to
     end, cu_seqlens the 1-D integer tensor [N+1] of their cumulative lengths. Every layer keeps them
     apart (states reset, convolution taps and softmax attention stay inside a document) and RoPE and
     learned positions restart at 0 at each document (with a mask they count its real tokens, as the
@@ -261,44 +270,39 @@ class LinearTransformerLM(_Transformer):
 
     def forward(self, ids: torch.Tensor, mask: torch.Tensor | None = None, cache: ModelCache | None = None,
                 last_only: bool = False, positions: torch.Tensor | None = None,
-                logits_at: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None):
+                logits_at: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None,
+                targets: torch.Tensor | None = None):
         if logits_at is not None:
             if last_only:
                 raise ValueError("pass last_only or logits_at, not both")
             logits_at = _check_logits_at(logits_at, ids)
+        if targets is not None and cache is not None:
+            raise ValueError("targets: the loss is of a forward without a cache; pass targets or a cache")
         h = self._trunk(ids, mask, cache, positions, cu_seqlens)
         if last_only:
             h = h[:, -1:]
         elif logits_at is not None:
             h = h.gather(1, logits_at[..., None].expand(-1, -1, h.shape[-1]))
-        return self.lm_head(h), cache
+        logits = self.lm_head(h)
+        if targets is None:
+            return logits, cache
+        return logits, summed_cross_entropy(logits, targets)
 
     def loss(self, ids: torch.Tensor, mask: torch.Tensor | None = None,
              cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
-        """Mean next-token cross-entropy over real targets: predict ids[:, 1:] from ids[:, :-1].
-        cu_seqlens: documents packed in ids (1, T) (`packed_loss`)."""
-        if cu_seqlens is not None:
-            return self.packed_loss(ids, cu_seqlens, mask)
-        logits, _ = self(ids[:, :-1], None if mask is None else mask[:, :-1])
-        targets = ids[:, 1:]
-        if mask is not None:
-            targets = targets.masked_fill(~(mask[:, 1:] & mask[:, :-1]), -100)
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1), ignore_index=-100)
-
-    def packed_loss(self, ids: torch.Tensor, cu_seqlens: torch.Tensor, mask: torch.Tensor | None = None):
-        """Mean next-token cross-entropy of N documents packed in one row, ids (1, T), cu_seqlens [N+1]:
-        every token predicts the next one of its own document (a document's last token predicts
-        nothing), so the loss is that of the documents trained one by one, summed over their
-        T − N targets (mask (1, T): True = real token, as in `loss`)."""
-        bounds = packed.boundaries(cu_seqlens, batch=ids.shape[0], length=ids.shape[1])
-        logits, _ = self(ids, mask, cu_seqlens=cu_seqlens)
-        targets = torch.cat((ids[:, 1:], ids.new_full((ids.shape[0], 1), -100)), 1)
-        last = torch.tensor([e - 1 for s, e in bounds if e > s], dtype=torch.long, device=ids.device)
-        targets[:, last] = -100
-        if mask is not None:
-            nxt = torch.cat((mask[:, 1:], mask.new_zeros(mask.shape[0], 1)), 1)
-            targets = targets.masked_fill(~(mask & nxt), -100)
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1), ignore_index=-100)
+        """Mean next-token cross-entropy over the real targets: predict ids[:, 1:] from ids[:, :-1]
+        (mask (B, N): True = real token; a target counts when it and its input are real).
+        cu_seqlens: N documents packed in ids (1, T): every token predicts the next one of its own
+        document (a document's last token predicts nothing), so the loss is that of the documents
+        trained one by one, over their T − N targets."""
+        if cu_seqlens is None:
+            inputs, inputs_mask, targets = ids[:, :-1], None if mask is None else mask[:, :-1], ids[:, 1:]
+            if mask is not None:
+                targets = targets.masked_fill(~(mask[:, 1:] & mask[:, :-1]), IGNORE_INDEX)
+        else:
+            inputs, inputs_mask, targets = ids, mask, _packed_targets(ids, cu_seqlens, mask)
+        _, total = self(inputs, inputs_mask, cu_seqlens=cu_seqlens, targets=targets)
+        return total / (targets != IGNORE_INDEX).sum()
 
     def generate(self, prompt_ids, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
                  top_p: float | None = None, seed: int | None = None, stop_tokens=None, *, mask=None,
@@ -319,6 +323,30 @@ class LinearTransformerLM(_Transformer):
 
         return stream(self, prompt_ids, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                       seed=seed, stop_tokens=stop_tokens, mask=mask, fused=fused)
+
+
+def summed_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Σ cross-entropy of logits (…, V) against targets (…) over the targets ≠ IGNORE_INDEX, in float32:
+    the loss of a model's forward with targets (the training tasks divide by their count)."""
+    if not isinstance(targets, torch.Tensor) or tuple(targets.shape) != tuple(logits.shape[:-1]):
+        got = tuple(targets.shape) if isinstance(targets, torch.Tensor) else type(targets).__name__
+        raise ValueError(f"targets must be a tensor of the logits' shape without V, {tuple(logits.shape[:-1])}, "
+                         f"got {got}")
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                           ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def _packed_targets(ids: torch.Tensor, cu_seqlens: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """Next-token targets of documents packed in ids (1, T): IGNORE_INDEX at each document's last token
+    and, with a mask, where a token or the next one is padding."""
+    bounds = packed.boundaries(cu_seqlens, batch=ids.shape[0], length=ids.shape[1])
+    targets = torch.cat((ids[:, 1:], ids.new_full((ids.shape[0], 1), IGNORE_INDEX)), 1)
+    last = torch.tensor([e - 1 for s, e in bounds if e > s], dtype=torch.long, device=ids.device)
+    targets[:, last] = IGNORE_INDEX
+    if mask is not None:
+        nxt = torch.cat((mask[:, 1:], mask.new_zeros(mask.shape[0], 1)), 1)
+        targets = targets.masked_fill(~(mask & nxt), IGNORE_INDEX)
+    return targets
 
 
 def _check_logits_at(index, ids: torch.Tensor) -> torch.Tensor:
@@ -364,7 +392,8 @@ class LinearTransformerEncoder(_Transformer):
                positions: torch.Tensor | None = None) -> torch.Tensor:
         return self._trunk(ids, mask, positions=positions)
 
-    def forward(self, ids: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor | None = None, targets: torch.Tensor | None = None):
+        """logits (B, num_classes); with targets (B,) class labels, (logits, Σ cross-entropy in float32)."""
         if self.sequence_parallel_group is not None:
             raise ValueError("the pooled head needs the whole sequence: under sequence parallelism call encode() "
                              "and pool across the ranks")
@@ -377,7 +406,8 @@ class LinearTransformerEncoder(_Transformer):
         else:
             m = mask.to(h.dtype).unsqueeze(-1)
             pooled = (h * m).sum(1) / m.sum(1).clamp_min(1)
-        return self.head(pooled)
+        logits = self.head(pooled)
+        return logits if targets is None else (logits, summed_cross_entropy(logits, targets))
 
 
 def load_pretrained(directory, cls=None, *, config: ModelConfig | None = None, device="cpu", dtype=None):
@@ -412,9 +442,11 @@ def load_pretrained(directory, cls=None, *, config: ModelConfig | None = None, d
 
 
 __all__ = [
+    "IGNORE_INDEX",
     "LinearTransformerEncoder",
     "LinearTransformerLM",
     "ModelCache",
     "ModelConfig",
     "load_pretrained",
+    "summed_cross_entropy",
 ]

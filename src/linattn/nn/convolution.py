@@ -44,7 +44,7 @@ class ShortConvolution(nn.Module):
             row gives, at its real tokens, the output of the row alone.
         tail: (B, K−1, C), the last K−1 inputs of the tokens before x (None: the sequence starts
             here, zeros before it); tail' is the tail after x, for the next call.
-        cu_seqlens: packed sequences (design §16, linattn.ops.packed): x (1, T, C) holds N sequences
+        cu_seqlens: packed sequences (design §17, linattn.ops.packed): x (1, T, C) holds N sequences
             end to end, cu_seqlens the 1-D integer tensor [N+1] of their cumulative lengths; no tap
             crosses a boundary (each sequence reads zeros, or its own tail, before its first token)
             and tail, tail' are per sequence, (N, K−1, C).

@@ -63,11 +63,22 @@ def retnet_log_decays(n_heads: int) -> torch.Tensor:
     return torch.log1p(-torch.pow(2.0, -5.0 - h))
 
 
+def plan_decay(decay: nn.Module | None, plan, tensors: dict, ints: dict, floats: dict) -> None:
+    """A recurrent layer's decay in the fused decoder's mixer call (csrc/model_mixers.h): its code
+    (`native_code`: 1 fixed, 2 scalar, 3 per feature; none given: no decay) and its tensors, the
+    products of its projections added to `plan` (linattn.models.decoding.FusedDecoder)."""
+    if decay is not None:
+        ints["decay"] = decay.native_code
+        decay.plan_step(plan, tensors, floats)
+
+
 class FixedDecay(nn.Module):
     """RetNet's decay: g_h = log(1 − 2^{−5−h}), the same at every token. No parameters: the values
     follow from H (computed in float64, rounded once to the state dtype and kept per dtype and
     device), so they are neither saved nor rounded twice by a change of the model's dtype.
     forward(x (B, N, d)) -> (B, H, N)."""
+
+    native_code = 1
 
     def __init__(self, n_heads: int):
         super().__init__()
@@ -81,6 +92,9 @@ class FixedDecay(nn.Module):
         if key not in self._values:
             self._values[key] = retnet_log_decays(self.n_heads).to(dtype=key[0], device=key[1])
         return self._values[key][None, :, None].expand(b, self.n_heads, n)
+
+    def plan_step(self, plan, tensors: dict, floats: dict) -> None:
+        tensors["log_decay"] = self(torch.zeros(1, 1, 1, dtype=plan.dtype))[0, :, 0].float()
 
     def extra_repr(self) -> str:
         return f"n_heads={self.n_heads}"
@@ -96,6 +110,8 @@ class ScalarDecay(nn.Module):
     U[1, 16], Δ = softplus(dt_bias) log-uniform in dt_init_range (default [0.001, 0.1], at least 1e-4).
     forward(x (B, N, d)) -> (B, H, N).
     """
+
+    native_code = 2
 
     def __init__(self, d_model: int, n_heads: int, dt_init_range=DT_INIT_RANGE):
         super().__init__()
@@ -116,6 +132,9 @@ class ScalarDecay(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return mamba2_gate(self.proj(x), self.A_log, self.dt_bias).transpose(1, 2)  # (B, N, H) -> (B, H, N)
 
+    def plan_step(self, plan, tensors: dict, floats: dict) -> None:
+        tensors.update(decay_proj=plan.project(self.proj), A_log=self.A_log.detach(), dt_bias=self.dt_bias.detach())
+
 
 class FeatureDecay(nn.Module):
     """GLA's data-dependent decay, one value per head, token and key feature:
@@ -126,6 +145,8 @@ class FeatureDecay(nn.Module):
     GLA paper. A larger τ keeps the decay closer to 1 (a longer memory). forward(x (B, N, d)) ->
     (B, H, N, F).
     """
+
+    native_code = 3
 
     def __init__(self, d_model: int, n_heads: int, key_dim: int, rank: int = GLA_GATE_RANK,
                  temperature: float = GLA_GATE_TEMPERATURE):
@@ -141,8 +162,13 @@ class FeatureDecay(nn.Module):
         g = F.logsigmoid(a) / self.temperature  # (B, N, H·F)
         return g.unflatten(-1, (self.n_heads, self.key_dim)).transpose(1, 2)
 
+    def plan_step(self, plan, tensors: dict, floats: dict) -> None:
+        tensors.update(decay_down=plan.project(self.down), decay_up_weight=self.up.weight.detach(),
+                       decay_up_bias=self.up.bias.detach())
+        floats["temperature"] = self.temperature
+
     def extra_repr(self) -> str:
         return f"n_heads={self.n_heads}, key_dim={self.key_dim}, temperature={self.temperature:g}"
 
 
-__all__ = ["FeatureDecay", "FixedDecay", "ScalarDecay", "retnet_log_decays"]
+__all__ = ["FeatureDecay", "FixedDecay", "ScalarDecay", "plan_decay", "retnet_log_decays"]

@@ -1,4 +1,4 @@
-"""The `kda` attention kind: Kimi Delta Attention (Kimi Linear, Moonshot AI 2025; design §18), the
+"""The `kda` attention kind: Kimi Delta Attention (Kimi Linear, Moonshot AI 2025; design §13.8), the
 layer of transformers' `KimiLinearDeltaAttention` on linattn's recurrent-layer base.
 
 Per head, with x (B, N, d) the layer's input, D the q/k head dim, E the value head dim:
@@ -12,29 +12,31 @@ Per head, with x (B, N, d) the layer's input, D the q/k head dim, E the value he
 q̂, k̂ L2-normalized inside the operator (linattn.ops.kda: the delta family with a per-channel g).
 Initialization as Kimi Linear's (after Mamba2's): A = e^{A_log} ~ U[1, 16] per head, softplus(dt_bias)
 log-uniform in [1e-3, 1e-1] per channel (at least 1e-4), through the inverse softplus. Decoding: the cache
-holds S (B, H, D, E) in the state dtype and the convolution's tail; one token runs `linattn.ops.kda.kda_step`.
+holds S (B, H, D, E) in the state dtype and the convolution's tail; the delta family
+(linattn.nn.families.DELTA) runs it with the per-channel g.
 Padding: a masked token has k = 0 and g = 0 (the state stays as it was) and enters the convolution as zeros.
 With output_gate=False the output skips the norm and gate (y = W_o o).
 """
 
 from __future__ import annotations
 
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..ops.kda import kda_gate
+from ..ops.linear.chunked import state_dtype
+from .base import column_major
 from .decay import check_dt_init_range, mamba2_gate_init
+from .families import DELTA, DeltaMix
+from .norms import RMSNorm
+from .recurrent import RecurrentAttention
 
 #: KDA's initial range of Δ = softplus(dt_bias), one draw per head and key channel: slower than
 #: Mamba2's [0.001, 0.1] (Kimi Linear's and FLA's init), which `linattn eval --preset recall-init` measured
 #: reaching 99% at MQAR (64, 16) on 5 of 5 seeds at 200 steps each, against 200–500 (mean 300) with
 #: Mamba2's range (docs/results/recall-init; design §16.4). Pass dt_init_range=(0.001, 0.1) for theirs.
 KDA_DT_INIT_RANGE = (0.0005, 0.002)
-from .recurrent import _RecurrentAttention
-from .attention import RMSNorm, column_major
-from ..ops.linear.chunked import state_dtype
-from ..ops.kda import kda, kda_gate, kda_step
 
 
 class KDAForgetGate(nn.Module):
@@ -86,12 +88,13 @@ class KDAOutputGate(nn.Module):
         return self.norm(o) * gate
 
 
-class KimiDeltaAttention(_RecurrentAttention):
+class KimiDeltaAttention(RecurrentAttention):
     """Kimi Delta Attention (module doc): the delta rule with a per-channel forget gate. Arguments as
     the other recurrent kinds' (linattn.nn.recurrent): short_conv 4 and output_gate on in the models'
     defaults; output_gate selects Kimi Linear's low-rank sigmoid gate with its RMSNorm."""
 
     kind = "kda"
+    family = DELTA
 
     def __init__(self, d_model: int, n_heads: int, *, output_gate: bool = True, norm_eps: float = 1e-5,
                  bias: bool = False, dt_init_range=KDA_DT_INIT_RANGE, **kw):
@@ -100,40 +103,13 @@ class KimiDeltaAttention(_RecurrentAttention):
         self.forget_gate = KDAForgetGate(d_model, n_heads, self.qk_dim, dt_init_range=dt_init_range)
         self.kda_gate = KDAOutputGate(d_model, n_heads, self.head_dim, norm_eps, bias=bias) if output_gate else None
 
-    def _activate(self, q, k, v):
-        return F.silu(q), F.silu(k), F.silu(v)
+    def mix(self, x, q, k, v, positions) -> DeltaMix:
+        q, k = self.rotate(F.silu(q), F.silu(k), positions)
+        beta = torch.sigmoid(self.beta_proj(x).to(state_dtype(x.dtype))).transpose(1, 2)  # β = 0 writes nothing
+        return DeltaMix(q, k, F.silu(v), beta, self.forget_gate(x), scale=self.scale, chunk_size=self.chunk_size)
 
-    def _mix(self, x, q, k, v, mask, state, stateful: bool, *, cu_seqlens=None):
-        sdt = state_dtype(x.dtype)
-        beta = torch.sigmoid(self.beta_proj(x).to(sdt)).transpose(1, 2)  # in the state dtype; β = 0 writes nothing
-        g = self.forget_gate(x)
-        if mask is not None:  # a padded token writes nothing (k = 0) and does not decay the state (g = 0)
-            keep = mask[:, None, :]
-            k = k * keep[..., None].to(k.dtype)
-            g = g.masked_fill(~keep[..., None], 0.0)
-        opts = dict(scale=self.scale, qk_l2norm=True)
-        if not stateful and self.sequence_parallel_group is not None:
-            from ..parallel.recurrent import sequence_parallel_kda
-            return sequence_parallel_kda(q, k, v, beta, g, group=self.sequence_parallel_group,
-                                         chunk_size=self.chunk_size, **opts), None
-        if not stateful:
-            return kda(q, k, v, beta, g, chunk_size=self.chunk_size, cu_seqlens=cu_seqlens, **opts), None
-        if q.shape[2] == 1:
-            return kda_step(state, q, k, v, beta, g, **opts)
-        return kda(q, k, v, beta, g, initial_state=state, return_state=True, chunk_size=self.chunk_size, **opts)
-
-    def _merge(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        b, _, n, _ = o.shape
-        o = o.transpose(1, 2)
-        if self.kda_gate is not None:
-            o = self.kda_gate(o, x)
-        y = self.out(o.reshape(b, n, self.n_heads * self.head_dim))
-        return self.dropout(y) if self.dropout_p and self.training else y
-
-    def extra_repr(self) -> str:
-        return (f"d_model={self.d_model}, n_heads={self.n_heads}, qk_dim={self.qk_dim}, "
-                f"short_conv={0 if self.conv is None else self.conv.kernel_size}, "
-                f"output_gate={self.kda_gate is not None}, rope={self.rope is not None}")
+    def gate_output(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return o if self.kda_gate is None else self.kda_gate(o, x)
 
 
 __all__ = ["KDAForgetGate", "KDAOutputGate", "KimiDeltaAttention"]

@@ -21,30 +21,15 @@ buffer (LigerCache): memory flat in the context length.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 
-from ..ops import gated_linear_attention, gated_linear_attention_step, sliding_window_attention
-from ..ops.swa import sliding_window_attention_step
-from .swa import SlidingWindowAttention, SlidingWindowCache
+from .caches import LigerCache
+from .families import WINDOW_GATED, GatedMix, WindowMix
+from .swa import SlidingWindowAttention
 
 #: GLA's gate normalizer (Yang et al. 2023, §4.4), which Liger keeps
 GATE_NORMALIZER = 16.0
-
-
-@dataclass
-class LigerCache(SlidingWindowCache):
-    """Decoding cache of one LigerAttention layer: the window's ring buffer (SlidingWindowCache) and
-    `state`, the gated recurrence's kv (B, H, D, E) in float32 (None before the first call)."""
-
-    state: torch.Tensor | None = None
-
-    @property
-    def nbytes(self) -> int:
-        extra = 0 if self.state is None else self.state.numel() * self.state.element_size()
-        return super().nbytes + extra
 
 
 class LigerAttention(SlidingWindowAttention):
@@ -52,50 +37,19 @@ class LigerAttention(SlidingWindowAttention):
     SlidingWindowAttention's (window W, default 64 as in Liger)."""
 
     kind = "liger"
-
-    def new_cache(self) -> LigerCache:
-        return LigerCache()
+    family = WINDOW_GATED
 
     @staticmethod
     def gate(k: torch.Tensor) -> torch.Tensor:
         """g = logsigmoid(k) / 16 in float32 (float64 for float64 k): (B, H, N, D) -> same shape."""
         return F.logsigmoid(k.to(torch.float64 if k.dtype == torch.float64 else torch.float32)) / GATE_NORMALIZER
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None, cache: LigerCache | None = None,
-                positions: torch.Tensor | None = None, *, cu_seqlens: torch.Tensor | None = None):
-        """x (B, N, d), mask (B, N) bool or None, positions (N,) or (B, N) or None; cu_seqlens: packed
-        sequences in x (1, T, d). Returns (y, cache)."""
-        self._check_mask(mask, x)
-        if self.sequence_parallel_group is not None and cache is None:
-            raise ValueError("LigerAttention does not run sequence-parallel yet")
-        if cu_seqlens is not None and cache is not None:
-            raise ValueError("cu_seqlens (packed sequences) takes no cache")
-        q, k, v = self._project(x, mask, cache, cu_seqlens)
+    def mix(self, x, q, k, v, positions) -> tuple[WindowMix, GatedMix]:
         g = self.gate(k)
         fq, fk = torch.softmax(q, dim=-1), torch.softmax(k, dim=-1)
-        if cu_seqlens is not None and positions is None and self.rope is not None:
-            from ..ops import packed
-
-            positions = packed.positions(cu_seqlens, x.shape[1]).to(x.device)
-        rq, rk = self._rotate(q, k, x, mask, cache, positions)
-        if cache is None:
-            o_lin = gated_linear_attention(fq, fk, v, g, scale=1.0, chunk_size=self.chunk_size, key_padding_mask=mask,
-                                           cu_seqlens=cu_seqlens)
-            o_win = sliding_window_attention(rq, rk, v, window=self.window, key_padding_mask=mask,
-                                             chunk_size=self.chunk_size, cu_seqlens=cu_seqlens)
-            return self._merge(0.5 * (o_win + o_lin), x), None
-        if mask is not None:  # a padded token neither writes nor decays the recurrent state
-            g = g.masked_fill(~mask[:, None, :, None], 0.0)
-            fk = fk * mask[:, None, :, None].to(fk.dtype)
-        if x.shape[1] == 1:
-            o_lin, cache.state = gated_linear_attention_step(cache.state, fq, fk, v, g, scale=1.0)
-        else:
-            o_lin, cache.state = gated_linear_attention(fq, fk, v, g, scale=1.0, chunk_size=self.chunk_size,
-                                                        initial_state=cache.state, return_state=True)
-        o_win, cache.window = sliding_window_attention_step(cache.window, rq, rk, v, window=self.window,
-                                                            key_padding_mask=mask, chunk_size=self.chunk_size)
-        cache.advance(x.shape[1], mask)
-        return self._merge(0.5 * (o_win + o_lin.to(o_win.dtype)), x), cache
+        rq, rk = self.rotate(q, k, positions)
+        return (WindowMix(rq, rk, v, self.window, self.chunk_size),
+                GatedMix(fq, fk, v, g, chunk_size=self.chunk_size, scale=1.0))
 
 
 __all__ = ["GATE_NORMALIZER", "LigerAttention", "LigerCache"]

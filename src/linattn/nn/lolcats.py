@@ -17,36 +17,20 @@ left it in a linear state (LoLCATsCache): memory flat in the context length.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 
 from .._checks import check_int, check_number
-from .feature_maps import make_feature_map
-from .attention import LayerCache, _Attention, token_positions
-from ..ops import packed
 from ..ops.linear.chunked import DEFAULT_CHUNK_SIZE
-from ..ops.swa import HybridState, lolcats_attention, lolcats_attention_step
+from .base import Attention
+from .caches import LoLCATsCache
+from .families import WINDOW_LINEAR, HybridMix
+from .feature_maps import make_feature_map
 from .positional import RotaryEmbedding
 from .swa import DEFAULT_WINDOW
 
 #: LoLCATs' initial window-factor logit: sigmoid(−2.1972) = 0.1.
 DEFAULT_WINDOW_FACTOR_LOGIT = -2.1972245773362196
-
-
-@dataclass
-class LoLCATsCache(LayerCache):
-    """Decoding cache of one LoLCATsAttention layer: `state`, a HybridState (ring buffer of the last
-    W keys, key features and values; the linear state of the tokens before them), None before the
-    first call. Its size does not depend on the context length."""
-
-    state: HybridState | None = None
-
-    @property
-    def nbytes(self) -> int:
-        conv = 0 if self.conv is None else self.conv.numel() * self.conv.element_size()
-        return conv + (0 if self.state is None else self.state.nbytes)
 
 
 def _feature_map(name_or_module, options, qk_dim: int, which: str) -> nn.Module:
@@ -59,7 +43,7 @@ def _feature_map(name_or_module, options, qk_dim: int, which: str) -> nn.Module:
     raise ValueError(f"{which} must be a name or a linattn feature map module, got {name_or_module!r}")
 
 
-class LoLCATsAttention(_Attention):
+class LoLCATsAttention(Attention):
     """Multi-head causal LoLCATs attention (see the module docstring).
 
     window: W. feature_map / feature_map_options: φ_q and φ_k (two instances of one kind, or give
@@ -68,6 +52,7 @@ class LoLCATsAttention(_Attention):
     """
 
     kind = "lolcats"
+    family = WINDOW_LINEAR
 
     def __init__(self, d_model: int, n_heads: int, *, window: int = DEFAULT_WINDOW, feature_map="hedgehog",
                  feature_map_options: dict | None = None, feature_map_k=None, causal: bool = True,
@@ -97,39 +82,11 @@ class LoLCATsAttention(_Attention):
         """γ_h = sigmoid(θ_h), (H,)."""
         return torch.sigmoid(self.window_factor_logit)
 
-    def new_cache(self) -> LoLCATsCache:
-        return LoLCATsCache()
-
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None, cache: LoLCATsCache | None = None,
-                positions: torch.Tensor | None = None, *, cu_seqlens: torch.Tensor | None = None):
-        """x (B, N, d), mask (B, N) bool or None, positions (N,) or (B, N) or None. Returns (y, cache).
-        cu_seqlens: packed sequences in x (1, T, d) (linattn.ops.packed): each runs on its own (window,
-        linear state, short convolution), positions restart at 0 in each (counting real tokens only
-        when a mask is given); no cache."""
-        self._check_mask(mask, x)
-        if self.sequence_parallel_group is not None and cache is None:
-            raise ValueError("LoLCATsAttention does not run sequence-parallel yet")
-        if cu_seqlens is not None and cache is not None:
-            raise ValueError("cu_seqlens (packed sequences) takes no cache")
-        q, k, v = self._project(x, mask, cache, cu_seqlens)
-        n = x.shape[1]
-        if positions is None and (self.rope is not None or getattr(self.feature_map_q, "needs_positions", False)):
-            if cu_seqlens is not None:
-                positions = packed.positions(cu_seqlens, n, mask).to(x.device)
-            else:
-                positions = (cache.next_positions(n, mask, x.device) if cache is not None
-                             else token_positions(n, mask, device=x.device))
-        if self.rope is not None:
-            q, k = self.rope.rotate(q, positions), self.rope.rotate(k, positions)
+    def mix(self, x, q, k, v, positions) -> HybridMix:
+        q, k = self.rotate(q, k, positions)
         qf = self.feature_map_q(q, is_query=True, positions=positions)
         kf = self.feature_map_k(k, is_query=False, positions=positions)
-        gamma = self.window_factor.to(q.dtype)
-        opts = dict(window=self.window, window_factor=gamma, key_padding_mask=mask, chunk_size=self.chunk_size)
-        if cache is None:
-            return self._merge(lolcats_attention(q, k, qf, kf, v, cu_seqlens=cu_seqlens, **opts), x), None
-        o, cache.state = lolcats_attention_step(cache.state, q, k, qf, kf, v, **opts)
-        cache.advance(n, mask)
-        return self._merge(o, x), cache
+        return HybridMix(q, k, qf, kf, v, self.window, self.window_factor.to(q.dtype), self.chunk_size)
 
     def extra_repr(self) -> str:
         return (f"d_model={self.d_model}, n_heads={self.n_heads}, qk_dim={self.qk_dim}, window={self.window}, "

@@ -2,7 +2,7 @@
 GLA and GLA (gated linear attention) and DeltaNet, Gated DeltaNet (the delta rule).
 
 They share LinearAttention's interface, `forward(x, mask=None, cache=None, positions=None) -> (y,
-cache)`, and its projections (linattn.nn.attention._Attention): q, k, v from one fused matmul, optionally
+cache)`, and its projections and forward (linattn.nn.base.Attention): q, k, v from one fused matmul, optionally
 a short causal convolution on them, and by default the per-head output norm and swish gate. Per
 head, with x (B, N, d) the layer's input, D the q/k head dim and E the value head dim:
 
@@ -32,38 +32,23 @@ layers; RetNet rotates them too (its xPos), the GLA and DeltaNet papers use no p
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .._checks import check_positive_int
-from .decay import DT_INIT_RANGE, FeatureDecay, FixedDecay, ScalarDecay
-from .attention import LayerCache, _Attention, token_positions
-from ..ops import delta_rule, delta_rule_step, gated_linear_attention, gated_linear_attention_step, packed
 from ..ops.linear.chunked import DEFAULT_CHUNK_SIZE, state_dtype
-from ..parallel import sequence_parallel_delta_rule, sequence_parallel_gated_linear_attention
+from .base import Attention
+from .caches import RecurrentCache
+from .decay import DT_INIT_RANGE, FeatureDecay, FixedDecay, ScalarDecay, plan_decay
+from .families import DELTA, GATED, DeltaMix, GatedMix
 from .positional import RotaryEmbedding
 
 
-@dataclass
-class RecurrentCache(LayerCache):
-    """The decoding cache of a gated or delta-rule layer: the state S (B, H, D, E) (None before the
-    first call) and the short convolution's tail. Its size does not depend on the context length."""
-
-    state: torch.Tensor | None = None
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.state, self.conv) if t is not None)
-
-
-class _RecurrentAttention(_Attention):
+class RecurrentAttention(Attention):
     """What the gated and delta-rule kinds share: causal only, q·D^{−1/2}, optional RoPE on q and k, a
-    recurrent state as cache, the output norm and gate on by default. Subclasses set `kind` and
-    implement `_mix(x, q, k, v, mask, state, stateful) -> (o, state)`; `_activate` maps q, k, v
-    after the projection (identity here)."""
+    recurrent state as cache (RecurrentCache), the output norm and gate on by default. Subclasses set
+    `kind` and `family` and implement `mix` (linattn.nn.base.Attention)."""
 
     def __init__(self, d_model: int, n_heads: int, *, qk_dim: int | None = None, rope: bool = False,
                  rope_base: float = 10_000.0, short_conv: int = 0, output_gate: bool = True, dropout: float = 0.0,
@@ -74,81 +59,33 @@ class _RecurrentAttention(_Attention):
         self.chunk_size = chunk_size
         self.scale = self.qk_dim ** -0.5
         self.rope = RotaryEmbedding(self.qk_dim, rope_base) if rope else None
+        #: the log-decay module (linattn.nn.decay) of kinds that have one; None: none
+        self.decay = None
 
-    def new_cache(self) -> RecurrentCache:
-        return RecurrentCache()
-
-    def _activate(self, q, k, v):
-        return q, k, v
-
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None, cache: RecurrentCache | None = None,
-                positions: torch.Tensor | None = None, *, cu_seqlens: torch.Tensor | None = None):
-        """x (B, N, d), mask (B, N) bool or None, positions (N,) or (B, N) or None (derived from the
-        mask and the cache). cu_seqlens: packed sequences in x (1, T, d) (linattn.ops.packed; the
-        state resets at each boundary, positions default to each token's index in its sequence, real
-        tokens only when a mask is given).
-        Returns (y (B, N, d), cache)."""
-        self._check_mask(mask, x)
-        if cache is None and self.sequence_parallel_group is not None and mask is not None:
-            raise ValueError("sequence parallelism does not take a padding mask")
-        q, k, v = self._activate(*self._project(x, mask, cache, cu_seqlens))
-        n = x.shape[1]
-        if cu_seqlens is not None:
-            if self.rope is not None:
-                if positions is None:
-                    positions = packed.positions(cu_seqlens, n, mask).to(x.device)
-                q, k = self.rope.rotate(q, positions), self.rope.rotate(k, positions)
-            o, _ = self._mix(x, q, k, v, mask, None, False, cu_seqlens=cu_seqlens)
-            return self._merge(o, x), None
-        if self.rope is not None:
-            if positions is None:
-                positions = (cache.next_positions(n, mask, x.device) if cache is not None
-                             else token_positions(n, mask, device=x.device))
-            q, k = self.rope.rotate(q, positions), self.rope.rotate(k, positions)
-        o, state = self._mix(x, q, k, v, mask, None if cache is None else cache.state, cache is not None)
-        if cache is not None:
-            cache.state = state
-            cache.advance(n, mask)
-        return self._merge(o, x), cache
-
-    def _mix(self, x, q, k, v, mask, state, stateful: bool, *, cu_seqlens=None):
-        """(o (B, H, N, E), state after x or None); runs sequence-parallel over
-        `sequence_parallel_group` when one is set and there is no cache (not stateful); cu_seqlens
-        (not stateful): packed sequences, passed to the operator."""
-        raise NotImplementedError
-
-    def extra_repr(self) -> str:
-        return (f"d_model={self.d_model}, n_heads={self.n_heads}, qk_dim={self.qk_dim}, "
-                f"short_conv={0 if self.conv is None else self.conv.kernel_size}, "
-                f"output_gate={self.output_gate is not None}, rope={self.rope is not None}")
+    def plan_state(self, plan, cache, tensors: dict, ints: dict, floats: dict) -> None:
+        """What the gated and delta mixers share in the fused step: the state S, the scale, the RoPE
+        tables of q and k, the decay's code and tensors."""
+        self.plan_qk_rope(plan, tensors)
+        tensors["state"] = plan.state(cache)
+        floats["scale"] = float(self.scale)
+        plan_decay(self.decay, plan, tensors, ints, floats)
 
 
-class _GatedAttention(_RecurrentAttention):
+class GatedAttention(RecurrentAttention):
     """Gated linear attention on q, k directly (no feature map, no normalizer): S_t = diag(e^{g_t})
     S_{t−1} + k_t v_tᵀ, o_t = S_tᵀ q_t · D^{−1/2}, with g = `self.decay(x)` (linattn.nn.decay). The scale is
-    applied to q here rather than by the operator, whose fused CPU kernels take no scale. Decoding:
-    `linattn.ops.gated_linear_attention_step` per token."""
+    applied to q here rather than by the operator, whose fused CPU kernels take no scale."""
 
-    decay: nn.Module
+    family = GATED
 
-    def _mix(self, x, q, k, v, mask, state, stateful: bool, *, cu_seqlens=None):
-        g = self.decay(x)
-        q = q * self.scale
-        if cu_seqlens is not None:
-            return gated_linear_attention(q, k, v, g, key_padding_mask=mask, chunk_size=self.chunk_size,
-                                          cu_seqlens=cu_seqlens), None
-        if not stateful and self.sequence_parallel_group is not None:
-            return sequence_parallel_gated_linear_attention(q, k, v, g, group=self.sequence_parallel_group,
-                                                            chunk_size=self.chunk_size), None
-        if not stateful:
-            return gated_linear_attention(q, k, v, g, key_padding_mask=mask, chunk_size=self.chunk_size), None
-        if q.shape[2] == 1 and mask is None:
-            return gated_linear_attention_step(state, q, k, v, g)
-        return gated_linear_attention(q, k, v, g, key_padding_mask=mask, initial_state=state, return_state=True,
-                                      chunk_size=self.chunk_size)
+    def mix(self, x, q, k, v, positions) -> GatedMix:
+        q, k = self.rotate(q, k, positions)
+        return GatedMix(q * self.scale, k, v, self.decay(x), chunk_size=self.chunk_size)
+
+    plan_mixer = RecurrentAttention.plan_state
 
 
-class RetNetAttention(_GatedAttention):
+class RetNetAttention(GatedAttention):
     """RetNet's retention (Sun et al. 2023) in its recurrent form: a fixed decay per head, γ_h = 1 −
     2^{−5−h} (linattn.nn.decay.FixedDecay), so heads remember over ~32 … 2^{4+H} tokens. RetNet rotates q
     and k (xPos) and normalizes and gates its output: positions="rope" and the output gate."""
@@ -160,7 +97,7 @@ class RetNetAttention(_GatedAttention):
         self.decay = FixedDecay(n_heads)
 
 
-class SimpleGLAAttention(_GatedAttention):
+class SimpleGLAAttention(GatedAttention):
     """Gated linear attention with one data-dependent decay per head and token, Mamba2's form
     g_t = −exp(A_log)·softplus(W_α x_t + dt_bias) (linattn.nn.decay.ScalarDecay): the SSD / "simple GLA"
     recurrence of Mamba2 (Dao & Gu 2024), with q, k, v as attention names them."""
@@ -172,7 +109,7 @@ class SimpleGLAAttention(_GatedAttention):
         self.decay = ScalarDecay(d_model, n_heads, dt_init_range)
 
 
-class GLAAttention(_GatedAttention):
+class GLAAttention(GatedAttention):
     """GLA (Yang et al. 2023): a data-dependent decay per head, token and key feature from a rank-16
     projection, g_t = logsigmoid(W₂W₁ x_t + b)/16 (linattn.nn.decay.FeatureDecay)."""
 
@@ -183,46 +120,37 @@ class GLAAttention(_GatedAttention):
         self.decay = FeatureDecay(d_model, n_heads, self.qk_dim)
 
 
-class DeltaNetAttention(_RecurrentAttention):
+class DeltaNetAttention(RecurrentAttention):
     """DeltaNet (Schlag et al. 2021; Yang et al. 2024): the delta rule with β_t = sigmoid(W_β x_t) per
     head and token, q, k, v through SiLU, q and k L2-normalized (inside the operator), q scaled by
     D^{−1/2} (see the module docstring). Short convolution kernel 4 and the output gate in the
-    models' defaults. Decoding: `linattn.ops.delta_rule_step` per token."""
+    models' defaults. `decay`: None here, Gated DeltaNet's Mamba2 gate in the subclass."""
 
     kind = "deltanet"
+    family = DELTA
 
     def __init__(self, d_model: int, n_heads: int, **kw):
         super().__init__(d_model, n_heads, **kw)
         self.beta_proj = nn.Linear(d_model, n_heads, bias=False)
 
-    def _activate(self, q, k, v):
+    def mix(self, x, q, k, v, positions) -> DeltaMix:
         # SiLU on q, k and v after the projection and convolution: Gated DeltaNet's block (Yang et al. 2024b, Fig. 1)
-        return F.silu(q), F.silu(k), F.silu(v)
-
-    def _log_decay(self, x):
-        return None
-
-    def _mix(self, x, q, k, v, mask, state, stateful: bool, *, cu_seqlens=None):
+        q, k = self.rotate(F.silu(q), F.silu(k), positions)
         sdt = state_dtype(x.dtype)
-        # β in the state dtype, kept above the smallest normal number: a sigmoid that underflows to 0 would
-        # fail the operator's (0, 1] check, and β that small writes nothing either way
+        # β in the state dtype, kept above the smallest normal number (a β that small writes nothing either way)
         beta = torch.sigmoid(self.beta_proj(x).to(sdt)).clamp_min(torch.finfo(sdt).tiny).transpose(1, 2)
-        g = self._log_decay(x)
-        if mask is not None:  # a padded token writes nothing (k = 0) and does not decay the state (g = 0)
-            keep = mask[:, None, :]
-            k = k * keep[..., None].to(k.dtype)
-            g = None if g is None else g.masked_fill(~keep, 0.0)
-        opts = dict(g=g, scale=self.scale, qk_l2norm=True)
-        if cu_seqlens is not None:
-            return delta_rule(q, k, v, beta, chunk_size=self.chunk_size, cu_seqlens=cu_seqlens, **opts), None
-        if not stateful and self.sequence_parallel_group is not None:
-            return sequence_parallel_delta_rule(q, k, v, beta, group=self.sequence_parallel_group,
-                                                chunk_size=self.chunk_size, **opts), None
-        if not stateful:
-            return delta_rule(q, k, v, beta, chunk_size=self.chunk_size, **opts), None
-        if q.shape[2] == 1:
-            return delta_rule_step(state, q, k, v, beta, **opts)
-        return delta_rule(q, k, v, beta, initial_state=state, return_state=True, chunk_size=self.chunk_size, **opts)
+        g = None if self.decay is None else self.decay(x)
+        return DeltaMix(q, k, F.silu(v), beta, g, scale=self.scale, chunk_size=self.chunk_size)
+
+    def step_obstacle(self) -> str | None:
+        if self.decay is not None and self.decay.native_code != ScalarDecay.native_code:
+            return f"decay {type(self.decay).__name__} takes the eager path"
+        return super().step_obstacle()
+
+    def plan_mixer(self, plan, cache, tensors: dict, ints: dict, floats: dict) -> None:
+        """The gated mixer's arguments (`plan_state`) and β's product."""
+        self.plan_state(plan, cache, tensors, ints, floats)
+        tensors["beta"] = plan.project(self.beta_proj)
 
 
 class GatedDeltaNetAttention(DeltaNetAttention):
@@ -235,14 +163,13 @@ class GatedDeltaNetAttention(DeltaNetAttention):
         super().__init__(d_model, n_heads, **kw)
         self.decay = ScalarDecay(d_model, n_heads, dt_init_range)
 
-    def _log_decay(self, x):
-        return self.decay(x)
-
 
 __all__ = [
     "DeltaNetAttention",
     "GLAAttention",
+    "GatedAttention",
     "GatedDeltaNetAttention",
+    "RecurrentAttention",
     "RecurrentCache",
     "RetNetAttention",
     "SimpleGLAAttention",

@@ -1,4 +1,4 @@
-"""Packed variable-length sequences (design §16): N sequences laid end to end along the time axis of
+"""Packed variable-length sequences (design §17): N sequences laid end to end along the time axis of
 one row (batch 1), described by `cu_seqlens`, the LongTensor [N+1] of cumulative lengths
 (FlashAttention's `flash_attn_varlen_func` convention, and flash-linear-attention's):
 

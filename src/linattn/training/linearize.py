@@ -33,7 +33,7 @@ from ..models.config import ModelConfig
 from ..models.linearized import DEFAULT_RECIPE, RECIPES, linearized_layers, student_config, student_from_teacher
 from ..models.lm import LinearTransformerLM
 from . import data as D, packing as P
-from .tasks import BytesTask
+from .tasks import BytesTask, correct_predictions
 
 #: the modules LoRA adapts: the fused q/k/v projection and the output projection of every layer
 LORA_TARGETS = r"blocks\.\d+\.attn\.(qkv|out)"
@@ -211,19 +211,16 @@ class LinearizedFinetuneTask(_LinearizeTask):
 
     def loss_stats(self, model, batch, positions=None):
         ids, kw = _lm_inputs(batch)
-        logits, _ = model(ids, **kw)
-        logits = logits.float().flatten(0, 1)
-        targets = batch.targets.flatten()
-        keep = targets != D.IGNORE_INDEX
-        loss = F.cross_entropy(logits, targets, ignore_index=D.IGNORE_INDEX, reduction="sum")
+        targets = batch.targets.reshape(ids.shape)
+        logits, loss = model(ids, targets=targets, **kw)
         if self.kl_weight and model.training:
+            keep = targets.flatten() != D.IGNORE_INDEX
             with torch.no_grad():
                 t_logits, _ = self._teacher_to(ids.device)(ids, **kw)
             t_logp = F.log_softmax(t_logits.float().flatten(0, 1)[keep], -1)
-            s_logp = F.log_softmax(logits[keep], -1)
+            s_logp = F.log_softmax(logits.float().flatten(0, 1)[keep], -1)
             loss = loss + self.kl_weight * F.kl_div(s_logp, t_logp, log_target=True, reduction="sum")
-        correct = (logits.detach().argmax(-1)[keep] == targets[keep]).sum()
-        return loss, correct
+        return loss, correct_predictions(logits, targets)
 
 
 def add_lora(model: nn.Module, rank: int, alpha: float, seed: int = 0) -> nn.Module:

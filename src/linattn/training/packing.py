@@ -1,4 +1,4 @@
-"""Packed documents for byte-level LM training (design §16): full rows, no padding, no leaks.
+"""Packed documents for byte-level LM training (design §17): full rows, no padding, no leaks.
 
 The byte corpus is the concatenation of its files, and one file is one document (data.Corpus
 records where each begins). A training row is a window of seq_len + 1 consecutive bytes, as in

@@ -13,8 +13,9 @@ Each class is built from plain values; `from_config` reads them from a TrainConf
 loads no data: a byte corpus is read on first use (or by `load_data`), a generated task checks its
 options with one draw of a single example.
 
-LM loss of a batch (targets already shifted; IGNORE_INDEX marks positions that are not scored):
-Σ cross-entropy over the scored targets, in float32; ListOps: Σ cross-entropy over the sequences.
+The loss of a batch is the model's (its forward with `targets`, linattn.models.lm.summed_cross_entropy):
+Σ cross-entropy over the scored targets in float32 (LM targets already shifted, IGNORE_INDEX where
+not scored; ListOps: one label per sequence); the task adds the count of correct predictions.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ import contextlib
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from . import data as D, packing as P
@@ -168,15 +168,12 @@ class LMTask(Task):
 
     def loss_stats(self, model, batch, positions=None):
         if isinstance(batch, P.PackedBatch):  # the rows as one row of packed documents
-            logits, _ = model(batch.inputs.reshape(1, -1), cu_seqlens=batch.cu_seqlens())
+            targets = batch.targets.reshape(1, -1)
+            logits, loss = model(batch.inputs.reshape(1, -1), cu_seqlens=batch.cu_seqlens(), targets=targets)
         else:
-            logits, _ = model(batch.inputs, positions=positions)
-        logits = logits.float().flatten(0, 1)
-        targets = batch.targets.flatten()
-        loss = F.cross_entropy(logits, targets, ignore_index=D.IGNORE_INDEX, reduction="sum")
-        keep = targets != D.IGNORE_INDEX
-        correct = (logits.detach().argmax(-1)[keep] == targets[keep]).sum()
-        return loss, correct
+            targets = batch.targets
+            logits, loss = model(batch.inputs, positions=positions, targets=targets)
+        return loss, correct_predictions(logits, targets)
 
     def rows(self, batch, start, end):
         if isinstance(batch, P.PackedBatch):
@@ -336,11 +333,9 @@ class MqarTask(_GeneratedTask, LMTask):
         if per_row.numel() == 0 or bool((per_row != per_row[0]).any()):
             return super().loss_stats(model, batch, positions)
         index = keep.nonzero()[:, 1].view(keep.shape[0], -1)  # nonzero is row-major: each row's in order
-        logits, _ = model(batch.inputs, positions=positions, logits_at=index)
-        logits = logits.float().flatten(0, 1)
-        targets = batch.targets.gather(1, index).flatten()
-        loss = F.cross_entropy(logits, targets, reduction="sum")
-        return loss, (logits.detach().argmax(-1) == targets).sum()
+        targets = batch.targets.gather(1, index)
+        logits, loss = model(batch.inputs, positions=positions, logits_at=index, targets=targets)
+        return loss, correct_predictions(logits, targets)
 
 
 class ListOpsTask(_GeneratedTask, Task):
@@ -364,13 +359,18 @@ class ListOpsTask(_GeneratedTask, Task):
         return int(batch.labels.numel())
 
     def loss_stats(self, model, batch, positions=None):
-        logits = model(batch.inputs, batch.mask).float()
-        loss = F.cross_entropy(logits, batch.labels, reduction="sum")
-        return loss, (logits.detach().argmax(-1) == batch.labels).sum()
+        logits, loss = model(batch.inputs, batch.mask, targets=batch.labels)
+        return loss, correct_predictions(logits, batch.labels)
 
     def rows(self, batch, start, end):
         return D.ClassificationBatch(batch.inputs[start:end], batch.mask[start:end], batch.labels[start:end],
                                      batch.cls_index[start:end], batch.vocab_size, batch.num_classes)
+
+
+def correct_predictions(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """How many of the scored targets (≠ IGNORE_INDEX) are the argmax of their logits (…, V)."""
+    keep = targets != D.IGNORE_INDEX
+    return (logits.detach().argmax(-1)[keep] == targets[keep]).sum()
 
 
 #: The tasks a TrainConfig names, by name.

@@ -61,7 +61,7 @@ def delta_rule(
         the tokens before; a sequence split in two and resumed from the state gives the same output.
         Gradients flow into it.
     chunk_size: tokens per chunk (any positive int; N need not be a multiple).
-    cu_seqlens: packed sequences (design §16, linattn.ops.packed): a 1-D integer tensor [N+1] of
+    cu_seqlens: packed sequences (design §17, linattn.ops.packed): a 1-D integer tensor [N+1] of
         cumulative lengths (0 … T) of N sequences laid end to end in a batch of 1; each runs as its own
         call (the state resets at every boundary); initial_state and the returned state are per
         sequence, S (N, H, D, E).

@@ -1,4 +1,4 @@
-"""Scores of a chunk under one decay per key channel (KDA's gate, design §13.3), with every
+"""Scores of a chunk under one decay per key channel (KDA's gate, design §13.8), with every
 exponential bounded.
 
 In a chunk of c rows with the in-chunk cumulative log-decays b (c×D), the delta family's WY/UT form

@@ -55,7 +55,7 @@ def gated_linear_attention(
     chunk_size: rows per chunk of the chunked algorithm (any positive int).
     key_padding_mask: (B, N) bool, True where the key is real; a masked token leaves the state as it
         was (no key added, no decay), so padding anywhere gives the state of the sequence without it.
-    cu_seqlens: packed sequences (design §16, linattn.ops.packed): a 1-D integer tensor [N+1] of
+    cu_seqlens: packed sequences (design §17, linattn.ops.packed): a 1-D integer tensor [N+1] of
         cumulative lengths (0 … T) of N sequences laid end to end in a batch of 1; each runs as its own
         call (the state resets at every boundary), initial_state and the returned state are per
         sequence: kv (N, H, F, E), or (kv, z (N, H, F)) with normalize.

@@ -142,7 +142,7 @@ def linear_attention(
     positions: (N,) or (B, N) absolute token indices for RoPE / cosFormer (default arange(N); must
         be given when resuming from a state with either).
     rope: a linattn.nn.positional.RotaryEmbedding of dim F, applied to the numerator features only.
-    cu_seqlens: packed sequences (causal only; design §16, linattn.ops.packed): a 1-D integer tensor
+    cu_seqlens: packed sequences (causal only; design §17, linattn.ops.packed): a 1-D integer tensor
         [N+1] of cumulative lengths (0 … T) of N sequences laid end to end in a batch of 1. Each
         sequence runs as its own call: states reset at every boundary, positions (default) restart
         at 0, positions / key_padding_mask given are read on the packed time axis, initial_state

@@ -26,7 +26,7 @@ def check_common(q, k, v, window, scale, chunk_size, key_padding_mask) -> int:
 
 def check_cu_seqlens(cu_seqlens, batch: int, length: int, device: torch.device) -> None:
     """cu_seqlens: a 1-D int tensor [S + 1] of cumulative lengths, 0 first, N last, non-decreasing,
-    on q's device, with batch 1 (design §16)."""
+    on q's device, with batch 1 (design §17)."""
     if cu_seqlens is None:
         return
     if not isinstance(cu_seqlens, torch.Tensor):

@@ -8,11 +8,9 @@ from dataclasses import dataclass, fields
 import torch
 
 from ..._checks import check_int
+from ...models.lm import IGNORE_INDEX  # the target that counts neither for the loss nor for the accuracy
 
 __all__ = ["ClassificationBatch", "IGNORE_INDEX", "TaskBatch", "mix_seed"]
-
-IGNORE_INDEX = -100
-"""Target value for positions that count neither for the loss nor for the accuracy."""
 
 
 # ----------------------------------------------------------------------------------------------
