@@ -224,3 +224,18 @@ def test_a_huge_chunk_size_is_one_chunk_not_a_crash(native_env):
     env = {**os.environ, "LINATTN_NATIVE": native_env}
     res = subprocess.run([sys.executable, "-c", _HUGE_CHUNK], env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0 and res.stdout.strip().endswith("ok"), (res.returncode, res.stderr[-2000:])
+
+
+def test_meta_tensors_are_refused_by_name_in_every_operator():
+    """Issue 37 item 19: the operators on meta tensors raised a raw `.item()` error."""
+    import torch.nn.functional as F
+
+    from linattn.ops import delta_rule, gated_linear_attention, linear_attention, sliding_window_attention
+
+    q, k, v = (torch.empty(1, 2, 5, 4, device="meta") for _ in range(3))
+    g = torch.empty(1, 2, 5, device="meta")
+    calls = [lambda: linear_attention(q, k, v, causal=True), lambda: gated_linear_attention(q, k, v, g),
+             lambda: delta_rule(q, k, v, F.sigmoid(g)), lambda: sliding_window_attention(q, k, v, window=2)]
+    for call in calls:
+        with pytest.raises(ValueError, match="meta device"):
+            call()

@@ -42,7 +42,7 @@ def _qkv_ok(q, k, v) -> bool:
     qs, ks, vs = q.shape, k.shape, v.shape
     return (len(qs) == 4 and len(ks) == 4 and len(vs) == 4 and q.dtype in FLOAT_DTYPES
             and q.dtype == k.dtype == v.dtype and qs[0] == ks[0] == vs[0] and qs[1] == ks[1] == vs[1]
-            and ks[2] == vs[2] and ks[3] == qs[3] and q.device == k.device == v.device)
+            and ks[2] == vs[2] and ks[3] == qs[3] and q.device == k.device == v.device and not q.is_meta)
 
 
 def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -66,6 +66,9 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         raise ValueError(f"v must have the same sequence length as k ({k.shape[2]}), got {v.shape[2]}")
     if k.shape[3] != q.shape[3]:
         raise ValueError(f"k head dim must equal q's ({q.shape[3]}), got {k.shape[3]}")
+    if q.is_meta:
+        raise ValueError("q, k, v are on the meta device: the operators compute values; pass tensors on the CPU or a "
+                         "GPU (for shapes only, run the model under torch.device('meta') without calling it)")
 
 
 def is_int(value) -> bool:
