@@ -17,9 +17,9 @@
 // S, X, V' in per-thread buffers), then runs the chunks' backward in reverse (formulas in chunked.py),
 // carrying ∂L/∂S from chunk to chunk. `delta_step`
 // is one token of the recurrence for decoding, with g one decay per row or one per key channel (KDA:
-// S' = (I − β k̂k̂ᵀ) Diag(e^g) S + β k̂ vᵀ); the chunked kernels take one per row (a per-channel g runs
-// the torch-op path of linattn/ops/delta/chunked.py). β and g come in Acc, checked here only by
-// `delta_step` (linattn checks them before the chunked ops).
+// S' = (I − β k̂k̂ᵀ) Diag(e^g) S + β k̂ vᵀ); the chunked kernels here take one per row (a per-channel g
+// runs kda.cpp's). β and g come in Acc, checked here only by `delta_step` (linattn checks them before
+// the chunked ops). The pieces shared with kda.cpp are in delta.h.
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>

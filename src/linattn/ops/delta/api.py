@@ -66,10 +66,10 @@ def delta_rule(
         call (the state resets at every boundary); initial_state and the returned state are per
         sequence, S (N, H, D, E).
 
-    Gradients reach q, k, v, beta, g and initial_state. On the CPU, fp32, fp64 and bf16 inputs without
-    a per-channel g run as fused operators forward and backward (csrc/delta.cpp); a per-channel g,
-    other devices and dtypes (and LINATTN_NATIVE=0) run the torch-op path of `linattn.ops.delta.chunked`
-    (same numbers up to rounding). First-order reverse mode only (`linattn.ops.autodiff`).
+    Gradients reach q, k, v, beta, g and initial_state. On the CPU, fp32, fp64 and bf16 inputs run as
+    fused operators forward and backward (csrc/delta.cpp; a per-channel g csrc/kda.cpp); other devices
+    and dtypes (and LINATTN_NATIVE=0) run the torch-op path of `linattn.ops.delta.chunked` (same numbers
+    up to rounding). First-order reverse mode only (`linattn.ops.autodiff`).
 
     NaN and Inf respect causality: one at token j changes no output before j and no gradient of a loss
     over those outputs (such a call runs an exact, slower pass: `linattn.ops.delta.exact`).
@@ -88,7 +88,7 @@ def delta_rule(
     scale = None if scale is None else float(scale)
 
     def run(q, k, v, beta, g, S0):
-        if fused.usable(q) and not per_channel(g):
+        if fused.usable(q):
             return fused.chunked(q, k, v, beta.to(sdt), None if g is None else g.to(sdt), S0, scale=scale,
                                  l2norm=qk_l2norm, chunk=chunk_size)
         return ChunkedDeltaRule.apply(chunk_size, scale, qk_l2norm, q, k, v, beta, g, S0)
