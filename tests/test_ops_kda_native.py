@@ -133,6 +133,16 @@ def test_strong_decay_cuts_chunks_into_row_blocks(monkeypatch, dtype, tol):
     assert_close(run(monkeypatch, "fused", xs, 64, **kw), run(monkeypatch, "reference", xs, **kw), tol)
 
 
+def test_a_block_spanning_nearly_40_stays_fp32_exact(monkeypatch):
+    """g ≈ −0.62 on every channel: a chunk of 64 decays by ~39, one row block whose factors e^{b_i − b_a}
+    near its end are ~e^{−39}; their ratios (the scores of neighbouring rows, O(1)) must stay exact to
+    fp32 rounding (the two-part exponent of kda.cpp's block_factors), not 39·2⁻²⁴ off."""
+    xs = inputs(b=1, h=2, n=256, d=32, e=32, dtype=torch.float32, seed=3)
+    xs[4] = -0.62 + 0.01 * torch.rand(xs[4].shape, generator=torch.Generator().manual_seed(2))
+    ref = run(monkeypatch, "reference", [x.double() for x in xs], qk_l2norm=True)
+    assert_close(run(monkeypatch, "fused", xs, 64, qk_l2norm=True), ref, 1e-6)
+
+
 @pytest.mark.parametrize("beta_max", [2.0, 1.0])
 def test_beta_up_to_two_and_zero(monkeypatch, beta_max):
     """β in (0, 2] (negative eigenvalues of the transition), with β = 0 and β = 2 exactly at a few tokens."""
