@@ -176,12 +176,15 @@ def fused_phi(feature_map, scale, key_padding_mask, state, q, k, v, *, bf16: boo
     return phi if (_ready() if train else _inference(q, k, v, kv, z)) else None
 
 
-def step(state, q, k, v, *, phi: int, normalize: bool, eps: float, angles=None):
-    """linattn_cpu::step on (B, H, 1, ·) tensors: returns (o (B, H, 1, E), (kv', z')).
+def step(state, q, k, v, *, phi: int, normalize: bool, eps: float, angles=None, inplace: bool = False):
+    """linattn_cpu::step on (B, H, 1, ·) tensors: returns (o (B, H, 1, E), (kv', z')); with inplace (kv
+    and z contiguous) linattn_cpu::step_, and (kv', z') are kv and z, updated in place.
 
     angles: RoPE (c, s) broadcastable to (B, H, 1, F), one row per batch entry or one for all."""
     kv, z = state
     c, s = (None, None) if angles is None else angles
+    if inplace:
+        return torch.ops.linattn_cpu.step_.default(kv, z, q, k, v, phi, normalize, eps, c, s, kv.shape[1]), (kv, z)
     o, kv_new, z_new = torch.ops.linattn_cpu.step.default(kv, z, q, k, v, phi, normalize, eps, c, s, kv.shape[1])
     return o, (kv_new, z_new)
 

@@ -500,27 +500,36 @@ void check_gate_values(const at::Tensor& beta, const at::Tensor& g) {
   }
 }
 
+// α = e^g for the D values of g (≤ 0, checked before), vectorized
+template <typename Acc>
+LINATTN_CLONES void channel_decays(const Acc* __restrict__ g, Acc* __restrict__ alpha, int64_t D) {
+#pragma omp simd
+  for (int64_t d = 0; d < D; ++d) alpha[d] = exp_nonpositive(g[d]);
+}
+
 // S (B, H, D, E) in Acc, q, k (B, H, 1, D), v (B, H, 1, E), β (B, H, 1) and g (B, H, 1) or (B, H, 1, D)
-// in Acc (g optional). Returns (o shaped like v, S').
-std::tuple<at::Tensor, at::Tensor> delta_step(const at::Tensor& S_in, const at::Tensor& q_in, const at::Tensor& k_in,
-                                              const at::Tensor& v_in, const at::Tensor& beta_in,
-                                              const c10::optional<at::Tensor>& g_in, double scale, bool l2norm) {
+// in Acc (g optional): the checks and the rows of one token, S' written into S2 (contiguous, shaped
+// like S; S itself for the in-place step: delta_row reads every entry before writing it). Returns o
+// shaped like v.
+at::Tensor delta_step_into(const char* op, const at::Tensor& S, const at::Tensor& q_in, const at::Tensor& k_in,
+                           const at::Tensor& v_in, const at::Tensor& beta_in, const c10::optional<at::Tensor>& g_in,
+                           double scale, bool l2norm, at::Tensor& S2) {
   TORCH_CHECK(q_in.dim() == 4 && q_in.size(2) == 1 && k_in.sizes() == q_in.sizes() && v_in.dim() == 4 &&
                   v_in.sizes().slice(0, 3) == q_in.sizes().slice(0, 3),
-              "linattn_cpu::delta_step expects q, k (B, H, 1, D) and v (B, H, 1, E)");
+              op, " expects q, k (B, H, 1, D) and v (B, H, 1, E)");
   const int64_t D = q_in.size(3), E = v_in.size(3), rows = q_in.size(0) * q_in.size(1);
-  TORCH_CHECK(k_in.scalar_type() == q_in.scalar_type() && v_in.scalar_type() == q_in.scalar_type(),
-              "linattn_cpu::delta_step: q, k, v must share a dtype");
+  TORCH_CHECK(k_in.scalar_type() == q_in.scalar_type() && v_in.scalar_type() == q_in.scalar_type(), op,
+              ": q, k, v must share a dtype");
   const auto acc = q_in.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-  TORCH_CHECK(S_in.scalar_type() == acc && beta_in.scalar_type() == acc && (!g_in.has_value() || g_in->scalar_type() == acc),
-              "linattn_cpu::delta_step: the state, beta and g must be float64 for float64 inputs, else float32");
+  TORCH_CHECK(S.scalar_type() == acc && beta_in.scalar_type() == acc && (!g_in.has_value() || g_in->scalar_type() == acc),
+              op, ": the state, beta and g must be float64 for float64 inputs, else float32");
   const bool channels = g_in.has_value() && g_in->dim() == 4;
-  TORCH_CHECK(S_in.numel() == rows * D * E && beta_in.numel() == rows &&
+  TORCH_CHECK(S.numel() == rows * D * E && beta_in.numel() == rows &&
                   (!g_in.has_value() || g_in->numel() == (channels ? rows * D : rows)),
-              "linattn_cpu::delta_step: shapes of the state, beta and g do not agree with q, v");
-  const at::Tensor S = S_in.contiguous(), q = q_in.contiguous(), k = k_in.contiguous(), v = v_in.contiguous();
+              op, ": shapes of the state, beta and g do not agree with q, v");
+  const at::Tensor q = q_in.contiguous(), k = k_in.contiguous(), v = v_in.contiguous();
   const at::Tensor beta = beta_in.contiguous(), g = g_in.has_value() ? g_in->contiguous() : at::Tensor();
-  at::Tensor S2 = at::empty(S_in.sizes(), S.options()), o = at::empty(v_in.sizes(), v.options());
+  at::Tensor o = at::empty(v_in.sizes(), v.options());
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "linattn_cpu_delta_step", [&] {
     using Acc = linattn_acc<scalar_t>;
     check_gate_values<Acc>(beta, g);
@@ -532,23 +541,41 @@ std::tuple<at::Tensor, at::Tensor> delta_step(const at::Tensor& S_in, const at::
     const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, D * E));
     at::parallel_for(0, rows, grain, [&](int64_t r0, int64_t r1) {
       const FlushDenormals flush;  // α S with α = e^g tiny
-      Aligned<Acc> qk(2 * D), u(2 * E), rn(2), alpha(channels ? D : 0);
+      Aligned<Acc> work(2 * D + 2 * E + 2 + (channels ? D : 0));  // q̂ k̂, u and o, the norms, α
+      Acc *qk = work.data(), *u = qk + 2 * D, *rn = u + 2 * E, *alpha = rn + 2;
       for (int64_t r = r0; r < r1; ++r) {
-        load_rows(pq + r * D, qk.data(), rn.data(), 1, D, l2norm);
-        load_rows(pk + r * D, qk.data() + D, rn.data() + 1, 1, D, l2norm);
+        load_rows(pq + r * D, qk, rn, 1, D, l2norm);
+        load_rows(pk + r * D, qk + D, rn + 1, 1, D, l2norm);
         if (channels) {
-          for (int64_t d = 0; d < D; ++d) alpha.data()[d] = std::exp(pg[r * D + d]);
-          delta_row<scalar_t, Acc, true>(pS + r * D * E, pS2 + r * D * E, qk.data(), pv + r * E, pb[r], alpha.data(),
-                                         static_cast<Acc>(scale), po + r * E, u.data(), D, E);
+          channel_decays(pg + r * D, alpha, D);
+          delta_row<scalar_t, Acc, true>(pS + r * D * E, pS2 + r * D * E, qk, pv + r * E, pb[r], alpha,
+                                         static_cast<Acc>(scale), po + r * E, u, D, E);
           continue;
         }
         const Acc a = pg != nullptr ? std::exp(pg[r]) : Acc(1);
-        delta_update_row<scalar_t, Acc>(pS + r * D * E, pS2 + r * D * E, qk.data(), pv + r * E, pb[r], a,
-                                        static_cast<Acc>(scale), po + r * E, u.data(), D, E);
+        delta_update_row<scalar_t, Acc>(pS + r * D * E, pS2 + r * D * E, qk, pv + r * E, pb[r], a,
+                                        static_cast<Acc>(scale), po + r * E, u, D, E);
       }
     });
   });
+  return o;
+}
+
+// One token of the recurrence (delta_step_into). Returns (o, S'); S is left as it was.
+std::tuple<at::Tensor, at::Tensor> delta_step(const at::Tensor& S_in, const at::Tensor& q, const at::Tensor& k,
+                                              const at::Tensor& v, const at::Tensor& beta,
+                                              const c10::optional<at::Tensor>& g, double scale, bool l2norm) {
+  const at::Tensor S = S_in.contiguous();
+  at::Tensor S2 = at::empty(S_in.sizes(), S.options());
+  at::Tensor o = delta_step_into("linattn_cpu::delta_step", S, q, k, v, beta, g, scale, l2norm, S2);
   return {o, S2};
+}
+
+// The same, S' written over S (contiguous): no new state per token (decoding). Returns o.
+at::Tensor delta_step_(at::Tensor& S, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                       const at::Tensor& beta, const c10::optional<at::Tensor>& g, double scale, bool l2norm) {
+  TORCH_CHECK(S.is_contiguous(), "linattn_cpu::delta_step_: the state must be contiguous (it is updated in place)");
+  return delta_step_into("linattn_cpu::delta_step_", S, q, k, v, beta, g, scale, l2norm, S);
 }
 
 }  // namespace
@@ -564,10 +591,14 @@ TORCH_LIBRARY_FRAGMENT(linattn_cpu, m) {
   m.def(
       "delta_step(Tensor S, Tensor q, Tensor k, Tensor v, Tensor beta, Tensor? g, float scale, bool l2norm) "
       "-> (Tensor, Tensor)");
+  m.def(
+      "delta_step_(Tensor(a!) S, Tensor q, Tensor k, Tensor v, Tensor beta, Tensor? g, float scale, bool l2norm) "
+      "-> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(linattn_cpu, CPU, m) {
   m.impl("delta_chunked", delta_chunked);
   m.impl("delta_chunked_backward", delta_chunked_backward);
   m.impl("delta_step", delta_step);
+  m.impl("delta_step_", delta_step_);
 }

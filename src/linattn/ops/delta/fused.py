@@ -3,7 +3,8 @@ linattn.ops.native): `linattn_cpu::delta_chunked` (the chunked forward, one (bat
 g None or one decay per head) and its backward `linattn_cpu::delta_chunked_backward`;
 `linattn_cpu::kda_chunked` and `linattn_cpu::kda_chunked_backward`, the same with one decay per key
 channel (KDA's g (B, H, N, D); the scores by row blocks, design §13.8); and `linattn_cpu::delta_step`
-(one token, for decoding; g None, one decay per head, or one per key channel).
+(one token, for decoding; g None, one decay per head, or one per key channel), with `delta_step_` its
+in-place form.
 
 They take fp32, fp64 and bf16 q, k, v (bf16 rows are widened to fp32 as they are read: fp32 products,
 triangular solves and state), β and g in the state dtype. Where the extension cannot be built, or with
@@ -54,10 +55,14 @@ def chunked(q, k, v, beta, g, S0, *, scale: float | None, l2norm: bool, chunk: i
     return o, S
 
 
-def step(S, q, k, v, beta, g, *, scale: float | None, l2norm: bool):
+def step(S, q, k, v, beta, g, *, scale: float | None, l2norm: bool, inplace: bool = False):
     """One token (q, k (B, H, 1, D), v (B, H, 1, E), beta (B, H, 1), g (B, H, 1), (B, H, 1, D) or None,
-    in S's dtype); the kernel itself checks the values of beta and g. Returns (o (B, H, 1, E), S')."""
-    return torch.ops.linattn_cpu.delta_step.default(S, q, k, v, beta, g, 1.0 if scale is None else scale, l2norm)
+    in S's dtype); the kernel itself checks the values of beta and g. Returns (o (B, H, 1, E), S'); with
+    inplace (S contiguous) S' is S, updated in place (linattn_cpu::delta_step_)."""
+    scale = 1.0 if scale is None else scale
+    if inplace:
+        return torch.ops.linattn_cpu.delta_step_.default(S, q, k, v, beta, g, scale, l2norm), S
+    return torch.ops.linattn_cpu.delta_step.default(S, q, k, v, beta, g, scale, l2norm)
 
 
 class FusedDeltaRule(torch.autograd.Function):
