@@ -35,11 +35,13 @@ def kda(q, k, v, beta, g, *, scale: float | None = None, qk_l2norm: bool = False
                       return_state=return_state, chunk_size=chunk_size, cu_seqlens=cu_seqlens)
 
 
-def kda_step(state, q, k, v, beta, g, *, scale: float | None = None, qk_l2norm: bool = False):
+def kda_step(state, q, k, v, beta, g, *, scale: float | None = None, qk_l2norm: bool = False,
+             inplace: bool = False):
     """The recurrent form, `delta_rule_step(state, q, k, v, beta, g=g, ...)` with g (B, H, T, D):
-    S_α = Diag(α) S, u = S_αᵀ k̂, S' = S_α + k̂ (β (v − u))ᵀ, o = S'ᵀ q̂. Returns (o, new_state)."""
+    S_α = Diag(α) S, u = S_αᵀ k̂, S' = S_α + k̂ (β (v − u))ᵀ, o = S'ᵀ q̂. Returns (o, new_state);
+    inplace: S' written into `state` (delta_rule_step's)."""
     _channel_gate(q, g)
-    return delta_rule_step(state, q, k, v, beta, g=g, scale=scale, qk_l2norm=qk_l2norm)
+    return delta_rule_step(state, q, k, v, beta, g=g, scale=scale, qk_l2norm=qk_l2norm, inplace=inplace)
 
 
 def kda_affine_form(q, k, v, beta, g, *, scale: float | None = None, qk_l2norm: bool = False,

@@ -8,12 +8,13 @@ In `csrc/chunked.cpp`, `linattn_cpu::chunked` runs the causal chunked forward ro
 state and the chunk scores kept in cache, its products by the BLAS gemm that torch itself links; for
 training it also saves the denominators and block states, and `linattn_cpu::chunked_backward` walks
 the rows back. `csrc/gated.cpp` and `csrc/gated_backward.cpp` are the gated form's kernels
-(linattn.ops.gated.fused), `csrc/delta.cpp` the delta family's (linattn.ops.delta.fused: chunked
-forward and backward with one decay per head, and the one-token step with one per head or per key
-channel, KDA's). The files
+(linattn.ops.gated.fused), `csrc/delta.cpp` and `csrc/kda.cpp` the delta family's
+(linattn.ops.delta.fused: chunked forward and backward without a gate or with one decay per head in
+delta.cpp, with one per key channel, KDA's, in kda.cpp; the one-token step of every gate form in
+delta.cpp). The files
 share headers: `csrc/common.h` (φ, bf16 conversions, work buffers, the ISA clones), `csrc/blas.h`
 (torch's BLAS), `csrc/pool.h` (the one pool of result buffers), `csrc/chunked.h` (the pieces of the
-ungated and gated chunk loops).
+ungated and gated chunk loops), `csrc/delta.h` (those of the delta family's chunk loops).
 
 bf16 inputs: the chunked kernels multiply them with MKL's bf16 gemm where the CPU has AMX, else
 widen each block to fp32 in cache and use the fp32 gemm (`bf16_choice`, the rule of
@@ -48,7 +49,8 @@ from .nonfinite import all_finite
 
 _CSRC = Path(__file__).with_name("csrc")
 _SOURCES = [str(_CSRC / name)
-            for name in ("decode.cpp", "chunked.cpp", "gated.cpp", "gated_backward.cpp", "delta.cpp", "model_step.cpp")]
+            for name in ("decode.cpp", "chunked.cpp", "gated.cpp", "gated_backward.cpp", "delta.cpp", "kda.cpp",
+                         "model_step.cpp")]
 _CFLAGS = ["-O3", "-fopenmp", "-fno-trapping-math"]
 _lock = threading.Lock()
 _state: dict = {"loaded": None, "error": None}
@@ -174,12 +176,15 @@ def fused_phi(feature_map, scale, key_padding_mask, state, q, k, v, *, bf16: boo
     return phi if (_ready() if train else _inference(q, k, v, kv, z)) else None
 
 
-def step(state, q, k, v, *, phi: int, normalize: bool, eps: float, angles=None):
-    """linattn_cpu::step on (B, H, 1, ·) tensors: returns (o (B, H, 1, E), (kv', z')).
+def step(state, q, k, v, *, phi: int, normalize: bool, eps: float, angles=None, inplace: bool = False):
+    """linattn_cpu::step on (B, H, 1, ·) tensors: returns (o (B, H, 1, E), (kv', z')); with inplace (kv
+    and z contiguous) linattn_cpu::step_, and (kv', z') are kv and z, updated in place.
 
     angles: RoPE (c, s) broadcastable to (B, H, 1, F), one row per batch entry or one for all."""
     kv, z = state
     c, s = (None, None) if angles is None else angles
+    if inplace:
+        return torch.ops.linattn_cpu.step_.default(kv, z, q, k, v, phi, normalize, eps, c, s, kv.shape[1]), (kv, z)
     o, kv_new, z_new = torch.ops.linattn_cpu.step.default(kv, z, q, k, v, phi, normalize, eps, c, s, kv.shape[1])
     return o, (kv_new, z_new)
 

@@ -6,6 +6,10 @@ nothing else, so a signature that passed them once need not pass them again. Val
 a signature: the checks they need (g ≤ 0 and finite, …) run at every call, in the fused kernels or
 in Python. The cache is bounded (SIZE signatures, least recently used dropped).
 
+`check_inplace` and `write_into` serve the steps' `inplace=True` (decoding without a new state tensor
+per token): the fused CPU steps update the state themselves; the other paths compute the new state
+and copy it into the given one.
+
     key = signature("gated", state, q, k, v, g, feature_map, scale, normalize, eps)
     if not seen(key):
         ...the full checks...
@@ -18,7 +22,7 @@ from collections import OrderedDict
 
 import torch
 
-__all__ = ["SIZE", "clear", "remember", "seen", "signature"]
+__all__ = ["SIZE", "check_inplace", "clear", "remember", "seen", "signature", "write_into"]
 
 SIZE = 256
 _SEEN: OrderedDict = OrderedDict()
@@ -67,3 +71,29 @@ def remember(key) -> None:
 
 def clear() -> None:
     _SEEN.clear()
+
+
+def _leaves(state):
+    return [x for x in (state if isinstance(state, (tuple, list)) else (state,)) if x is not None]
+
+
+def check_inplace(state, *inputs) -> None:
+    """ValueError unless `state` (a tensor or a tuple of them) can be updated in place by a step: given,
+    and no gradient wanted of it or of the inputs (an update in place is not differentiable)."""
+    if state is None:
+        raise ValueError("inplace=True needs a state to update (got None)")
+    tensors = _leaves(state) + [x for x in inputs if isinstance(x, torch.Tensor)]
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        raise ValueError("inplace=True updates the state without autograd: no input may require a gradient "
+                         "(use inplace=False, or torch.no_grad())")
+
+
+def write_into(state, new_state):
+    """Copies new_state into state (tensor for tensor, in a tuple too; nothing where the step already
+    updated it) and returns state."""
+    pairs = [(dst, src) for dst, src in zip(_leaves(state), _leaves(new_state)) if dst is not src]
+    if pairs:
+        with torch.no_grad():
+            for dst, src in pairs:
+                dst.copy_(src)
+    return state

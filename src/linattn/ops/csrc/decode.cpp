@@ -22,11 +22,13 @@
 
 namespace {
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> step(const at::Tensor& kv_in, const at::Tensor& z_in,
-                                                    const at::Tensor& q_in, const at::Tensor& k_in,
-                                                    const at::Tensor& v_in, int64_t phi, bool normalize, double eps,
-                                                    const c10::optional<at::Tensor>& cos_in,
-                                                    const c10::optional<at::Tensor>& sin_in, int64_t heads) {
+// The checks and the rows of one step, kv' and z' written into kv_new, z_new (contiguous, shaped like
+// kv and z; kv and z themselves for the in-place step: each entry is read before it is written).
+// Returns o shaped like v, in q's dtype.
+at::Tensor step_into(const at::Tensor& kv_in, const at::Tensor& z_in, const at::Tensor& q_in, const at::Tensor& k_in,
+                     const at::Tensor& v_in, int64_t phi, bool normalize, double eps,
+                     const c10::optional<at::Tensor>& cos_in, const c10::optional<at::Tensor>& sin_in, int64_t heads,
+                     const at::Tensor& kv_new, const at::Tensor& z_new) {
   TORCH_CHECK(kv_in.dim() >= 2 && z_in.dim() == kv_in.dim() - 1, "linattn_cpu::step expects kv (..., F, E), z (..., F)");
   TORCH_CHECK(phi == 0 || phi == 1, "linattn_cpu::step: phi must be 0 (identity) or 1 (elu + 1)");
   TORCH_CHECK(cos_in.has_value() == sin_in.has_value(), "linattn_cpu::step: give both cos and sin, or neither");
@@ -57,7 +59,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> step(const at::Tensor& kv_in, con
     TORCH_CHECK(c.size(-1) == F && s.sizes() == c.sizes() && heads > 0,
                 "linattn_cpu::step: cos and sin must be (..., F)");
   }
-  at::Tensor kv_new = at::empty_like(kv), z_new = at::empty_like(z), o = at::empty(v_in.sizes(), kv.options());
+  at::Tensor o = at::empty(v_in.sizes(), kv.options());
   AT_DISPATCH_FLOATING_TYPES(kv.scalar_type(), "linattn_cpu_step", [&] {
     const scalar_t* pkv = kv.data_ptr<scalar_t>();
     const scalar_t* pz = z.data_ptr<scalar_t>();
@@ -111,7 +113,26 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> step(const at::Tensor& kv_in, con
       }
     });
   });
-  return {io == kv.scalar_type() ? o : o.to(io), kv_new, z_new};
+  return io == kv.scalar_type() ? o : o.to(io);
+}
+
+// One step (step_into). Returns (o, kv', z'); kv and z are left as they were.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> step(const at::Tensor& kv, const at::Tensor& z, const at::Tensor& q,
+                                                    const at::Tensor& k, const at::Tensor& v, int64_t phi, bool normalize,
+                                                    double eps, const c10::optional<at::Tensor>& cos,
+                                                    const c10::optional<at::Tensor>& sin, int64_t heads) {
+  const at::Tensor kv_new = at::empty(kv.sizes(), kv.options()), z_new = at::empty(z.sizes(), z.options());
+  at::Tensor o = step_into(kv, z, q, k, v, phi, normalize, eps, cos, sin, heads, kv_new, z_new);
+  return {o, kv_new, z_new};
+}
+
+// The same, kv' and z' written over kv and z (contiguous): no new state per token (decoding). Returns o.
+at::Tensor step_(at::Tensor& kv, at::Tensor& z, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                 int64_t phi, bool normalize, double eps, const c10::optional<at::Tensor>& cos,
+                 const c10::optional<at::Tensor>& sin, int64_t heads) {
+  TORCH_CHECK(kv.is_contiguous() && z.is_contiguous(),
+              "linattn_cpu::step_: the state must be contiguous (it is updated in place)");
+  return step_into(kv, z, q, k, v, phi, normalize, eps, cos, sin, heads, kv, z);
 }
 
 // RMSNorm over the last dim: y = x / √(mean(x²) + eps) · w, x (…, d), w (d); sums in double.
@@ -151,10 +172,14 @@ TORCH_LIBRARY_FRAGMENT(linattn_cpu, m) {
   m.def(
       "step(Tensor kv, Tensor z, Tensor q, Tensor k, Tensor v, int phi, bool normalize, float eps, "
       "Tensor? cos, Tensor? sin, int heads) -> (Tensor, Tensor, Tensor)");
+  m.def(
+      "step_(Tensor(a!) kv, Tensor(b!) z, Tensor q, Tensor k, Tensor v, int phi, bool normalize, float eps, "
+      "Tensor? cos, Tensor? sin, int heads) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(linattn_cpu, CPU, m) {
   m.impl("step", step);
+  m.impl("step_", step_);
   m.impl("rms_norm", rms_norm);
 }

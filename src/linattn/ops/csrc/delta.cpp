@@ -17,9 +17,9 @@
 // S, X, V' in per-thread buffers), then runs the chunks' backward in reverse (formulas in chunked.py),
 // carrying ∂L/∂S from chunk to chunk. `delta_step`
 // is one token of the recurrence for decoding, with g one decay per row or one per key channel (KDA:
-// S' = (I − β k̂k̂ᵀ) Diag(e^g) S + β k̂ vᵀ); the chunked kernels take one per row (a per-channel g runs
-// the torch-op path of linattn/ops/delta/chunked.py). β and g come in Acc, checked here only by
-// `delta_step` (linattn checks them before the chunked ops).
+// S' = (I − β k̂k̂ᵀ) Diag(e^g) S + β k̂ vᵀ); the chunked kernels here take one per row (a per-channel g
+// runs kda.cpp's). β and g come in Acc, checked here only by `delta_step` (linattn checks them before
+// the chunked ops). The pieces shared with kda.cpp are in delta.h.
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -28,6 +28,7 @@
 
 #include "blas.h"
 #include "common.h"
+#include "delta.h"
 #include "pool.h"
 #include "step_rows.h"
 
@@ -35,76 +36,6 @@ namespace {
 
 using linattn_pool::empty_result;
 
-constexpr int64_t kBlock = 256;  // tokens per saved state (rounded to whole chunks)
-
-int64_t block_tokens(int64_t chunk) { return std::max<int64_t>(chunk, (kBlock / chunk) * chunk); }
-
-bool delta_has_blas() {
-  return has_blas() && blas_trsm<float>() != nullptr && blas_trsm<double>() != nullptr;
-}
-
-// B ← L⁻¹ B, or L⁻ᵀ B with trans, in place on the row-major c×E matrix B; L is unit lower triangular
-// with its strictly lower part in the row-major c×c matrix A (diagonal and upper part not read). By
-// substitution on strips of W columns held in registers, two partial sums per row so that the FMA
-// chains overlap (64×64 fp32 on one core: 6.4 µs, MKL's strsm 13 µs, a 64×64×64 sgemm 5.9 µs);
-// columns beyond the last whole strip go to the BLAS trsm.
-template <typename Acc>
-LINATTN_CLONES void solve_strips(bool trans, int c, int64_t E, const Acc* __restrict__ A, Acc* __restrict__ B) {
-  constexpr int W = 128 / sizeof(Acc);  // two 512-bit registers
-  int64_t x0 = 0;
-  for (; x0 + W <= E; x0 += W) {
-    for (int ii = 0; ii < c; ++ii) {
-      const int i = trans ? c - 1 - ii : ii;
-      const int j0 = trans ? i + 1 : 0, j1 = trans ? c : i;
-      const int64_t step = trans ? c : 1;  // A_ij along a row of A, or A_ji down a column
-      const Acc* __restrict__ a = trans ? A + int64_t(j0) * c + i : A + int64_t(i) * c;
-      Acc acc[W], acc2[W];
-      for (int x = 0; x < W; ++x) {
-        acc[x] = B[i * E + x0 + x];
-        acc2[x] = Acc(0);
-      }
-      int j = j0;
-      for (; j + 1 < j1; j += 2) {
-        const Acc a1 = a[(j - j0) * step], a2 = a[(j + 1 - j0) * step];
-        const Acc* __restrict__ b1 = B + j * E + x0;
-        const Acc* __restrict__ b2 = b1 + E;
-        for (int x = 0; x < W; ++x) {
-          acc[x] -= a1 * b1[x];
-          acc2[x] -= a2 * b2[x];
-        }
-      }
-      if (j < j1) {
-        const Acc a1 = a[(j - j0) * step];
-        const Acc* __restrict__ b1 = B + j * E + x0;
-        for (int x = 0; x < W; ++x) acc[x] -= a1 * b1[x];
-      }
-      for (int x = 0; x < W; ++x) B[i * E + x0 + x] = acc[x] + acc2[x];
-    }
-  }
-  if (x0 < E) solve_unit_lower<Acc>(trans, c, static_cast<int>(E - x0), A, B + x0, static_cast<int>(E));
-}
-
-// c rows of q or k (D wide) as Acc in dst: the rows themselves, or with l2norm x / √(‖x‖² + ε), the
-// factor 1 / √(‖x‖² + ε) of row i in rnorm[i]
-template <typename T, typename Acc>
-LINATTN_CLONES void load_rows(const T* __restrict__ src, Acc* __restrict__ dst, Acc* __restrict__ rnorm, int c,
-                              int64_t D, bool l2norm) {
-  if constexpr (std::is_same<T, Acc>::value) {
-    std::memcpy(dst, src, sizeof(Acc) * c * D);
-  } else {
-    widen_bf16(src, dst, int64_t(c) * D);
-  }
-  if (!l2norm) return;
-  for (int i = 0; i < c; ++i) {
-    Acc* __restrict__ x = dst + i * D;
-    Acc ss = 0;
-#pragma omp simd reduction(+ : ss)
-    for (int64_t d = 0; d < D; ++d) ss += x[d] * x[d];
-    const Acc r = inverse_norm(x, D, ss);
-    rnorm[i] = r;
-    for (int64_t d = 0; d < D; ++d) x[d] *= r;
-  }
-}
 
 // Each g is clamped at this floor before b is summed (GATE_FLOOR of linattn/ops/delta/chunked.py):
 // e^{−100} ≈ 3.7e-44 forgets as completely as any stronger gate, and b stays small enough for double.
@@ -166,60 +97,6 @@ LINATTN_CLONES void build_scores(Acc* __restrict__ M, int c, const Acc* __restri
     for (int j = i + 1; j < c; ++j) Pi[j] = Acc(0);
   }
 }
-
-// V'_i = β_i X_i with X_i = V_i − e^{b_i} (K̂S)_i (eb = nullptr: 1), X kept when X != nullptr
-template <typename T, typename Acc>
-LINATTN_CLONES void corrected_values(const T* __restrict__ V, const Acc* __restrict__ KS, const Acc* __restrict__ eb,
-                                     const Acc* __restrict__ beta, Acc* __restrict__ X, Acc* __restrict__ Vp, int c,
-                                     int64_t E) {
-  for (int i = 0; i < c; ++i) {
-    const Acc e = eb != nullptr ? eb[i] : Acc(1), bi = beta[i];
-#pragma omp simd
-    for (int64_t x = 0; x < E; ++x) {
-      const Acc xi = static_cast<Acc>(V[i * E + x]) - e * KS[i * E + x];
-      if (X != nullptr) X[i * E + x] = xi;
-      Vp[i * E + x] = bi * xi;
-    }
-  }
-}
-
-// Y_i = a_i X_i for the c rows of X (n wide); in place when Y == X
-template <typename Acc>
-LINATTN_CLONES void scale_rows(const Acc* X, const Acc* __restrict__ a, Acc* Y, int c, int64_t n) {
-  for (int i = 0; i < c; ++i) {
-    const Acc ai = a[i];
-#pragma omp simd
-    for (int64_t x = 0; x < n; ++x) Y[i * n + x] = ai * X[i * n + x];
-  }
-}
-
-// out (T) = s · X for n values
-template <typename T, typename Acc>
-LINATTN_CLONES void store_scaled(Acc* __restrict__ X, Acc s, T* __restrict__ out, int64_t n) {
-  if constexpr (std::is_same<T, Acc>::value) {
-#pragma omp simd
-    for (int64_t i = 0; i < n; ++i) out[i] = s * X[i];
-  } else {
-    if (s != Acc(1)) {
-#pragma omp simd
-      for (int64_t i = 0; i < n; ++i) X[i] *= s;
-    }
-    narrow_bf16(X, out, n);
-  }
-}
-
-template <typename Acc>
-LINATTN_CLONES void scale_all(Acc* __restrict__ X, Acc s, int64_t n) {
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) X[i] *= s;
-}
-
-// One row's inputs: q, k (N×D), v (N×E), β, g (N; g nullptr without a gate)
-template <typename T, typename Acc>
-struct Row {
-  const T *q, *k, *v;
-  const Acc *beta, *g;
-};
 
 // A chunk's forward quantities, in per-thread buffers.
 template <typename Acc>
@@ -342,48 +219,6 @@ void check_inputs(const char* op, const at::Tensor& q, const at::Tensor& k, cons
   TORCH_CHECK(delta_has_blas(), op, ": no BLAS gemm/trsm found in torch");
 }
 
-// ∂L/∂x of n = x / √(‖x‖² + ε) for c rows (l2norm), or ∂L/∂x = ∂L/∂n: r (dn − n (n · dn)), as T
-template <typename T, typename Acc>
-LINATTN_CLONES void chain_rows(const Acc* __restrict__ dn, const Acc* __restrict__ n, const Acc* __restrict__ rnorm,
-                               bool l2norm, T* __restrict__ out, int c, int64_t D) {
-  for (int i = 0; i < c; ++i) {
-    const Acc* __restrict__ g = dn + i * D;
-    const Acc* __restrict__ x = n + i * D;
-    T* __restrict__ y = out + i * D;
-    if (!l2norm) {
-      for (int64_t d = 0; d < D; ++d) y[d] = static_cast<T>(g[d]);
-      continue;
-    }
-    Acc dot = 0;
-#pragma omp simd reduction(+ : dot)
-    for (int64_t d = 0; d < D; ++d) dot += x[d] * g[d];
-    const Acc r = rnorm[i];
-    for (int64_t d = 0; d < D; ++d) y[d] = static_cast<T>(r * (g[d] - x[d] * dot));
-  }
-}
-
-// Σ_d a_i X_id Y_id per row i (n wide) added to out[i] with sign s
-template <typename Acc>
-LINATTN_CLONES void add_row_dots(const Acc* __restrict__ X, const Acc* __restrict__ Y, const Acc* __restrict__ a, Acc s,
-                                 Acc* __restrict__ out, int c, int64_t n) {
-  for (int i = 0; i < c; ++i) {
-    Acc dot = 0;
-#pragma omp simd reduction(+ : dot)
-    for (int64_t x = 0; x < n; ++x) dot += X[i * n + x] * Y[i * n + x];
-    out[i] += s * (a != nullptr ? a[i] : Acc(1)) * dot;
-  }
-}
-
-// Y_i += s a_i X_i for the c rows (n wide)
-template <typename Acc>
-LINATTN_CLONES void add_scaled_rows(const Acc* __restrict__ X, const Acc* __restrict__ a, Acc s, Acc* __restrict__ Y,
-                                    int c, int64_t n) {
-  for (int i = 0; i < c; ++i) {
-    const Acc ai = s * a[i];
-#pragma omp simd
-    for (int64_t x = 0; x < n; ++x) Y[i * n + x] += ai * X[i * n + x];
-  }
-}
 
 // The score gradients of a chunk, from DPA = [dO' V'ᵀ; Z V'ᵀ] (2c×c) in place, with P, K̂K̂ᵀ ⊙ Γ and Γ
 // of the forward (gam = nullptr: no gate):
@@ -471,14 +306,6 @@ struct BackBuffers {
             kkg.data() + j * chunk * chunk, X.data() + j * chunk * E, Vp.data() + j * chunk * E, Acc(1)};
   }
   Acc* state(int64_t j) { return S.data() + j * D * E; }
-};
-
-// Outputs of the backward for one row
-template <typename T, typename Acc>
-struct RowGrads {
-  const T* dO;
-  T *dq, *dk, *dv;
-  Acc *dbeta, *dg;  // dg nullptr without a gate
 };
 
 // The backward of one chunk (tokens [t0, t0 + c)): its terms ch and entering state S from the
@@ -673,27 +500,36 @@ void check_gate_values(const at::Tensor& beta, const at::Tensor& g) {
   }
 }
 
+// α = e^g for the D values of g (≤ 0, checked before), vectorized
+template <typename Acc>
+LINATTN_CLONES void channel_decays(const Acc* __restrict__ g, Acc* __restrict__ alpha, int64_t D) {
+#pragma omp simd
+  for (int64_t d = 0; d < D; ++d) alpha[d] = exp_nonpositive(g[d]);
+}
+
 // S (B, H, D, E) in Acc, q, k (B, H, 1, D), v (B, H, 1, E), β (B, H, 1) and g (B, H, 1) or (B, H, 1, D)
-// in Acc (g optional). Returns (o shaped like v, S').
-std::tuple<at::Tensor, at::Tensor> delta_step(const at::Tensor& S_in, const at::Tensor& q_in, const at::Tensor& k_in,
-                                              const at::Tensor& v_in, const at::Tensor& beta_in,
-                                              const c10::optional<at::Tensor>& g_in, double scale, bool l2norm) {
+// in Acc (g optional): the checks and the rows of one token, S' written into S2 (contiguous, shaped
+// like S; S itself for the in-place step: delta_row reads every entry before writing it). Returns o
+// shaped like v.
+at::Tensor delta_step_into(const char* op, const at::Tensor& S, const at::Tensor& q_in, const at::Tensor& k_in,
+                           const at::Tensor& v_in, const at::Tensor& beta_in, const c10::optional<at::Tensor>& g_in,
+                           double scale, bool l2norm, at::Tensor& S2) {
   TORCH_CHECK(q_in.dim() == 4 && q_in.size(2) == 1 && k_in.sizes() == q_in.sizes() && v_in.dim() == 4 &&
                   v_in.sizes().slice(0, 3) == q_in.sizes().slice(0, 3),
-              "linattn_cpu::delta_step expects q, k (B, H, 1, D) and v (B, H, 1, E)");
+              op, " expects q, k (B, H, 1, D) and v (B, H, 1, E)");
   const int64_t D = q_in.size(3), E = v_in.size(3), rows = q_in.size(0) * q_in.size(1);
-  TORCH_CHECK(k_in.scalar_type() == q_in.scalar_type() && v_in.scalar_type() == q_in.scalar_type(),
-              "linattn_cpu::delta_step: q, k, v must share a dtype");
+  TORCH_CHECK(k_in.scalar_type() == q_in.scalar_type() && v_in.scalar_type() == q_in.scalar_type(), op,
+              ": q, k, v must share a dtype");
   const auto acc = q_in.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-  TORCH_CHECK(S_in.scalar_type() == acc && beta_in.scalar_type() == acc && (!g_in.has_value() || g_in->scalar_type() == acc),
-              "linattn_cpu::delta_step: the state, beta and g must be float64 for float64 inputs, else float32");
+  TORCH_CHECK(S.scalar_type() == acc && beta_in.scalar_type() == acc && (!g_in.has_value() || g_in->scalar_type() == acc),
+              op, ": the state, beta and g must be float64 for float64 inputs, else float32");
   const bool channels = g_in.has_value() && g_in->dim() == 4;
-  TORCH_CHECK(S_in.numel() == rows * D * E && beta_in.numel() == rows &&
+  TORCH_CHECK(S.numel() == rows * D * E && beta_in.numel() == rows &&
                   (!g_in.has_value() || g_in->numel() == (channels ? rows * D : rows)),
-              "linattn_cpu::delta_step: shapes of the state, beta and g do not agree with q, v");
-  const at::Tensor S = S_in.contiguous(), q = q_in.contiguous(), k = k_in.contiguous(), v = v_in.contiguous();
+              op, ": shapes of the state, beta and g do not agree with q, v");
+  const at::Tensor q = q_in.contiguous(), k = k_in.contiguous(), v = v_in.contiguous();
   const at::Tensor beta = beta_in.contiguous(), g = g_in.has_value() ? g_in->contiguous() : at::Tensor();
-  at::Tensor S2 = at::empty(S_in.sizes(), S.options()), o = at::empty(v_in.sizes(), v.options());
+  at::Tensor o = at::empty(v_in.sizes(), v.options());
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "linattn_cpu_delta_step", [&] {
     using Acc = linattn_acc<scalar_t>;
     check_gate_values<Acc>(beta, g);
@@ -705,23 +541,41 @@ std::tuple<at::Tensor, at::Tensor> delta_step(const at::Tensor& S_in, const at::
     const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, D * E));
     at::parallel_for(0, rows, grain, [&](int64_t r0, int64_t r1) {
       const FlushDenormals flush;  // α S with α = e^g tiny
-      Aligned<Acc> qk(2 * D), u(2 * E), rn(2), alpha(channels ? D : 0);
+      Aligned<Acc> work(2 * D + 2 * E + 2 + (channels ? D : 0));  // q̂ k̂, u and o, the norms, α
+      Acc *qk = work.data(), *u = qk + 2 * D, *rn = u + 2 * E, *alpha = rn + 2;
       for (int64_t r = r0; r < r1; ++r) {
-        load_rows(pq + r * D, qk.data(), rn.data(), 1, D, l2norm);
-        load_rows(pk + r * D, qk.data() + D, rn.data() + 1, 1, D, l2norm);
+        load_rows(pq + r * D, qk, rn, 1, D, l2norm);
+        load_rows(pk + r * D, qk + D, rn + 1, 1, D, l2norm);
         if (channels) {
-          for (int64_t d = 0; d < D; ++d) alpha.data()[d] = std::exp(pg[r * D + d]);
-          delta_row<scalar_t, Acc, true>(pS + r * D * E, pS2 + r * D * E, qk.data(), pv + r * E, pb[r], alpha.data(),
-                                         static_cast<Acc>(scale), po + r * E, u.data(), D, E);
+          channel_decays(pg + r * D, alpha, D);
+          delta_row<scalar_t, Acc, true>(pS + r * D * E, pS2 + r * D * E, qk, pv + r * E, pb[r], alpha,
+                                         static_cast<Acc>(scale), po + r * E, u, D, E);
           continue;
         }
         const Acc a = pg != nullptr ? std::exp(pg[r]) : Acc(1);
-        delta_update_row<scalar_t, Acc>(pS + r * D * E, pS2 + r * D * E, qk.data(), pv + r * E, pb[r], a,
-                                        static_cast<Acc>(scale), po + r * E, u.data(), D, E);
+        delta_update_row<scalar_t, Acc>(pS + r * D * E, pS2 + r * D * E, qk, pv + r * E, pb[r], a,
+                                        static_cast<Acc>(scale), po + r * E, u, D, E);
       }
     });
   });
+  return o;
+}
+
+// One token of the recurrence (delta_step_into). Returns (o, S'); S is left as it was.
+std::tuple<at::Tensor, at::Tensor> delta_step(const at::Tensor& S_in, const at::Tensor& q, const at::Tensor& k,
+                                              const at::Tensor& v, const at::Tensor& beta,
+                                              const c10::optional<at::Tensor>& g, double scale, bool l2norm) {
+  const at::Tensor S = S_in.contiguous();
+  at::Tensor S2 = at::empty(S_in.sizes(), S.options());
+  at::Tensor o = delta_step_into("linattn_cpu::delta_step", S, q, k, v, beta, g, scale, l2norm, S2);
   return {o, S2};
+}
+
+// The same, S' written over S (contiguous): no new state per token (decoding). Returns o.
+at::Tensor delta_step_(at::Tensor& S, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                       const at::Tensor& beta, const c10::optional<at::Tensor>& g, double scale, bool l2norm) {
+  TORCH_CHECK(S.is_contiguous(), "linattn_cpu::delta_step_: the state must be contiguous (it is updated in place)");
+  return delta_step_into("linattn_cpu::delta_step_", S, q, k, v, beta, g, scale, l2norm, S);
 }
 
 }  // namespace
@@ -737,10 +591,14 @@ TORCH_LIBRARY_FRAGMENT(linattn_cpu, m) {
   m.def(
       "delta_step(Tensor S, Tensor q, Tensor k, Tensor v, Tensor beta, Tensor? g, float scale, bool l2norm) "
       "-> (Tensor, Tensor)");
+  m.def(
+      "delta_step_(Tensor(a!) S, Tensor q, Tensor k, Tensor v, Tensor beta, Tensor? g, float scale, bool l2norm) "
+      "-> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(linattn_cpu, CPU, m) {
   m.impl("delta_chunked", delta_chunked);
   m.impl("delta_chunked_backward", delta_chunked_backward);
   m.impl("delta_step", delta_step);
+  m.impl("delta_step_", delta_step_);
 }

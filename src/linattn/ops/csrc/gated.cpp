@@ -111,13 +111,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
 }
 
 // kv (…, F, E), z (…, F) or none (normalize = z given), q, k (…, 1, F), v (…, 1, E), g (…, 1) or
-// (…, 1, F) of one dtype (float32/float64), or bf16 q, k, v on a float32 state. Returns (o shaped like
-// v, in q's dtype, kv', z' or an empty tensor).
-std::tuple<at::Tensor, at::Tensor, at::Tensor> gated_step(const at::Tensor& kv_in, const c10::optional<at::Tensor>& z_in,
-                                                          const at::Tensor& q_in, const at::Tensor& k_in,
-                                                          const at::Tensor& v_in, const at::Tensor& g_in, int64_t phi,
-                                                          double eps) {
-  const char* op = "linattn_cpu::gated_step";
+// (…, 1, F) of one dtype (float32/float64), or bf16 q, k, v on a float32 state: the checks and the rows
+// of one step, kv' and z' written into kv_new, z_new (contiguous; kv and z themselves for the in-place
+// step: decay_update_row reads each entry before writing it). Returns o shaped like v, in q's dtype.
+at::Tensor gated_step_into(const char* op, const at::Tensor& kv_in, const c10::optional<at::Tensor>& z_in,
+                           const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in, const at::Tensor& g_in,
+                           int64_t phi, double eps, const at::Tensor* kv_out, const at::Tensor* z_out) {
   const bool normalize = z_in.has_value();
   TORCH_CHECK(kv_in.dim() >= 2, op, " expects kv (..., F, E)");
   TORCH_CHECK(phi == 0 || phi == 1, op, ": phi must be 0 (identity) or 1 (elu + 1)");
@@ -134,8 +133,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gated_step(const at::Tensor& kv_i
   const auto sdt = kv_in.scalar_type();
   const at::Tensor kv = kv_in.contiguous(), q = q_in.contiguous().to(sdt), k = k_in.contiguous().to(sdt),
                    v = v_in.contiguous().to(sdt), g = g_in.contiguous();
-  const at::Tensor z = normalize ? z_in->contiguous() : at::empty({0}, kv.options());
-  at::Tensor kv_new = at::empty_like(kv), z_new = at::empty_like(z), o = at::empty(v_in.sizes(), kv.options());
+  const at::Tensor z = normalize ? z_in->contiguous() : at::Tensor();
+  const at::Tensor kv_new = kv_out != nullptr ? *kv_out : at::empty_like(kv);
+  const at::Tensor z_new = !normalize ? at::Tensor() : z_out != nullptr ? *z_out : at::empty_like(z);
+  at::Tensor o = at::empty(v_in.sizes(), kv.options());
   AT_DISPATCH_FLOATING_TYPES(kv.scalar_type(), "linattn_cpu_gated_step", [&] {
     const int64_t ng = g.numel();
     const scalar_t* pg = g.data_ptr<scalar_t>();
@@ -144,8 +145,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gated_step(const at::Tensor& kv_i
                         "g (the log of the decay) must be ≤ 0 and finite, got ", pg[i]);
     }
     // the decays e^g and, with φ = elu + 1, the features of the q rows then the k rows
-    at::Tensor work = at::empty({ng + (phi == 1 ? 2 * rows * F : 0)}, kv.options());
-    scalar_t* pa = work.data_ptr<scalar_t>();
+    Aligned<scalar_t> work(ng + (phi == 1 ? 2 * rows * F : 0));
+    scalar_t* pa = work.data();
     for (int64_t i = 0; i < ng; ++i) pa[i] = exp_nonpositive(pg[i]);
     scalar_t* pf = phi == 1 ? pa + ng : nullptr;
     if (phi == 1) {
@@ -178,7 +179,28 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gated_step(const at::Tensor& kv_i
       }
     });
   });
-  return {io == sdt ? o : o.to(io), kv_new, z_new};
+  return io == sdt ? o : o.to(io);
+}
+
+// One step (gated_step_into). Returns (o, kv', z' or an empty tensor); kv and z are left as they were.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> gated_step(const at::Tensor& kv, const c10::optional<at::Tensor>& z,
+                                                          const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                          const at::Tensor& g, int64_t phi, double eps) {
+  TORCH_CHECK(kv.dim() >= 2, "linattn_cpu::gated_step expects kv (..., F, E)");
+  const at::Tensor kv_new = at::empty(kv.sizes(), kv.options());
+  const at::Tensor z_new = z.has_value() ? at::empty(z->sizes(), z->options()) : at::empty({0}, kv.options());
+  at::Tensor o = gated_step_into("linattn_cpu::gated_step", kv, z, q, k, v, g, phi, eps, &kv_new,
+                                 z.has_value() ? &z_new : nullptr);
+  return {o, kv_new, z_new};
+}
+
+// The same, kv' and z' written over kv and z (contiguous): no new state per token (decoding). Returns o.
+at::Tensor gated_step_(at::Tensor& kv, const c10::optional<at::Tensor>& z, const at::Tensor& q, const at::Tensor& k,
+                       const at::Tensor& v, const at::Tensor& g, int64_t phi, double eps) {
+  TORCH_CHECK(kv.is_contiguous() && (!z.has_value() || z->is_contiguous()),
+              "linattn_cpu::gated_step_: the state must be contiguous (it is updated in place)");
+  return gated_step_into("linattn_cpu::gated_step_", kv, z, q, k, v, g, phi, eps, &kv,
+                         z.has_value() ? &*z : nullptr);
 }
 
 }  // namespace
@@ -190,9 +212,13 @@ TORCH_LIBRARY_FRAGMENT(linattn_cpu, m) {
   m.def(
       "gated_step(Tensor kv, Tensor? z, Tensor q, Tensor k, Tensor v, Tensor g, int phi, float eps) "
       "-> (Tensor, Tensor, Tensor)");
+  m.def(
+      "gated_step_(Tensor(a!) kv, Tensor(b!)? z, Tensor q, Tensor k, Tensor v, Tensor g, int phi, float eps) "
+      "-> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(linattn_cpu, CPU, m) {
   m.impl("gated_chunked", gated_chunked);
   m.impl("gated_step", gated_step);
+  m.impl("gated_step_", gated_step_);
 }

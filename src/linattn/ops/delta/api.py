@@ -22,7 +22,7 @@ import torch
 
 from ..precision import without_autocast
 from ..._checks import check_positive_int
-from .. import packed
+from .. import packed, stepcheck
 from ..affine import AffineForm
 from ..linear.chunked import DEFAULT_CHUNK_SIZE, state_dtype
 from ..autodiff import has_tangent, refuse_forward_ad
@@ -66,10 +66,10 @@ def delta_rule(
         call (the state resets at every boundary); initial_state and the returned state are per
         sequence, S (N, H, D, E).
 
-    Gradients reach q, k, v, beta, g and initial_state. On the CPU, fp32, fp64 and bf16 inputs without
-    a per-channel g run as fused operators forward and backward (csrc/delta.cpp); a per-channel g,
-    other devices and dtypes (and LINATTN_NATIVE=0) run the torch-op path of `linattn.ops.delta.chunked`
-    (same numbers up to rounding). First-order reverse mode only (`linattn.ops.autodiff`).
+    Gradients reach q, k, v, beta, g and initial_state. On the CPU, fp32, fp64 and bf16 inputs run as
+    fused operators forward and backward (csrc/delta.cpp; a per-channel g csrc/kda.cpp); other devices
+    and dtypes (and LINATTN_NATIVE=0) run the torch-op path of `linattn.ops.delta.chunked` (same numbers
+    up to rounding). First-order reverse mode only (`linattn.ops.autodiff`).
 
     NaN and Inf respect causality: one at token j changes no output before j and no gradient of a loss
     over those outputs (such a call runs an exact, slower pass: `linattn.ops.delta.exact`).
@@ -88,7 +88,7 @@ def delta_rule(
     scale = None if scale is None else float(scale)
 
     def run(q, k, v, beta, g, S0):
-        if fused.usable(q) and not per_channel(g):
+        if fused.usable(q):
             return fused.chunked(q, k, v, beta.to(sdt), None if g is None else g.to(sdt), S0, scale=scale,
                                  l2norm=qk_l2norm, chunk=chunk_size)
         return ChunkedDeltaRule.apply(chunk_size, scale, qk_l2norm, q, k, v, beta, g, S0)
@@ -160,8 +160,9 @@ def delta_rule_step(
     g: torch.Tensor | None = None,
     scale: float | None = None,
     qk_l2norm: bool = False,
+    inplace: bool = False,
 ):
-    """The recurrent form: returns (o, new_state); `state` is not modified.
+    """The recurrent form: returns (o, new_state); `state` is not modified unless inplace.
 
         S_α = Diag(α) S,  u = S_αᵀ k̂,  S' = S_α + k̂ (β (v − u))ᵀ  (= (I − β k̂k̂ᵀ) Diag(α) S + β k̂ vᵀ),
         o = S'ᵀ q̂                                  (a scalar α: u = α Sᵀk̂, S' = α S + k̂ (β (v − u))ᵀ)
@@ -170,11 +171,21 @@ def delta_rule_step(
     (B, H, T, E), beta (B, H, T), g (B, H, T), (B, H, T, D) or None: T = 1 is the decoding path (on the
     CPU with fp32, fp64 or bf16 inputs and neither a gradient nor a forward-mode tangent wanted, one
     fused operator; else torch ops); a short block of T > 1 tokens runs `delta_rule` from the state.
+    inplace: write S' into `state` (given, no gradient wanted) and return it as the new state, so that
+    decoding allocates no (B, H, D, E) tensor per token (the fused step updates a contiguous state
+    itself, `linattn_cpu::delta_step_`; other paths copy their result into it). The argument checks
+    run once per call signature (`linattn.ops.stepcheck`); the values of beta and g at every call.
     """
+    if inplace:
+        stepcheck.check_inplace(state, q, k, v, beta, g)
     if q.dim() == 4 and q.shape[2] != 1:
-        return delta_rule(q, k, v, beta, g=g, scale=scale, qk_l2norm=qk_l2norm, initial_state=state,
+        o, S = delta_rule(q, k, v, beta, g=g, scale=scale, qk_l2norm=qk_l2norm, initial_state=state,
                           return_state=True)
-    check_arguments(q, k, v, beta, g, scale, qk_l2norm, state, state_name="state")
+        return (o, stepcheck.write_into(state, S)) if inplace else (o, S)
+    key = stepcheck.signature("delta_step", state, q, k, v, beta, g, scale, qk_l2norm)
+    if not (stepcheck.seen(key) and state is not None):  # checked once per signature (linattn.ops.stepcheck)
+        check_arguments(q, k, v, beta, g, scale, qk_l2norm, state, state_name="state")
+        stepcheck.remember(key)
     sdt = state_dtype(q.dtype)
     if state is None:
         state = torch.zeros(*q.shape[:2], q.shape[3], v.shape[3], dtype=sdt, device=q.device)
@@ -183,9 +194,12 @@ def delta_rule_step(
             state, q, k, v, beta, g):
         beta = beta if beta.dtype is sdt else beta.to(sdt)
         g = g if g is None or g.dtype is sdt else g.to(sdt)
-        return fused.step(state, q, k, v, beta, g, scale=scale, l2norm=qk_l2norm)  # checks β, g itself
-    check_values(beta, g)
-    return _step(state, q, k, v, beta, g, scale, qk_l2norm)
+        o, S = fused.step(state, q, k, v, beta, g, scale=scale, l2norm=qk_l2norm,
+                          inplace=inplace and state.is_contiguous())  # checks β, g itself
+    else:
+        check_values(beta, g)
+        o, S = _step(state, q, k, v, beta, g, scale, qk_l2norm)
+    return (o, stepcheck.write_into(state, S)) if inplace else (o, S)
 
 
 def _step(S, q, k, v, beta, g, scale, l2norm):

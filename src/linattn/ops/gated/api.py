@@ -153,19 +153,25 @@ def gated_linear_attention_step(
     normalize: bool = False,
     eps: float = 1e-6,
     scale: float | None = None,
+    inplace: bool = False,
 ):
-    """Recurrent form: returns (o, new_state); `state` is not modified.
+    """Recurrent form: returns (o, new_state); `state` is not modified unless inplace.
 
         kv ← diag(e^{g}) kv + k̃ vᵀ,   (z ← e^{g} ⊙ z + k̃),   o = kvᵀ q̃  (/ (q̃ · z + ε))
 
     state: kv (B, H, F, E), or (kv, z) with normalize, or None to start from zeros. q, k: (B, H, T, D),
     v: (B, H, T, E), g: (B, H, T) or (B, H, T, F). T = 1 is the decoding fast path (on the CPU, with φ
     elu+1 or None, no scale and no gradient wanted: one fused operator); T > 1 (a short block) runs
-    the chunked op from the state.
+    the chunked op from the state. inplace: the new state is written into `state` (given, no gradient
+    wanted) and returned: no new state tensor per token (the fused step updates a contiguous state
+    itself, linattn_cpu::gated_step_; other paths copy their result into it).
     """
+    if inplace:
+        stepcheck.check_inplace(state, q, k, v, g)
     if isinstance(q, torch.Tensor) and q.dim() == 4 and q.shape[2] != 1:
-        return gated_linear_attention(q, k, v, g, feature_map=feature_map, normalize=normalize, eps=eps, scale=scale,
-                                      initial_state=state, return_state=True)
+        o, new = gated_linear_attention(q, k, v, g, feature_map=feature_map, normalize=normalize, eps=eps,
+                                        scale=scale, initial_state=state, return_state=True)
+        return (o, stepcheck.write_into(state, new)) if inplace else (o, new)
     advance_schedule(feature_map)
     key = stepcheck.signature("gated_step", state, q, k, v, g, feature_map, scale, normalize, eps)
     if stepcheck.seen(key) and state is not None:  # checked once for this signature (linattn.ops.stepcheck)
@@ -182,12 +188,14 @@ def gated_linear_attention_step(
         g = g.to(kv.dtype)  # exact: a bf16 model's gates reach the fused step too
     if (phi is not None and g.dtype is kv.dtype and not (g.requires_grad and torch.is_grad_enabled())
             and not has_tangent(kv, z, q, k, v, g)):
-        o, kv, z = fused.step(kv, z, q, k, v, g, phi=phi, eps=float(eps))  # checks g's values itself
+        own = inplace and kv.is_contiguous() and (z is None or z.is_contiguous())
+        o, kv, z = fused.step(kv, z, q, k, v, g, phi=phi, eps=float(eps), inplace=own)  # checks g's values itself
     else:
         check_gate_values(g)
         o, kv, z = step_from_features(kv, z, fz(q, 0, 1, True)[0], fz(k, 0, 1, False)[0], v, g, eps=float(eps),
                                       out_dtype=q.dtype)
-    return o, ((kv, z) if normalize else kv)
+    new = (kv, z) if normalize else kv
+    return (o, stepcheck.write_into(state, new)) if inplace else (o, new)
 
 
 def gated_affine_form(q, k, v, g, *, feature_map=None, normalize: bool = False, eps: float = 1e-6,

@@ -7,6 +7,7 @@ linattn_cpu extension that `linattn.ops.native` builds), wired into Python and a
     linattn_cpu::gated_chunked_backward  walks each row back block by block: q, k, v, g and the
                                          initial state's gradients (g's from the identity of §12)
     linattn_cpu::gated_step              one recurrent step (checks g ≤ 0 and finite itself)
+    linattn_cpu::gated_step_             the same, the state updated in place
 
 The state is kv, or (kv, z) when a z is given (normalize=True); g (B, H, N) or (B, H, N, F) in the
 state's dtype (converted here). φ is elu+1 (phi=1) or the identity (phi=0). bf16 q, k, v take the
@@ -96,7 +97,10 @@ def _exact_backward(ctx, inputs, grads):
     return (*res, None) if not normalize else res
 
 
-def step(kv, z, q, k, v, g, *, phi: int, eps: float):
-    """One fused step from (kv, z) (z None without normalize); returns (o, kv', z' or None)."""
+def step(kv, z, q, k, v, g, *, phi: int, eps: float, inplace: bool = False):
+    """One fused step from (kv, z) (z None without normalize); returns (o, kv', z' or None). With
+    inplace (kv and z contiguous) kv' and z' are kv and z, updated in place (linattn_cpu::gated_step_)."""
+    if inplace:
+        return torch.ops.linattn_cpu.gated_step_.default(kv, z, q, k, v, g, phi, eps), kv, z
     o, kv_new, z_new = torch.ops.linattn_cpu.gated_step.default(kv, z, q, k, v, g, phi, eps)
     return o, kv_new, (z_new if z is not None else None)

@@ -275,8 +275,9 @@ def linear_attention_step(
     key_padding_mask: torch.Tensor | None = None,
     positions: torch.Tensor | None = None,
     rope=None,
+    inplace: bool = False,
 ):
-    """Recurrent form (design §4): returns (o, new_state); `state` is not modified.
+    """Recurrent form (design §4): returns (o, new_state); `state` is not modified unless inplace.
 
         kv ← kv + φ(k_t) v_tᵀ,   z ← z + φ(k_t),   o_t = φ(q_t)ᵀ kv / (φ(q_t)ᵀ z + ε)
 
@@ -284,7 +285,19 @@ def linear_attention_step(
     None, no scale or mask and no gradient wanted: one fused operator, linattn.ops.native), T > 1 (a
     short block of tokens) runs the causal chunked op from the state. state: (kv (B, H, F, E), z (B, H, F)), or None
     to start from zeros. positions: (T,) or (B, T) global indices (required with RoPE / cosFormer).
+    inplace: the new state is written into `state` (given, no gradient wanted) and returned: no new
+    state tensors per token (the fused step updates a contiguous state itself, linattn_cpu::step_;
+    other paths copy their result into it).
     """
+    if inplace:
+        stepcheck.check_inplace(state, q, k, v)
+    o, new = _linear_step(state, q, k, v, feature_map=feature_map, normalize=normalize, eps=eps, scale=scale,
+                          key_padding_mask=key_padding_mask, positions=positions, rope=rope, own=inplace)
+    return (o, stepcheck.write_into(state, new)) if inplace else (o, new)
+
+
+def _linear_step(state, q, k, v, *, feature_map, normalize, eps, scale, key_padding_mask, positions, rope, own):
+    """linear_attention_step's work; own: the fused step may update a contiguous state in place."""
     advance_schedule(feature_map)
     key = stepcheck.signature("linear_step", state, q, k, v, feature_map, normalize, eps, scale, key_padding_mask,
                               positions, rope)
@@ -313,7 +326,8 @@ def linear_attention_step(
     phi = native.fused_phi(feature_map, scale, key_padding_mask, state, q, k, v)
     if phi is not None and not has_tangent(state, q, k, v):  # one fused CPU operator (elu+1 or identity, inference)
         angles = None if rope is None else rope.angles(fz.positions, state[0].dtype)
-        return native.step(state, q, k, v, phi=phi, normalize=normalize, eps=float(eps), angles=angles)
+        return native.step(state, q, k, v, phi=phi, normalize=normalize, eps=float(eps), angles=angles,
+                           inplace=own and all(x.is_contiguous() for x in state))
     if getattr(feature_map, "symmetric", False) and scale is None and key_padding_mask is None:
         # φ (and RoPE) treat q and k alike here: one call on both, as 2H heads
         fr, fd = fz(torch.cat((q, k), 1), 0, 1, True)
