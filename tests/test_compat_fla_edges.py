@@ -112,3 +112,42 @@ def test_a_wrong_final_states_out_is_refused_by_name():
     for bad in (torch.empty(2, 4, 3), torch.empty(2, 4, 2, dtype=torch.int64), "buffer"):
         with pytest.raises((ValueError, TypeError), match="final_states_out"):
             C.causal_conv1d_fn(x, w, return_final_states=True, final_states_out=bad)
+
+
+#: the delta family's names -> (o's dtype comes from v (False) or q (True), the gate: None, "scalar", "vector")
+DELTA = {"chunk_delta_rule": (False, None), "fused_recurrent_delta_rule": (True, None),
+         "chunk_gated_delta_rule": (False, "scalar"), "fused_recurrent_gated_delta_rule": (False, "scalar"),
+         "chunk_kda": (False, "vector"), "fused_recurrent_kda": (False, "vector")}
+
+
+@pytest.mark.parametrize("name", list(DELTA))
+@pytest.mark.parametrize("v_dtype", [torch.float16, torch.bfloat16])
+def test_mixed_dtypes_run_in_the_delta_family(name, v_dtype):
+    """Item 14 for the delta rule, Gated DeltaNet and KDA: q/k float32 with v, β and the gate in half
+    precision run in their promotion (float32), as FLA's kernels do; o comes back as FLA allocates
+    it (like v, except fused_recurrent_delta_rule: like q), the final state in float32. Values: FLA's
+    naive recurrence (KDA's, or the gated delta rule's with g = 0 for the plain rule) on the same
+    (rounded) numbers; gradients come back in each input's dtype."""
+    like_q, gate = DELTA[name]
+    x = make(t=19, h=2, hv=2, gate=gate or "scalar", seed=11)
+    v, beta, g = (x[n].to(v_dtype) for n in ("v", "beta", "g"))
+    q, k = (x[n].clone().requires_grad_() for n in ("q", "k"))
+    v = v.clone().requires_grad_()
+    fn = getattr(C, name)
+    gargs = () if gate is None else (g,)
+    kw = {"beta": beta} if gate == "scalar" or gate is None else {}
+    args = (q, k, v, *gargs) if gate != "vector" else (q, k, v, g, beta)
+    o, S = fn(*args, **kw, initial_state=x["h0"], output_final_state=True, use_qk_l2norm_in_kernel=True)
+    assert o.dtype == (torch.float32 if like_q else v_dtype) and S.dtype == torch.float32
+    qn, kn = (torch.nn.functional.normalize(t, dim=-1, eps=1e-6) for t in (x["q"], x["k"]))
+    gf = g.float() if gate else torch.zeros(x["v"].shape[:3])
+    if gate == "vector":
+        o_ref, S_ref = peer("fla.ops.kda.naive").naive_recurrent_kda(
+            qn, kn, v.detach().float(), gf, beta.float(), initial_state=x["h0"], output_final_state=True)
+    else:
+        o_ref, S_ref = peer("fla.ops.gated_delta_rule.naive").naive_recurrent_gated_delta_rule(
+            qn, kn, v.detach().float(), beta.float(), gf, initial_state=x["h0"], output_final_state=True)
+    close(o, o_ref.to(o.dtype), 2 ** -7 if o.dtype == torch.bfloat16 else 2 ** -10, f"{name} o")
+    close(S, S_ref, FP32, f"{name} S")
+    (o.float().sum() + S.sum()).backward()
+    assert (q.grad.dtype, k.grad.dtype, v.grad.dtype) == (torch.float32, torch.float32, v_dtype)

@@ -27,7 +27,9 @@ from ._edge import (
     check_per_head,
     check_qkv,
     expand_heads,
+    fla_output_dtype,
     hands_over,
+    in_common_dtype,
     heads_first,
     layout_hint,
     packed,
@@ -79,7 +81,7 @@ def fused_recurrent_delta_rule(
     decoding step (`linattn.delta_rule_step`)."""
     return run_delta(q, k, v, beta, None, scale=scale, initial_state=initial_state,
                      output_final_state=output_final_state, l2norm=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens,
-                     step=True)
+                     step=True, o_like_q=True)
 
 
 @hands_over("fla.ops.gated_delta_rule", "chunk_gated_delta_rule")
@@ -177,11 +179,16 @@ def _gate(g, q, v, use_gate_in_kernel, A_log, dt_bias):
 
 def run_delta(q, k, v, beta, g, *, scale, initial_state, output_final_state: bool, l2norm: bool,
               cu_seqlens, state_v_first: bool = False, step: bool = False, chunk_size: int = 64,
-              per_channel: bool = False, chunk_states: bool = False):
+              per_channel: bool = False, chunk_states: bool = False, o_like_q: bool = False):
     """Every delta-family name on linattn's operators: checks in FLA's layout, GVA, β = 1 when None,
     states in and out. per_channel: g is [B, T, HV, K] (KDA). chunk_states: also h, the states entering
-    every chunk (`with_chunk_states`); returns (o, final state or None, h) then."""
+    every chunk (`with_chunk_states`); returns (o, final state or None, h) then. Mixed dtypes (q/k
+    float32, v and the gates in half precision) run in their promotion, and o comes back in FLA's
+    dtype: v's (its kernels allocate o like v), q's where o_like_q (fused_recurrent_delta_rule's
+    kernel allocates it like q)."""
     _, hv = check_qkv(q, k, v)
+    out_dtype, h_dtype = fla_output_dtype(q, v, o_like_q), k.dtype
+    q, k, v = in_common_dtype(q, k, v)
     for name, flag in (("use_qk_l2norm_in_kernel", l2norm), ("state_v_first", state_v_first)):
         if not isinstance(flag, bool):
             raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
@@ -205,8 +212,8 @@ def run_delta(q, k, v, beta, g, *, scale, initial_state, output_final_state: boo
                               **packed(cu_seqlens))
     if chunk_states:
         h = h.transpose(-1, -2) if state_v_first else h
-        return heads_first(o), state_out(S, output_final_state, state_v_first), h.to(k.dtype)
-    return heads_first(o), state_out(S, output_final_state, state_v_first)
+        return heads_first(o).to(out_dtype), state_out(S, output_final_state, state_v_first), h.to(h_dtype)
+    return heads_first(o).to(out_dtype), state_out(S, output_final_state, state_v_first)
 
 
 def with_chunk_states(q, k, v, beta, S0, cu_seqlens, chunk: int, **opts):
