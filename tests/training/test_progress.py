@@ -18,6 +18,7 @@ def test_display_shows_the_run_validations_and_the_end():
     shown.step(StepInfo(4, 1.2345, 1e-3, 0.5, None, tokens_per_s=1000.0))
     shown.validation(4, {"loss": 1.5, "accuracy": 0.25})
     shown.validation(5, {"loss": 1.5, "accuracy": 0.25, "bpb": 2.16})
+    shown.validation(6, {"loss": 0.0125, "mse": 0.0125, "count": 99})  # attention transfer: a loss only
     shown.note("could not draw loss.png: no disk")
     shown.close()
     shown.finish("interrupted", "interrupted at step 5")
@@ -26,6 +27,7 @@ def test_display_shows_the_run_validations_and_the_end():
     assert "resuming from runs/x/checkpoints/step-00000003 (step 3)" in text
     assert "step 4: validation loss 1.5000, accuracy 0.2500" in text
     assert "step 5: validation loss 1.5000, bpb 2.1600" in text
+    assert "step 6: validation loss 0.0125\n" in text
     assert "could not draw loss.png" in text and "interrupted at step 5" in text
 
 

@@ -39,7 +39,8 @@ def add_parser(subparsers) -> None:
     g.add_argument("--transfer-steps", type=positive_int, default=200, help="stage 1 steps (default: %(default)s)")
     g.add_argument("--transfer-lr", type=positive_float, default=1e-2)
     g.add_argument("--finetune-steps", type=positive_int, default=200, help="stage 2 steps (default: %(default)s)")
-    g.add_argument("--finetune-lr", type=positive_float, default=1e-3)
+    g.add_argument("--finetune-lr", type=positive_float, default=None,
+                   help="stage 2 (default: 3e-3 with LoRA, 1e-3 for full fine-tuning)")
     g.add_argument("--mode", choices=("lora", "full"), default=None, help="stage 2 (default: the recipe's)")
     g.add_argument("--lora-rank", type=positive_int, default=8)
     g.add_argument("--kl-weight", type=float, default=0.0, help="KL to the teacher's next-byte distribution")

@@ -33,8 +33,9 @@ TEACHER = dict(task="bytes", model={"d_model": 128, "n_layers": 4, "n_heads": 4,
                seq_len=512, batch_size=16, steps=1500, lr=2e-3, warmup_steps=100, min_lr_ratio=0.1,
                eval_interval=0, eval_batches=16, checkpoint_interval=100, distributed="off")
 #: each linearization: 150 + 150 steps of 8 × 512 bytes = 1.23M bytes, 10% of the teacher's 12.3M
+#: (stage 2's learning rate: the mode's, linattn.linearize.run.FINETUNE_LR)
 LINEARIZE = dict(seq_len=512, batch_size=8, transfer_steps=150, finetune_steps=150, transfer_lr=1e-2,
-                 finetune_lr=1e-3, eval_batches=16, recall=64)
+                 eval_batches=16, recall=64)
 #: decode lengths, measured once per recipe (seed 0) and for the teacher
 CONTEXTS = (1024, 4096, 8192, 16384, 32768)
 

@@ -83,7 +83,7 @@ class ProgressDisplay(Reporter):
         self.bar.update(self._task, completed=info.step, loss=f"{info.loss:.4f}", tps=f"{info.tokens_per_s:,.0f}")
 
     def validation(self, step: int, metrics: dict) -> None:
-        extra = f", bpb {metrics['bpb']:.4f}" if "bpb" in metrics else f", accuracy {metrics['accuracy']:.4f}"
+        extra = "".join(f", {name} {metrics[name]:.4f}" for name in ("bpb", "accuracy") if name in metrics)
         self.console.print(f"step {step}: validation loss {metrics['loss']:.4f}{extra}")
 
     def note(self, text: str) -> None:
