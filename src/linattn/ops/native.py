@@ -50,7 +50,7 @@ from .nonfinite import all_finite
 _CSRC = Path(__file__).with_name("csrc")
 _SOURCES = [str(_CSRC / name)
             for name in ("decode.cpp", "chunked.cpp", "gated.cpp", "gated_backward.cpp", "delta.cpp", "kda.cpp",
-                         "model_step.cpp")]
+                         "model_step.cpp", "swa.cpp")]
 _CFLAGS = ["-O3", "-fopenmp", "-fno-trapping-math"]
 _lock = threading.Lock()
 _state: dict = {"loaded": None, "error": None}

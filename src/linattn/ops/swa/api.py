@@ -25,13 +25,16 @@ from .checks import check_common, check_cu_seqlens
 
 def sliding_window_chunked(q, k, v, *, window: int, scale: float | None, chunk: int, cu_seqlens=None,
                            key_padding_mask=None) -> torch.Tensor:
-    """The chunked operator on checked arguments: on the CPU (q, k, v of one head dim) through torch's
-    fused flash kernel (linattn.ops.swa.cpu), elsewhere the torch-op Function (linattn.ops.swa.chunked).
-    A window beyond the sequence is the sequence (every query sees its whole prefix): it is clamped to
-    N, so that the blocks' key spans are never wider than N. Reverse mode, first order only."""
+    """The chunked operator on checked arguments: on the CPU linattn's kernels (fp32/fp64, no key mask)
+    or torch's fused flash kernel (q, k, v of one head dim; linattn.ops.swa.cpu), elsewhere the torch-op
+    Function (linattn.ops.swa.chunked). A window beyond the sequence is the sequence (every query sees
+    its whole prefix): it is clamped to N, so that the blocks' key spans are never wider than N.
+    Reverse mode, first order only."""
     refuse_forward_ad("sliding_window_attention", q, k, v)
     window = min(window, q.shape[2])
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    if chunked.FUSED_CPU and cpu.native_usable(q, k, v, key_padding_mask):
+        return cpu.NativeSlidingWindowAttention.apply(q, k, v, window, scale, chunk, cu_seqlens)
     fused = cpu.available(q, v) and chunked.FUSED_CPU
     fn = cpu.FusedSlidingWindowAttention if fused else chunked.SlidingWindowAttentionFunction
     return fn.apply(q, k, v, window, scale, chunk, cu_seqlens, key_padding_mask)
