@@ -65,6 +65,14 @@ def _blocks(x: torch.Tensor, lay: Layout, dtype: torch.dtype) -> torch.Tensor:
     return out.view(lay.b, lay.h, lay.nb, lay.c, x.shape[-1])
 
 
+def native_chunk(window: int) -> int:
+    """linattn's kernels' query block when the caller does not choose: 16 rows for W ≤ 64, else 32. A
+    block of C reads C + W − 1 keys for C·W useful scores; fwd+bwd at N = 4096, W = 64 (fp32, 1 thread,
+    benchmarks/swa.py) took 0.87–0.91× linear attention's time with C = 16, 0.92–0.93× with 32, 1.07× with
+    64; at W = 256, 32 and 16 were alike and 7% under 64."""
+    return 16 if window <= 64 else 32
+
+
 def native_usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding_mask) -> bool:
     """linattn's kernels take the call: NATIVE, CPU fp32 or fp64 q, k, v of one dtype, no key-padding
     mask, the extension built (and not tracing)."""
