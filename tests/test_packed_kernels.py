@@ -20,26 +20,20 @@ from linattn.ops import native as native_module
 from linattn.ops.delta import fused as delta_fused
 from linattn.ops.gated import fused as gated_fused
 
-from .test_packed_ops import compare
+from .test_packed_ops import _one_thread, compare, op_path
 
+SHARED_FIXTURES = (_one_thread, op_path)  # test_packed_ops's: one thread (autouse), the CPU path
 DT = torch.float64
 FAMILIES = ["linear", "linear-unnormalized", "gated-scalar", "gated-vector", "gated-normalized", "deltanet",
             "gated-deltanet", "kda"]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread(one_thread):
-    """Small shapes, many ops: one thread."""
-
-
-@pytest.fixture(params=["kernel", "torch ops"])
-def path(request, monkeypatch):
-    """The fused kernels given cu_seqlens, or the torch-op Functions one length at a time (LINATTN_NATIVE=0)."""
-    if request.param == "kernel" and not native.available():
-        pytest.skip("the fused CPU kernels could not be built here")
-    monkeypatch.setenv("LINATTN_NATIVE", "1" if request.param == "kernel" else "0")
+@pytest.fixture
+def path(op_path, monkeypatch):
+    """The fused kernels given cu_seqlens ("kernel"), or the torch-op Functions one length at a time
+    ("torch ops", LINATTN_NATIVE=0)."""
     monkeypatch.setattr(packed, "IN_KERNELS", True)
-    return request.param
+    return "kernel" if op_path == "fused" else op_path
 
 
 @pytest.fixture
