@@ -11,10 +11,12 @@ the rows back. `csrc/gated.cpp` and `csrc/gated_backward.cpp` are the gated form
 (linattn.ops.gated.fused), `csrc/delta.cpp` and `csrc/kda.cpp` the delta family's
 (linattn.ops.delta.fused: chunked forward and backward without a gate or with one decay per head in
 delta.cpp, with one per key channel, KDA's, in kda.cpp; the one-token step of every gate form in
-delta.cpp). The files
+delta.cpp), `csrc/swa.cpp` sliding-window attention's (linattn.ops.swa.cpu). The files
 share headers: `csrc/common.h` (φ, bf16 conversions, work buffers, the ISA clones), `csrc/blas.h`
 (torch's BLAS), `csrc/pool.h` (the one pool of result buffers), `csrc/chunked.h` (the pieces of the
-ungated and gated chunk loops), `csrc/delta.h` (those of the delta family's chunk loops).
+ungated and gated chunk loops), `csrc/delta.h` (those of the delta family's chunk loops), `csrc/rows.h`
+(the rows a chunked kernel walks: (batch, head), or with cu_seqlens (sequence, head): packed sequences
+in one call, design §17).
 
 bf16 inputs: the chunked kernels multiply them with MKL's bf16 gemm where the CPU has AMX, else
 widen each block to fp32 in cache and use the fp32 gemm (`bf16_choice`, the rule of
