@@ -37,54 +37,47 @@ def _randn(gen, *size, dtype, device):
     return torch.randn(*size, generator=gen).to(device=device, dtype=dtype)
 
 
-def linear_step_fn(shape: Shape, dtype: torch.dtype, device, seed: int = 0):
-    """One linattn.linear_attention_step (elu+1, normalized) from a float32 state (B, H, F, E), (B, H, F)."""
+def _one_token(shape: Shape, dtype: torch.dtype, device, seed: int):
+    """(generator, q, k (B, H, 1, D), v (B, H, 1, E), a float32 state S (B, H, D, E)), drawn in that order."""
     gen = torch.Generator().manual_seed(seed)
     b, h, d, e = shape.batch, shape.heads, shape.head_dim, shape.value_dim
-    fm = EluPlusOne(d)
     q, k = (_randn(gen, b, h, 1, d, dtype=dtype, device=device) for _ in range(2))
     v = _randn(gen, b, h, 1, e, dtype=dtype, device=device)
-    state = (_randn(gen, b, h, d, e, dtype=torch.float32, device=device),
-             _randn(gen, b, h, d, dtype=torch.float32, device=device).abs() + 1)
+    return gen, q, k, v, _randn(gen, b, h, d, e, dtype=torch.float32, device=device)
+
+
+def _inference(op, *args, **kwargs):
+    """op(*args, **kwargs) under torch.inference_mode(), as a function of nothing (what is timed)."""
 
     def fn():
         with torch.inference_mode():
-            return linear_attention_step(state, q, k, v, feature_map=fm)
+            return op(*args, **kwargs)
 
     return fn
+
+
+def linear_step_fn(shape: Shape, dtype: torch.dtype, device, seed: int = 0):
+    """One linattn.linear_attention_step (elu+1, normalized) from a float32 state (B, H, F, E), (B, H, F)."""
+    gen, q, k, v, kv = _one_token(shape, dtype, device, seed)
+    z = _randn(gen, shape.batch, shape.heads, shape.head_dim, dtype=torch.float32, device=device).abs() + 1
+    return _inference(linear_attention_step, (kv, z), q, k, v, feature_map=EluPlusOne(shape.head_dim))
 
 
 def gated_step_fn(shape: Shape, dtype: torch.dtype, device, seed: int = 0, per_feature: bool = False):
     """One linattn.gated_linear_attention_step (g = −0.1, per head or per feature) from a float32 state kv."""
-    gen = torch.Generator().manual_seed(seed)
-    b, h, d, e = shape.batch, shape.heads, shape.head_dim, shape.value_dim
-    q, k = (_randn(gen, b, h, 1, d, dtype=dtype, device=device) for _ in range(2))
-    v = _randn(gen, b, h, 1, e, dtype=dtype, device=device)
-    state = _randn(gen, b, h, d, e, dtype=torch.float32, device=device)
+    _, q, k, v, state = _one_token(shape, dtype, device, seed)
+    b, h, d = shape.batch, shape.heads, shape.head_dim
     g = torch.full((b, h, 1, d) if per_feature else (b, h, 1), -0.1, device=device)
-
-    def fn():
-        with torch.inference_mode():
-            return gated_linear_attention_step(state, q, k, v, g)
-
-    return fn
+    return _inference(gated_linear_attention_step, state, q, k, v, g)
 
 
 def delta_step_fn(shape: Shape, dtype: torch.dtype, device, seed: int = 0, gated: bool = False):
     """One linattn.delta_rule_step (qk_l2norm, β = 0.5, g = −0.1 when gated) from a float32 state (B, H, D, E)."""
-    gen = torch.Generator().manual_seed(seed)
-    b, h, d, e = shape.batch, shape.heads, shape.head_dim, shape.value_dim
-    q, k = (_randn(gen, b, h, 1, d, dtype=dtype, device=device) for _ in range(2))
-    v = _randn(gen, b, h, 1, e, dtype=dtype, device=device)
-    state = _randn(gen, b, h, d, e, dtype=torch.float32, device=device)
+    _, q, k, v, state = _one_token(shape, dtype, device, seed)
+    b, h = shape.batch, shape.heads
     beta = torch.full((b, h, 1), 0.5, device=device)
     g = torch.full((b, h, 1), -0.1, device=device) if gated else None
-
-    def fn():
-        with torch.inference_mode():
-            return delta_rule_step(state, q, k, v, beta, g=g, qk_l2norm=True)
-
-    return fn
+    return _inference(delta_rule_step, state, q, k, v, beta, g=g, qk_l2norm=True)
 
 
 def kv_cache_fn(shape: Shape, ctx: int, dtype: torch.dtype, device, seed: int = 0):
@@ -94,12 +87,7 @@ def kv_cache_fn(shape: Shape, ctx: int, dtype: torch.dtype, device, seed: int = 
     q = _randn(gen, b, h, 1, d, dtype=dtype, device=device)
     kc = _randn(gen, b, h, ctx, d, dtype=dtype, device=device)
     vc = _randn(gen, b, h, ctx, e, dtype=dtype, device=device)
-
-    def fn():
-        with torch.inference_mode():
-            return F.scaled_dot_product_attention(q, kc, vc)
-
-    return fn
+    return _inference(F.scaled_dot_product_attention, q, kc, vc)
 
 
 def no_cache_fn(shape: Shape, ctx: int, dtype: torch.dtype, device, seed: int = 0):

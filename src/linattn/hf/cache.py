@@ -5,56 +5,23 @@ beam search and contrastive batching, selects and reorders its batch rows. Linat
 linattn's own per-layer caches unchanged — the (kv, z) state of linear layers, the state S of gated
 and delta-rule layers, the short-convolution and gated-convolution tails (B, K−1, C), the growing
 K/V buffers of softmax layers, and the position counters of left-padded rows — so that
-LinattnForCausalLM runs LinearTransformerLM's own prefill and step on them. It also keeps the fused
-CPU decoding step (linattn.models.decoding.FusedDecoder) built for the current batch between steps; any
-eager call or row selection drops it, since the plan reads the cache's buffers in place.
+LinattnForCausalLM runs LinearTransformerLM's own prefill and step on them, through the run's
+linattn.models.session.DecodingSession: it keeps the fused CPU decoding step (linattn.models.decoding.
+FusedDecoder) built for the current batch between steps and drops it after any eager call or row
+selection, since the plan reads the cache's buffers in place.
 
 Row selection (reorder_cache(beam_idx), batch_select_indices, batch_repeat_interleave) gathers
-dim 0 of every tensor of every layer cache: every linattn cache tensor is batch-first.
+dim 0 of every tensor of every layer cache (linattn.models.session.select_rows): every linattn cache
+tensor is batch-first.
 """
 
 from __future__ import annotations
-
-import dataclasses
 
 import torch
 from transformers.cache_utils import Cache
 
 from ..models import ModelCache
-
-
-def _select_rows(obj, index: torch.Tensor):
-    """obj with dim 0 of every tensor it holds (dataclass fields, lists, tuples, nested) gathered at
-    `index` (B',) long; tensors are replaced, not written in place; named tuples keep their class and
-    their other fields (a WindowState's length)."""
-    if isinstance(obj, torch.Tensor):
-        return obj.index_select(0, index.to(obj.device)) if obj.dim() else obj
-    if isinstance(obj, tuple):  # a NamedTuple (WindowState, HybridState) keeps its type
-        rows = (_select_rows(t, index) for t in obj)
-        return type(obj)(*rows) if hasattr(obj, "_fields") else tuple(rows)
-    if isinstance(obj, list):
-        obj[:] = [_select_rows(t, index) for t in obj]
-        return obj
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        for f in dataclasses.fields(obj):
-            setattr(obj, f.name, _select_rows(getattr(obj, f.name), index))
-    return obj
-
-
-def _first_tensor(obj):
-    if isinstance(obj, torch.Tensor):
-        return obj if obj.dim() else None
-    if isinstance(obj, (tuple, list)):
-        items = obj
-    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        items = [getattr(obj, f.name) for f in dataclasses.fields(obj)]
-    else:
-        return None
-    for item in items:
-        t = _first_tensor(item)
-        if t is not None:
-            return t
-    return None
+from ..models.session import DecodingSession, first_tensor, select_rows
 
 
 class LinattnCache(Cache):
@@ -73,12 +40,18 @@ class LinattnCache(Cache):
         super().__init__(layers=[])
         self.model_cache = model_cache
         self.layer_types = list(layer_types)
-        #: the fused decoding step for the current rows (None: build one when the next step allows)
-        self.decoder = None
-        #: fused steps the decoder has room for in its KV buffers
-        self.fused_left = 0
-        #: whether the rows were left as they are since the last forward (a decoder pays off only then)
-        self.steady = False
+        self._session: DecodingSession | None = None
+
+    def session(self, model) -> DecodingSession:
+        """The decoding run of `model` (a LinearTransformerLM) on this cache (made at the first call)."""
+        if self._session is None or self._session.model is not model:
+            self._session = DecodingSession(model, self.model_cache)
+        return self._session
+
+    @property
+    def decoder(self):
+        """The fused decoding step of the current rows (a FusedDecoder), or None."""
+        return None if self._session is None else self._session.decoder
 
     # ---- what transformers asks of a cache
     def __len__(self) -> int:
@@ -125,23 +98,21 @@ class LinattnCache(Cache):
 
     @property
     def batch_size(self) -> int:
-        t = _first_tensor(self.model_cache.layers)
+        t = first_tensor(self.model_cache.layers)
         return -1 if t is None else int(t.shape[0])
 
     def activate_past_recording(self):
         pass
 
     # ---- rows
-    def drop_decoder(self) -> None:
-        """Forgets the fused step (its plan points at buffers that are about to change)."""
-        self.decoder, self.fused_left, self.steady = None, 0, False
-
     def batch_select_indices(self, indices: torch.Tensor):
         """Keeps the rows `indices` (B',) of every state, tail, KV buffer and position counter."""
         if not isinstance(indices, torch.Tensor) or indices.dim() != 1:
             raise ValueError(f"indices must be a 1-D tensor of row indices, got {indices!r}")
-        self.drop_decoder()
-        _select_rows(self.model_cache, indices.long())
+        if self._session is None:
+            select_rows(self.model_cache, indices.long())
+        else:
+            self._session.select_rows(indices.long())
 
     def reorder_cache(self, beam_idx: torch.LongTensor):
         """Beam search: row i takes the cache of row beam_idx[i]."""

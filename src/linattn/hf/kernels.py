@@ -75,16 +75,8 @@ MODEL_TYPES = {
 
 
 def _compat(name: str):
-    """linattn.compat.fla's function `name`, from the package or its kda module (None where
-    neither has it)."""
-    fla = importlib.import_module("linattn.compat.fla")
-    fn = getattr(fla, name, None)
-    if fn is None and name.endswith("_kda"):
-        try:
-            fn = getattr(importlib.import_module("linattn.compat.fla.kda"), name, None)
-        except ImportError:
-            fn = None
-    return fn
+    """linattn.compat.fla's function `name` (None where it has none)."""
+    return getattr(importlib.import_module("linattn.compat.fla"), name, None)
 
 
 def _named_params(fn) -> frozenset:
@@ -141,6 +133,7 @@ def _conv_adapter(fn):
 
 
 def _update_adapter(fn):
+    """causal_conv1d_update: unknown keywords dropped (it takes no packed rows)."""
     names = _named_params(fn)
 
     @functools.wraps(fn)
@@ -245,15 +238,10 @@ class KernelPatch:
 _ACTIVE: set = set()
 
 
-def _transformers_version() -> str:
-    try:
-        return importlib.import_module("transformers").__version__
-    except ImportError:  # pragma: no cover - the modules below import it
-        return "?"
-
-
 def _missing(what: str) -> KernelPatchError:
-    return KernelPatchError(f"use_linattn_kernels: {what} in transformers {_transformers_version()}: renamed or moved "
+    from transformers import __version__
+
+    return KernelPatchError(f"use_linattn_kernels: {what} in transformers {__version__}: renamed or moved "
                             "in this release, so linattn cannot rebind it (the layers would silently keep "
                             "transformers' slow path); use the transformers versions linattn is tested with "
                             "(pyproject.toml) or report it")

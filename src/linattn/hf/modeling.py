@@ -16,7 +16,8 @@ from each row's first real token, as in linattn.models.generation).
 Decoding steps of one real token per row, without gradients and in eval mode, run through
 linattn's fused CPU step (linattn.models.decoding.FusedDecoder) where the model allows it and the rows
 have not been reordered since the last step (beam search reorders them at every step and so takes
-the eager step); `fused_decoding = False` on the model forces the eager step.
+the eager step): the cache's linattn.models.session.DecodingSession decides, as it does for
+linattn's own generate; `fused_decoding = False` on the model forces the eager step.
 
 Loading refuses what linattn's own loader refuses: a checkpoint with tensors missing, unexpected or
 of another shape (CheckpointError naming them), and a config.json without its `linattn` object.
@@ -33,7 +34,6 @@ from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from ..models.checkpoint import CheckpointError
-from ..models.decoding import FusedDecoder, fused_decoding_obstacle
 from ..models import LinearTransformerLM, ModelConfig
 from ..ops import packed
 from .cache import LinattnCache
@@ -225,16 +225,15 @@ class LinattnForCausalLM(LinattnPreTrainedModel, GenerationMixin):
             cache = self.new_cache()
         mask = _new_token_mask(attention_mask, input_ids)
         n = input_ids.shape[1]
-        logits = None
         if cache is not None:
             if position_ids is not None and mask is None and cache.model_cache.seen is None:
                 _check_contiguous_positions(position_ids, cache.model_cache.length, n)
-            if n == 1 and mask is None and labels is None:
-                logits = self._fused_step(input_ids, cache)
-            if logits is None:
-                cache.drop_decoder()
-                logits, _ = self.model(input_ids, mask, cache.model_cache, last_only=_keep_last(logits_to_keep, labels))
-                cache.steady = True
+            session = cache.session(self.model)
+            session.fused = self.fused_decoding
+            if n == 1 and mask is None and labels is None:  # a step: fused where the session can
+                logits = session.step(input_ids[:, 0]).clone()[:, None]
+            else:
+                logits = session.forward(input_ids, mask, last_only=_keep_last(logits_to_keep, labels))
         else:
             positions = None
             if position_ids is not None:
@@ -248,19 +247,6 @@ class LinattnForCausalLM(LinattnPreTrainedModel, GenerationMixin):
         if not return_dict:
             return tuple(v for v in (loss, logits, cache) if v is not None)
         return CausalLMOutputWithPast(loss=loss, logits=logits, cache=cache)
-
-    def _fused_step(self, input_ids: torch.Tensor, cache: LinattnCache) -> torch.Tensor | None:
-        """Logits (B, 1, V) of one step through FusedDecoder, or None where the eager step runs."""
-        if self.fused_decoding is False or torch.is_grad_enabled() or self.model.training:
-            return None
-        if cache.decoder is None or cache.fused_left == 0:
-            if not cache.steady or cache.model_cache.length == 0 or fused_decoding_obstacle(self.model) is not None:
-                return None
-            reserve = max(64, cache.model_cache.length)
-            cache.decoder, cache.fused_left = FusedDecoder(self.model, cache.model_cache, reserve=reserve), reserve
-        logits = cache.decoder.step(input_ids[:, 0]).clone()
-        cache.fused_left -= 1
-        return logits[:, None]
 
 
 def _few(items: list, n: int = 8) -> list:

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from ..models.decoding import FusedDecoder, fused_decoding_obstacle
+from ..models.decoding import fused_decoding_obstacle
+from ..models.session import DecodingSession
 from ..training.tasks import BytesTask, evaluate
 
 __all__ = ["bpb", "decode_costs", "recall_accuracy", "recall_batch", "recovered"]
@@ -77,22 +78,20 @@ STEPS_TIMED, STEPS_WARMUP = 200, 8
 
 def _step_fn(model, ctx: int, seed: int):
     """(step(), cache bytes after the prefill, path) after a prefill of ctx random tokens: the step
-    generate takes, the fused decoder's KV caches reserved for the timed steps."""
+    generate takes (its DecodingSession), the fused decoder's KV caches reserved for the timed steps."""
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, model.config.vocab_size, (1, ctx), generator=g)
     tok = torch.randint(0, model.config.vocab_size, (1,), generator=g)
+    session = DecodingSession(model)
     with torch.inference_mode():
-        _, cache = model(ids, cache=model.new_cache(), last_only=True)
-    nbytes = sum(cache.nbytes)
-    if fused_decoding_obstacle(model) is None:
-        decoder = FusedDecoder(model, cache, reserve=STEPS_TIMED + STEPS_WARMUP + 1)
-        return (lambda: decoder.step(tok)), nbytes, "fused"
+        session.forward(ids)
+    session.reserve(STEPS_TIMED + STEPS_WARMUP + 1)
 
-    def eager():
+    def step():
         with torch.inference_mode():
-            return model(tok[:, None], cache=cache, last_only=True)
+            return session.step(tok)
 
-    return eager, nbytes, "eager"
+    return step, sum(session.cache.nbytes), "fused" if fused_decoding_obstacle(model) is None else "eager"
 
 
 def decode_costs(model, contexts, *, seed: int = 0) -> list[dict]:

@@ -19,6 +19,13 @@ stays the one the eager path would hold and either path can continue it. The eag
 reference: the fused step computes the same values, in float32 (the state dtype), and differs only by
 the order of the float sums (tests/test_decoding.py).
 
+Positions are counted on one side, the cache's: its PositionCounters (`length`, and `seen` once a
+row was padded) are what the eager step advances and what hf's get_seq_length and row selection
+read, so `step` hands the plan each token's positions and the tokens fed so far from them and then
+advances them; the plan keeps no counter of its own. A decoding run (plan built once, rebuilt
+after an eager call or a row selection, KV room reserved, logits read) is a
+linattn.models.session.DecodingSession.
+
 What the fused step takes (`fused_decoding_obstacle` says why a model is refused; generation then
 runs the eager step): CPU LinearTransformerLM models in float32 or bfloat16 with transformer or
 conv_mixer blocks; every attention kind of linattn.models.KINDS with a fused mixer (Kind.fused: linear
@@ -132,10 +139,9 @@ class FusedDecoder:
         self.dtype = next(model.parameters()).dtype
         self.bf16 = self.dtype == torch.bfloat16
         self.batch = b = self._batch(cache)
-        positions = cache.next_positions(1, None, "cpu").reshape(-1).expand(b).contiguous()
-        self.positions = positions
-        self.counters = torch.tensor([cache.length], dtype=torch.long)
-        self.plan = torch.classes.linattn_cpu.DecodePlan(b, self.bf16, self.positions, self.counters)
+        #: the positions of the tokens a step decodes, (B,): read from the cache before each step
+        self.positions = torch.zeros(b, dtype=torch.long)
+        self.plan = torch.classes.linattn_cpu.DecodePlan(b, self.bf16)
         f32 = dict(dtype=torch.float32)
         self.x = torch.zeros(b, c.d_model, **f32)
         self.logits = torch.zeros(b, c.vocab_size, dtype=self.dtype)
@@ -267,16 +273,17 @@ class FusedDecoder:
             raise ValueError(f"ids must hold one token per row (B={self.batch}), got shape {tuple(ids.shape)}")
         if not self._in_sync():  # an eager step (or another writer) moved the cache on: a plan of it as it is
             self._build(self.model, self.cache, self._reserve)
-        self.plan.step(ids)
-        for counter in (self.cache, *self._layer_counters()):
+        cache = self.cache
+        if cache.seen is None:  # positions count on one side, the cache's (module doc)
+            self.positions.fill_(cache.length)
+        else:
+            self.positions.copy_(cache.seen)
+        self.plan.step(ids, self.positions, cache.length)
+        for counter in (cache, *(getattr(lc, "attn", lc) for lc in cache.layers)):
             counter.advance(1, None)
         self._reserve = max(self._reserve - 1, 0)
         self._synced = self._cache_parts()
         return self.logits
-
-    def _layer_counters(self):
-        for lc in self.cache.layers:
-            yield getattr(lc, "attn", lc)
 
     def weight_streaming(self) -> None:
         """Every matrix-vector product of a step once, nothing else (for timing)."""

@@ -6,10 +6,11 @@
     step t:   logits, cache = model(token_t (B, 1), cache=cache, last_only=True)
               O(1) per linear layer, O(context) per softmax layer.
 
-The steps run fused by default (linattn.models.decoding.FusedDecoder: the whole model's step in one C++
-call, reading each weight once) where the model allows it (fused_decoding_obstacle), the eager
-step otherwise; `fused=False` forces the eager step, the reference the fused one equals up to the
-order of float sums, `fused=True` requires the fused one.
+The run is a linattn.models.session.DecodingSession: the steps run fused by default
+(linattn.models.decoding.FusedDecoder: the whole model's step in one C++ call, reading each weight
+once) where the model allows it (fused_decoding_obstacle), the eager step otherwise; `fused=False`
+forces the eager step, the reference the fused one equals up to the order of float sums,
+`fused=True` requires the fused one.
 
 Prompts of different lengths are left-padded; the key-padding mask removes the pads from every
 numerator and denominator and positions count from each prompt's first real token, so each row
@@ -24,9 +25,9 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from .._checks import check_bool, check_int, check_number, check_positive_int
-from .decoding import FusedDecoder, fused_decoding_obstacle
+from .._checks import check_int, check_number, check_positive_int
 from .kinds import kind_of
+from .session import DecodingSession
 
 #: the kinds without a fused mixer that generation has already said it decodes eagerly
 _EAGER_KINDS_SAID: set = set()
@@ -130,7 +131,9 @@ def stream(model, prompt_ids, max_new_tokens: int, *, temperature: float = 1.0, 
     steps through linattn.models.decoding.FusedDecoder where the model allows it, True requires it (a
     ValueError says why not), False runs the eager step."""
     _check_sampling(max_new_tokens, temperature, top_k, top_p)
-    use_fused = _use_fused(model, fused)
+    session = DecodingSession(model, fused=fused)  # fused=True: a ValueError says why it cannot be
+    if fused is not False:
+        _say_eager_kinds(model)
     device = next(model.parameters()).device
     ids, mask = prepare_prompts(prompt_ids, mask, device=device)
     stops = set() if stop_tokens is None else ({stop_tokens} if isinstance(stop_tokens, int) else set(stop_tokens))
@@ -141,21 +144,7 @@ def stream(model, prompt_ids, max_new_tokens: int, *, temperature: float = 1.0, 
                          f"{longest + max_new_tokens - 1} positions; this model takes {limit}")
     if seed is None:
         seed = int(torch.randint(0, 2**62, (1,)))
-    return _steps(model, ids, mask, max_new_tokens, temperature, top_k, top_p, seed, stops, use_fused)
-
-
-def _use_fused(model, fused: bool | None) -> bool:
-    """Whether the steps run through FusedDecoder: fused=None where the model allows it, True
-    requires it, False never."""
-    if fused is not None:
-        check_bool("fused (None, True or False)", fused)
-    if fused is False:
-        return False
-    obstacle = fused_decoding_obstacle(model)
-    if fused and obstacle is not None:
-        raise ValueError(f"fused=True: {obstacle}")
-    _say_eager_kinds(model)
-    return obstacle is None
+    return _steps(session, ids, mask, max_new_tokens, temperature, top_k, top_p, seed, stops)
 
 
 def _say_eager_kinds(model) -> None:
@@ -170,19 +159,17 @@ def _say_eager_kinds(model) -> None:
                       stacklevel=3)
 
 
-def _steps(model, ids, mask, max_new_tokens, temperature, top_k, top_p, seed, stops, fused):
+def _steps(session, ids, mask, max_new_tokens, temperature, top_k, top_p, seed, stops):
     if max_new_tokens == 0:
         return
+    model = session.model
     gens = [torch.Generator(device=ids.device).manual_seed(seed) for _ in range(ids.shape[0])]
     was_training = model.training
     model.eval()
     try:
         with torch.no_grad():
-            logits, cache = model(ids, mask, cache=model.new_cache(), last_only=True)
-        logits = logits[:, -1]
-        decoder = None
-        if fused and max_new_tokens > 1:
-            decoder = FusedDecoder(model, cache, reserve=max_new_tokens)
+            logits = session.forward(ids, mask)[:, -1]
+        session.reserve(max_new_tokens)
         done = [False] * ids.shape[0]
         for step in range(max_new_tokens):
             with torch.no_grad():
@@ -194,12 +181,8 @@ def _steps(model, ids, mask, max_new_tokens, temperature, top_k, top_p, seed, st
             yield out
             if all(done) or step == max_new_tokens - 1:
                 break
-            if decoder is not None:
-                logits = decoder.step(tok)
-            else:
-                with torch.no_grad():
-                    logits, cache = model(tok[:, None], cache=cache, last_only=True)
-                logits = logits[:, -1]
+            with torch.no_grad():
+                logits = session.step(tok)
     finally:
         model.train(was_training)
 

@@ -198,6 +198,15 @@ class _Transformer(nn.Module):
                                  "tokens (start + arange(n), start from linattn.parallel.shard_bounds)")
         elif positions is None and (mask is not None or self.pos_emb is not None):
             positions = token_positions(n, mask, device=ids.device)
+        x = self._embed(ids, positions)
+        for i in range(len(self.blocks)):
+            x, _ = self._apply_block(i, x, mask, None if cache is None else cache.layers[i], positions)
+        if cache is not None:
+            cache.advance(n, mask)
+        return self.norm(x)
+
+    def _embed(self, ids, positions):
+        """The token embeddings (+ the learned positions' at `positions`), then the dropout."""
         x = self.tok_emb(ids)
         if self.pos_emb is not None:
             if not torch.compiler.is_compiling() and int(positions.max()) >= self.config.max_len:
@@ -205,11 +214,7 @@ class _Transformer(nn.Module):
             x = x + self.pos_emb(positions)
         if self.drop.p and self.training:
             x = self.drop(x)
-        for i in range(len(self.blocks)):
-            x, _ = self._apply_block(i, x, mask, None if cache is None else cache.layers[i], positions)
-        if cache is not None:
-            cache.advance(n, mask)
-        return self.norm(x)
+        return x
 
     def _packed_trunk(self, ids, mask, cache, positions, cu_seqlens):
         """_trunk on N documents packed in one row (ids (1, T)): every layer keeps them apart and
@@ -222,14 +227,10 @@ class _Transformer(nn.Module):
         packed.boundaries(cu_seqlens, batch=ids.shape[0], length=n)
         if positions is not None:
             check_positions(positions, ids.shape[0], n, ids.device)
-        x = self.tok_emb(ids)
-        if self.pos_emb is not None:
-            pos = packed.positions(cu_seqlens, n, mask).to(ids.device) if positions is None else positions
-            if not torch.compiler.is_compiling() and int(pos.max()) >= self.config.max_len:
-                raise ValueError(f"position {int(pos.max())} is beyond max_len={self.config.max_len}")
-            x = x + self.pos_emb(pos)
-        if self.drop.p and self.training:
-            x = self.drop(x)
+        pos = positions
+        if self.pos_emb is not None and positions is None:
+            pos = packed.positions(cu_seqlens, n, mask).to(ids.device)
+        x = self._embed(ids, pos)
         for i in range(len(self.blocks)):
             x, _ = self._apply_block(i, x, mask, None, positions, cu_seqlens)
         return self.norm(x)

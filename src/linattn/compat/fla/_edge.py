@@ -9,12 +9,18 @@ head h serves value heads h·G … h·G + G − 1, so q and k are repeated G tim
 [N, HV, K, V] as in linattn ((B, H, F, E)); N is the batch, or the number of packed sequences with
 cu_seqlens.
 
-The argument checks here speak FLA's layout, so that an error names the argument and the shape the
-caller passed, not the transposed one the operator would see.
+The edge checks only what is FLA's: the [B, T, H, D] layout (ranks, shapes of the tensors, states
+and per-token gates as the caller passed them), grouped value heads, FLA's own arguments (scale's
+default, the gates' A_log / dt_bias / g_gamma, β's logits, state_v_first, options linattn lacks)
+and what it must know before it converts anything (a state it casts must be floating; K ≥ 1 for
+the default scale; tensors with values). Dtypes, devices and values (β's range, a gate's sign,
+cu_seqlens' contents, chunk sizes) are the operators' to check: their errors come through
+unchanged, with a hint of the layout where they speak of a shape (`layout_hint`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import importlib.util
@@ -24,7 +30,6 @@ import warnings
 
 import torch
 
-from ..._checks import FLOAT_DTYPES, check_floating
 from ...ops.linear.chunked import state_dtype
 
 #: environment switch: "0" keeps every call on linattn's kernels, even on CUDA with `fla` installed
@@ -109,18 +114,15 @@ def beta_in(fn: str, beta, sigmoid: bool, allow_neg_eigval: bool):
     return 2 * beta if allow_neg_eigval else beta
 
 
-def check_qkv(q, k, v, *, mixed: bool = False) -> tuple[int, int]:
-    """q, k: [B, T, H, K] of one shape, v: [B, T, HV, V] with HV a multiple of H, K and V ≥ 1; floating,
-    on one real device (not "meta": the operators compute values). One dtype for all three unless
-    `mixed` (the families that run mixed dtypes as FLA does: `common_dtype`, `fla_output_dtype`).
-    Returns (H, HV)."""
+def check_qkv(q, k, v) -> tuple[int, int]:
+    """FLA's layout: q, k [B, T, H, K] of one shape, v [B, T, HV, V] with HV a multiple of H (grouped value
+    heads), K and V ≥ 1 (the default scale divides by K), tensors with values (not on "meta": the
+    operators read them). Dtypes and devices are the operators' to check. Returns (H, HV)."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor [B, T, H, D], got {type(x).__name__}")
         if x.dim() != 4:
             raise ValueError(f"{name} must have 4 dimensions [B, T, H, D] (FLA's layout), got shape {tuple(x.shape)}")
-        if x.dtype not in FLOAT_DTYPES:
-            raise TypeError(f"{name} must be a floating tensor, got dtype {x.dtype}")
         if x.device.type == "meta":
             raise ValueError(f"{name} is on the meta device: linattn's operators compute values; pass tensors on "
                              "the CPU or a GPU")
@@ -130,11 +132,6 @@ def check_qkv(q, k, v, *, mixed: bool = False) -> tuple[int, int]:
         raise ValueError(f"v must have q's batch and length [B, T] = {tuple(q.shape[:2])}, got {tuple(v.shape[:2])}")
     if q.shape[3] < 1 or v.shape[3] < 1:
         raise ValueError(f"the head dim K must be ≥ 1 (q, k) and V ≥ 1 (v), got K = {q.shape[3]}, V = {v.shape[3]}")
-    for name, x in (("k", k), ("v", v)):
-        if x.dtype != q.dtype and not mixed:
-            raise TypeError(f"{name}.dtype must equal q.dtype ({q.dtype}), got {x.dtype}")
-        if x.device != q.device:
-            raise ValueError(f"{name} must be on q's device ({q.device}), got {x.device}")
     h, hv = q.shape[2], v.shape[2]
     if hv % h:
         raise ValueError(f"v's heads HV = {hv} must be a multiple of q/k's heads H = {h} (grouped value heads)")
@@ -147,6 +144,16 @@ def common_dtype(*items) -> torch.dtype:
     return functools.reduce(torch.promote_types, (x if isinstance(x, torch.dtype) else x.dtype for x in items))
 
 
+def in_common_dtype(q, k, v) -> tuple:
+    """q, k, v of mixed floating dtypes in their promotion (`common_dtype`), as FLA runs them (and as the
+    edge scales q: a TypeError names a non-floating one, which the cast would hide from the operator)."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not x.is_floating_point():
+            raise TypeError(f"{name} must be a floating tensor, got dtype {x.dtype}")
+    cdt = common_dtype(q, k, v)
+    return q.to(cdt), k.to(cdt), v.to(cdt)
+
+
 def fla_output_dtype(q, v, recurrent: bool) -> torch.dtype:
     """The dtype of o where q and v differ, as FLA's kernels write it: its chunk kernels allocate o
     like v (`torch.empty_like(v)`), its fused_recurrent kernels return o in q's dtype."""
@@ -154,14 +161,19 @@ def fla_output_dtype(q, v, recurrent: bool) -> torch.dtype:
 
 
 def check_per_head(name: str, x, q, hv: int, last: int | None = None) -> None:
-    """A per-token tensor of v's heads: [B, T, HV] (last None) or [B, T, HV, last]; floating, on q's
-    device."""
+    """A per-token tensor of v's heads in FLA's layout: [B, T, HV] (last None) or [B, T, HV, last] (its
+    dtype and device are the operator's to check)."""
     shape = (*q.shape[:2], hv) + (() if last is None else (last,))
-    check_floating(name, x, shape, "[B, T, HV]" if last is None else "[B, T, HV, K]", q.device)
+    form = "[B, T, HV]" if last is None else "[B, T, HV, K]"
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of shape {form}, got {type(x).__name__}")
+    if tuple(x.shape) != shape:
+        raise ValueError(f"{name} must have shape {form} = {shape}, got {tuple(x.shape)}")
 
 
 def check_head_vector(name: str, x, q, hv: int) -> None:
-    """A per-head parameter [HV] (g_gamma, A_log, dt_bias): floating, on q's device."""
+    """A per-head parameter [HV] (g_gamma, A_log, dt_bias: FLA's, the operators never see them): floating,
+    on q's device."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor [HV], got {type(x).__name__}")
     if x.numel() != hv or x.dim() != 1:
@@ -170,6 +182,19 @@ def check_head_vector(name: str, x, q, hv: int) -> None:
         raise TypeError(f"{name} must be a floating tensor, got dtype {x.dtype}")
     if x.device != q.device:
         raise ValueError(f"{name} must be on q's device ({q.device}), got {x.device}")
+
+
+@contextlib.contextmanager
+def layout_hint():
+    """Around a call of linattn's operators: an error of theirs that speaks of a shape gets a hint of the
+    layout it speaks in (same type, same message first, the original chained)."""
+    try:
+        yield
+    except (ValueError, TypeError) as exc:
+        if "shape" not in str(exc) and "(B, H" not in str(exc):
+            raise
+        raise type(exc)(f"{exc} (linattn.compat.fla hands linattn's operator your [B, T, H, D] tensors as "
+                        "(B, H, T, D), its (B, H, N, D))") from exc
 
 
 def resolve_scale(scale, k) -> float:
@@ -211,7 +236,7 @@ def state_count(q, cu_seqlens) -> int:
 def state_in(name: str, state, q, n: int, hv: int, k_dim: int, v_dim: int, v_first: bool = False):
     """A recurrent state [N, HV, K, V] ([N, HV, V, K] with v_first) as the operator takes it: (N, HV,
     K, V) in the state dtype (float32; float64 for float64 inputs), a view where the dtype already
-    fits. None stays None."""
+    fits (its device is the operator's to check). None stays None."""
     if state is None:
         return None
     if not isinstance(state, torch.Tensor):
@@ -221,10 +246,8 @@ def state_in(name: str, state, q, n: int, hv: int, k_dim: int, v_dim: int, v_fir
         form = "[N, HV, V, K] (state_v_first)" if v_first else "[N, HV, K, V]"
         raise ValueError(f"{name} must have shape {form} = {want} (N: the batch, or the number of sequences "
                          f"in cu_seqlens), got {tuple(state.shape)}")
-    if not state.is_floating_point():
+    if not state.is_floating_point():  # cast below: an integer state would pass silently
         raise TypeError(f"{name} must be a floating tensor, got dtype {state.dtype}")
-    if state.device != q.device:
-        raise ValueError(f"{name} must be on q's device ({q.device}), got {state.device}")
     state = state.transpose(-1, -2) if v_first else state
     return state.to(state_dtype(q.dtype))
 

@@ -29,6 +29,7 @@ from ._edge import (
     expand_heads,
     hands_over,
     heads_first,
+    layout_hint,
     packed,
     refuse,
     resolve_scale,
@@ -194,15 +195,17 @@ def run_delta(q, k, v, beta, g, *, scale, initial_state, output_final_state: boo
     q, k = expand_heads(q, k, hv)
     args = (heads_first(q), heads_first(k), heads_first(v), heads_first(beta))
     opts = dict(g=heads_first(g), scale=resolve_scale(scale, k), qk_l2norm=l2norm)
+    with layout_hint():
+        if chunk_states:
+            o, S, h = with_chunk_states(*args, S0, cu_seqlens, chunk_size, **opts)
+        elif step and t == 1 and cu_seqlens is None:
+            o, S = delta_rule_step(S0, *args, **opts)
+        else:
+            o, S = delta_rule(*args, initial_state=S0, return_state=True, chunk_size=chunk_size, **opts,
+                              **packed(cu_seqlens))
     if chunk_states:
-        o, S, h = with_chunk_states(*args, S0, cu_seqlens, chunk_size, **opts)
         h = h.transpose(-1, -2) if state_v_first else h
         return heads_first(o), state_out(S, output_final_state, state_v_first), h.to(k.dtype)
-    if step and t == 1 and cu_seqlens is None:
-        o, S = delta_rule_step(S0, *args, **opts)
-    else:
-        o, S = delta_rule(*args, initial_state=S0, return_state=True, chunk_size=chunk_size, **opts,
-                          **packed(cu_seqlens))
     return heads_first(o), state_out(S, output_final_state, state_v_first)
 
 

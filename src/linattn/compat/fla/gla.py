@@ -22,11 +22,12 @@ from ._edge import (
     check_head_vector,
     check_per_head,
     check_qkv,
-    common_dtype,
     expand_heads,
     fla_output_dtype,
     hands_over,
     heads_first,
+    in_common_dtype,
+    layout_hint,
     packed,
     refuse,
     resolve_scale,
@@ -143,9 +144,9 @@ def run_gated(q, k, v, g, g_gamma, *, scale, initial_state, output_final_state: 
     g_gamma [HV] (a fixed decay per head) or None. No gate at all is linear attention without a
     normalizer. q is scaled before the op (so that the fused kernels take it). Mixed dtypes run in
     their promotion; o comes back in FLA's dtype (`fla_output_dtype`; step: the fused_recurrent names)."""
-    _, hv = check_qkv(q, k, v, mixed=True)
-    out_dtype, cdt = fla_output_dtype(q, v, step), common_dtype(q, k, v)
-    q, k, v = q.to(cdt), k.to(cdt), v.to(cdt)
+    _, hv = check_qkv(q, k, v)
+    out_dtype = fla_output_dtype(q, v, step)
+    q, k, v = in_common_dtype(q, k, v)
     if not isinstance(state_v_first, bool):
         raise TypeError(f"state_v_first must be a bool, got {type(state_v_first).__name__}")
     b, t, _, kd = q.shape
@@ -162,12 +163,14 @@ def run_gated(q, k, v, g, g_gamma, *, scale, initial_state, output_final_state: 
     q, k = expand_heads(q, k, hv)
     qs, k, v = heads_first(q * resolve_scale(scale, k)), heads_first(k), heads_first(v)
     chunk = {} if chunk_size is None else {"chunk_size": chunk_size}
-    if g is None:
-        state = None if S0 is None else (S0, S0.new_zeros(S0.shape[:-1]))
-        o, (S, _) = linear_attention(qs, k, v, causal=True, normalize=False, initial_state=state, return_state=True,
-                                     **chunk, **packed(cu_seqlens))
-    elif step and t == 1 and cu_seqlens is None:
-        o, S = gated_linear_attention_step(S0, qs, k, v, g)
-    else:
-        o, S = gated_linear_attention(qs, k, v, g, initial_state=S0, return_state=True, **chunk, **packed(cu_seqlens))
+    with layout_hint():
+        if g is None:
+            state = None if S0 is None else (S0, S0.new_zeros(S0.shape[:-1]))
+            o, (S, _) = linear_attention(qs, k, v, causal=True, normalize=False, initial_state=state,
+                                         return_state=True, **chunk, **packed(cu_seqlens))
+        elif step and t == 1 and cu_seqlens is None:
+            o, S = gated_linear_attention_step(S0, qs, k, v, g)
+        else:
+            o, S = gated_linear_attention(qs, k, v, g, initial_state=S0, return_state=True, **chunk,
+                                          **packed(cu_seqlens))
     return heads_first(o).to(out_dtype), state_out(S, output_final_state, state_v_first)

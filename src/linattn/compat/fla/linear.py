@@ -24,6 +24,8 @@ from ._edge import (
     fla_output_dtype,
     hands_over,
     heads_first,
+    in_common_dtype,
+    layout_hint,
     packed,
     refuse,
     resolve_scale,
@@ -80,13 +82,13 @@ def run_linear(q, k, v, scale, initial_state, output_final_state: bool, normaliz
     """Both names on linattn's operator: checks in FLA's layout, GVA, scale, states in and out. Mixed
     dtypes run in their promotion; o comes back in FLA's dtype (`fla_output_dtype`, promoted with
     q's and k's by the normalizing division, as FLA divides by q·Σk)."""
-    _, hv = check_qkv(q, k, v, mixed=True)
+    _, hv = check_qkv(q, k, v)
     if not isinstance(normalize, bool):
         raise TypeError(f"normalize must be a bool, got {type(normalize).__name__}")
-    out_dtype, cdt = fla_output_dtype(q, v, step), common_dtype(q, k, v)
+    out_dtype = fla_output_dtype(q, v, step)
     if normalize:
         out_dtype = common_dtype(q, k, out_dtype)
-    q, k, v = q.to(cdt), k.to(cdt), v.to(cdt)
+    q, k, v = in_common_dtype(q, k, v)
     if normalize and isinstance(initial_state, (tuple, list)):
         if len(initial_state) != 2:
             raise ValueError(f"initial_state must be the pair (S, z) with normalize=True, got {len(initial_state)} items")
@@ -107,11 +109,13 @@ def run_linear(q, k, v, scale, initial_state, output_final_state: bool, normaliz
         state = (kv0, z0)
     q, k = expand_heads(q, k, hv)
     qs = heads_first(q * resolve_scale(scale, k))
-    if step and q.shape[1] == 1 and cu_seqlens is None:
-        o, (kv, z) = linear_attention_step(state, qs, heads_first(k), heads_first(v), normalize=normalize, eps=EPS)
-    else:
-        o, (kv, z) = linear_attention(qs, heads_first(k), heads_first(v), causal=True, normalize=normalize, eps=EPS,
-                                      initial_state=state, return_state=True, **packed(cu_seqlens))
+    with layout_hint():
+        if step and q.shape[1] == 1 and cu_seqlens is None:
+            o, (kv, z) = linear_attention_step(state, qs, heads_first(k), heads_first(v), normalize=normalize,
+                                               eps=EPS)
+        else:
+            o, (kv, z) = linear_attention(qs, heads_first(k), heads_first(v), causal=True, normalize=normalize,
+                                          eps=EPS, initial_state=state, return_state=True, **packed(cu_seqlens))
     o = heads_first(o).to(out_dtype)
     if normalize:
         return o, (state_out(kv, output_final_state), z.unsqueeze(1))
@@ -123,6 +127,6 @@ def _z_in(z0, q, n: int, hv: int, kd: int):
     if not isinstance(z0, torch.Tensor) or tuple(z0.shape) != (n, 1, hv, kd):
         got = tuple(z0.shape) if isinstance(z0, torch.Tensor) else type(z0).__name__
         raise ValueError(f"initial_state[1] (z) must be a tensor [N, 1, HV, K] = {(n, 1, hv, kd)}, got {got}")
-    if not z0.is_floating_point() or z0.device != q.device:
-        raise TypeError(f"initial_state[1] (z) must be floating and on q's device, got {z0.dtype} on {z0.device}")
+    if not z0.is_floating_point():  # cast below: an integer z would pass silently
+        raise TypeError(f"initial_state[1] (z) must be floating, got {z0.dtype}")
     return z0[:, 0].to(state_dtype(q.dtype))

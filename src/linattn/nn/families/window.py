@@ -10,8 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ...ops.swa import lolcats_attention, lolcats_attention_step, sliding_window_attention
-from ...ops.swa import sliding_window_attention_step
+from ...ops import lolcats_attention, lolcats_attention_step, sliding_window_attention, sliding_window_attention_step
 from ..caches import LigerCache, LoLCATsCache, SlidingWindowCache
 from .gated import GATED
 from .record import Family, mean_of

@@ -18,6 +18,9 @@
 
 #include <cfloat>
 #include <cmath>
+#include <map>
+#include <memory>
+#include <string>
 #include <vector>
 
 #include "model_ops.h"
@@ -541,5 +544,26 @@ class SoftmaxMixOp : public AttentionMixOp {
   at::Tensor mask_;
   float scale_;
 };
+
+// ----------------------------------------------------------------------------------------------
+// The mixers by name: the plan's op of that name (linattn.models.kinds.FUSED_MIXERS, a kind's `fused`)
+// is built by this table. A new fused mixer is its class above and one entry here.
+
+using MixerFactory = std::unique_ptr<Op> (*)(const Args&, bool bf16);
+
+template <class Mixer>
+std::unique_ptr<Op> make_mixer(const Args& a, bool bf16) {
+  return std::make_unique<Mixer>(a, bf16);
+}
+
+inline const std::map<std::string, MixerFactory>& mixer_table() {
+  static const std::map<std::string, MixerFactory> table = {
+      {"linear", make_mixer<LinearMixOp>},
+      {"gated", make_mixer<GatedMixOp>},
+      {"delta", make_mixer<DeltaMixOp>},
+      {"softmax", make_mixer<SoftmaxMixOp>},
+  };
+  return table;
+}
 
 }  // namespace

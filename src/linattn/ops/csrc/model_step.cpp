@@ -34,19 +34,15 @@ namespace {
 
 class DecodePlan : public torch::CustomClassHolder {
  public:
-  // positions: (B,) int64, the position of the token each row decodes next; counters: (1,) int64, the
-  // tokens fed so far (pads included). Both advance after every step.
-  DecodePlan(int64_t batch, bool bf16, at::Tensor positions, at::Tensor counters)
-      : batch_(batch), bf16_(bf16), positions_(std::move(positions)), counters_(std::move(counters)) {
+  // The plan holds no position of its own: each step is given the positions of the tokens it decodes
+  // and the tokens fed so far, which the caller's cache counts (linattn.models.decoding).
+  DecodePlan(int64_t batch, bool bf16) : batch_(batch), bf16_(bf16) {
     TORCH_CHECK(batch > 0, "linattn_cpu::DecodePlan: batch must be positive");
-    TORCH_CHECK(positions_.scalar_type() == at::kLong && positions_.is_contiguous() && positions_.numel() == batch &&
-                    counters_.scalar_type() == at::kLong && counters_.numel() == 1,
-                "linattn_cpu::DecodePlan: positions must be (B,) and counters (1,) int64 tensors");
   }
 
   // Appends an op: kind "rope", "embed", "group" (a new group of products of one input), "product"
-  // (one more product of the last group), "linear", "gated", "delta" or "softmax" (attention), with
-  // its named tensors, ints and floats (see linattn.decoding).
+  // (one more product of the last group), or a mixer of `mixer_table()` (model_mixers.h: "linear",
+  // "gated", "delta", "softmax"), with its named tensors, ints and floats (see linattn.models.decoding).
   void add(const std::string& kind, c10::Dict<std::string, at::Tensor> t, c10::Dict<std::string, int64_t> i,
            c10::Dict<std::string, double> f) {
     Args a{std::move(t), std::move(i), std::move(f)};
@@ -56,43 +52,44 @@ class DecodePlan : public torch::CustomClassHolder {
       group_->add(a);
       return;
     }
-    std::unique_ptr<Op> op;
     group_ = nullptr;
-    if (kind == "rope") {
-      op = std::make_unique<RopeTableOp>(a);
-    } else if (kind == "embed") {
-      op = std::make_unique<EmbedOp>(a);
-    } else if (kind == "group") {
+    if (kind == "group") {
       auto g = std::make_unique<MatvecGroupOp>(a, bf16_);
       group_ = g.get();
-      op = std::move(g);
-    } else if (kind == "linear") {
-      op = std::make_unique<LinearMixOp>(a, bf16_);
-    } else if (kind == "gated") {
-      op = std::make_unique<GatedMixOp>(a, bf16_);
-    } else if (kind == "delta") {
-      op = std::make_unique<DeltaMixOp>(a, bf16_);
-    } else if (kind == "softmax") {
-      op = std::make_unique<SoftmaxMixOp>(a, bf16_);
+      ops_.push_back(std::move(g));
+    } else if (kind == "rope") {
+      ops_.push_back(std::make_unique<RopeTableOp>(a));
+    } else if (kind == "embed") {
+      ops_.push_back(std::make_unique<EmbedOp>(a));
     } else {
-      TORCH_CHECK(false, "linattn_cpu::DecodePlan: unknown op '", kind, "'");
+      const auto& mixers = mixer_table();
+      const auto found = mixers.find(kind);
+      TORCH_CHECK(found != mixers.end(), "linattn_cpu::DecodePlan: unknown op '", kind, "'");
+      ops_.push_back(found->second(a, bf16_));
     }
-    ops_.push_back(std::move(op));
   }
 
-  // One token per row: ids (B,) int64. Writes the logits buffer of the last group, advances the
-  // caches in place and the positions and counters by one.
-  void step(const at::Tensor& ids) {
+  // The names of the fused mixers (model_mixers.h's table)
+  static std::vector<std::string> mixers() {
+    std::vector<std::string> names;
+    for (const auto& entry : mixer_table()) names.push_back(entry.first);
+    return names;
+  }
+
+  // One token per row: ids (B,) int64, positions (B,) int64 (each row's position of its token),
+  // length: the tokens fed so far (pads included; the KV caches' write index). Writes the logits
+  // buffer of the last group and advances the caches' tensors in place; the positions are the caller's.
+  void step(const at::Tensor& ids, const at::Tensor& positions, int64_t length) {
     TORCH_CHECK(ids.scalar_type() == at::kLong && ids.is_contiguous() && ids.numel() == batch_,
                 "linattn_cpu::DecodePlan: ids must be a contiguous (B,) int64 tensor");
-    execute(ids.data_ptr<int64_t>(), false);
-    int64_t* pos = positions_.data_ptr<int64_t>();
-    for (int64_t b = 0; b < batch_; ++b) ++pos[b];
-    ++counters_.data_ptr<int64_t>()[0];
+    TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() && positions.numel() == batch_,
+                "linattn_cpu::DecodePlan: positions must be a contiguous (B,) int64 tensor");
+    TORCH_CHECK(length >= 0, "linattn_cpu::DecodePlan: length must be >= 0");
+    execute(StepInfo{batch_, ids.data_ptr<int64_t>(), positions.data_ptr<int64_t>(), length}, false);
   }
 
   // Every product of the plan once (same threads and column shares as a step), nothing else
-  void stream() { execute(nullptr, true); }
+  void stream() { execute(StepInfo{batch_, nullptr, nullptr, 0}, true); }
 
   // Bytes of the weights the products read
   int64_t weight_bytes() const {
@@ -106,8 +103,7 @@ class DecodePlan : public torch::CustomClassHolder {
   }
 
  private:
-  void execute(const int64_t* ids, bool weights_only) {
-    const StepInfo info{batch_, ids, positions_.data_ptr<int64_t>(), counters_.data_ptr<int64_t>()[0]};
+  void execute(const StepInfo& info, bool weights_only) {
     size_t need = 16;
     for (const auto& op : ops_) {
       if (!weights_only) op->check(info);
@@ -156,7 +152,6 @@ class DecodePlan : public torch::CustomClassHolder {
 
   int64_t batch_;
   bool bf16_;
-  at::Tensor positions_, counters_;
   std::vector<std::unique_ptr<Op>> ops_;
   MatvecGroupOp* group_ = nullptr;
   std::vector<Scratch> scratch_;
@@ -166,7 +161,8 @@ class DecodePlan : public torch::CustomClassHolder {
 
 TORCH_LIBRARY_FRAGMENT(linattn_cpu, m) {
   m.class_<DecodePlan>("DecodePlan")
-      .def(torch::init<int64_t, bool, at::Tensor, at::Tensor>())
+      .def(torch::init<int64_t, bool>())
+      .def_static("mixers", &DecodePlan::mixers)
       .def("add", &DecodePlan::add)
       .def("step", &DecodePlan::step)
       .def("stream", &DecodePlan::stream)

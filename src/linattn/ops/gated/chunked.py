@@ -269,12 +269,7 @@ class ChunkedGatedLinearAttention(torch.autograd.Function):
                         den = terms.A.sum(-1, keepdim=True, dtype=sdt)
                         den += torch.bmm(terms.Qe.to(sdt), z_before.unsqueeze(-1)).add_(eps)
                         dens.append(den)
-                        if U.data_ptr() == o_blk.data_ptr():
-                            U.div_(den)
-                        else:
-                            torch.div(U.view(b, h, t - s, e), den.view(b, h, t - s, 1), out=o_blk)
-                    else:
-                        store_block(o_blk, U)
+                    store_block(o_blk, U, den if normalize else None)
         kv = S.reshape(b, h, feat, e)
         z_out = z.reshape(b, h, feat) if normalize else None
         ctx.featurize, ctx.normalize, ctx.segments, ctx.exact = featurize, normalize, segments, exact

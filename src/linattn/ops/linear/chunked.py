@@ -158,10 +158,17 @@ def block_target(dst: torch.Tensor, c: int, dtype: torch.dtype) -> torch.Tensor:
     return torch.empty(dst.numel() // w, w, dtype=dtype, device=dst.device).view(-1, c, w)
 
 
-def store_block(dst: torch.Tensor, buf: torch.Tensor) -> None:
-    """Copies a `block_target` buffer into dst unless it is dst's memory."""
-    if buf.data_ptr() != dst.data_ptr():
-        dst.copy_(buf.view(dst.shape))
+def store_block(dst: torch.Tensor, buf: torch.Tensor, den: torch.Tensor | None = None) -> None:
+    """Copies a `block_target` buffer into dst (B, H, m, E) unless it is dst's memory; with `den`
+    (B·H·m/c, c, 1), the buffer divided by it (in place when it is dst's memory)."""
+    if den is None:
+        if buf.data_ptr() != dst.data_ptr():
+            dst.copy_(buf.view(dst.shape))
+    elif buf.data_ptr() == dst.data_ptr():
+        buf.div_(den)
+    else:
+        b, h, m, e = dst.shape
+        torch.div(buf.view(b, h, m, e), den.view(b, h, m, 1), out=dst)
 
 
 def output_grads(do_blk, o_blk, den, c: int, cdt, sdt, exact: bool):
@@ -260,12 +267,7 @@ class ChunkedCausalLinearAttention(torch.autograd.Function):
                     Ad = A if qd is None else torch.bmm(Qd, Kd.mT).tril_()
                     den = _denominator(Ad, Qd, z_before, eps)
                     dens.append(den)
-                    if U.data_ptr() == o_blk.data_ptr():
-                        U.div_(den)
-                    else:
-                        torch.div(U.view(b, h, t - s, e), den.view(b, h, t - s, 1), out=o_blk)
-                else:
-                    store_block(o_blk, U)
+                store_block(o_blk, U, den if normalize else None)
                 if i == len(blocks) - 1 and featurize.local_grad:
                     # the backward starts with this block: keep its tensors (bounded by the block size)
                     last = (Q, K, V, Qd, Kd, S_before, z_before, A)

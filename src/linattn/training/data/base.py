@@ -18,6 +18,14 @@ __all__ = ["ClassificationBatch", "IGNORE_INDEX", "TaskBatch", "mix_seed"]
 # ----------------------------------------------------------------------------------------------
 
 
+def check_lengths(min_len, max_len, *, max_len_minimum: int = 1) -> None:
+    """A task's range of lengths: ints min_len >= 1, max_len >= max_len_minimum, min_len <= max_len."""
+    check_int("min_len", min_len, minimum=1)
+    check_int("max_len", max_len, minimum=max_len_minimum)
+    if min_len > max_len:
+        raise ValueError(f"min_len ({min_len}) must be <= max_len ({max_len})")
+
+
 def _generator(seed: int | None, generator: torch.Generator | None) -> torch.Generator | None:
     """The generator to draw from: ``generator`` as is, a fresh one seeded with ``seed``, or
     ``None`` (torch's global RNG) when neither is given."""

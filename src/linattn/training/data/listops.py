@@ -8,7 +8,7 @@ import random
 import torch
 
 from ..._checks import check_int
-from .base import ClassificationBatch, _generator
+from .base import ClassificationBatch, _generator, check_lengths
 
 __all__ = ["LISTOPS_CLS", "LISTOPS_OPERATORS", "LISTOPS_PAD", "LISTOPS_TOKENS", "listops_decode", "listops_evaluate",
            "listops_expression", "listops_task"]
@@ -91,10 +91,7 @@ def _listops_sample(rng: random.Random, max_depth: int, max_args: int, min_len: 
 def _listops_check(max_depth: int, max_args: int, min_len: int, max_len: int) -> None:
     check_int("max_depth", max_depth, minimum=2)
     check_int("max_args", max_args, minimum=2)
-    check_int("min_len", min_len, minimum=1)
-    check_int("max_len", max_len, minimum=4)
-    if min_len > max_len:
-        raise ValueError(f"min_len ({min_len}) must be <= max_len ({max_len})")
+    check_lengths(min_len, max_len, max_len_minimum=4)
     longest = _listops_max_length(max_depth, max_args)
     if min_len > longest:
         raise ValueError(

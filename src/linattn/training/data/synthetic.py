@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from ..._checks import check_int
-from .base import IGNORE_INDEX, TaskBatch, _generator
+from .base import IGNORE_INDEX, TaskBatch, _generator, check_lengths
 
 __all__ = ["MQAR_CONFIGS", "copy_task", "mqar_task"]
 
@@ -40,11 +40,8 @@ def copy_task(
     (The paper trains on sequences of up to 128 symbols from 10 with a separator.)
     """
     check_int("n", n, minimum=1)
-    check_int("max_len", max_len, minimum=1)
     check_int("n_symbols", n_symbols, minimum=1)
-    check_int("min_len", min_len, minimum=1)
-    if min_len > max_len:
-        raise ValueError(f"min_len ({min_len}) must be <= max_len ({max_len})")
+    check_lengths(min_len, max_len)
     g = _generator(seed, generator)
     pad, sep = 0, n_symbols + 1
     lengths = torch.randint(min_len, max_len + 1, (n, 1), generator=g)
