@@ -8,7 +8,10 @@ One training step (loss, backward, AdamW) of `linattn train`'s default byte mode
 document, on the same B random windows of T + 1 bytes each way:
 
   packed    the windows as they are: B·T real tokens, documents kept apart by cu_seqlens
-            (linattn.training.packing, what `linattn train` does for the byte corpus)
+            (linattn.training.packing, what `linattn train` does for the byte corpus); where the
+            mixer takes the fused CPU kernels, one kernel call per layer for the whole packed row
+  per-length  the same packed rows with linattn.ops.packed.IN_KERNELS off: one operator call per
+            distinct sequence length (how packed rows ran before the kernels took cu_seqlens)
   padded    one document per row, as a trainer without packing feeds them: B rows that begin at
             random document starts, each cut at the end of its document, the rest padding (a
             key-padding mask; the loss skips it)
@@ -32,16 +35,17 @@ import torch.utils.benchmark as tb
 
 from linattn.training import data as D
 from linattn.models import LinearTransformerLM, ModelConfig
-from linattn.ops import native
+from linattn.ops import native, packed as packed_ops
 from linattn.training import packing as P
 from linattn.training.tasks import LMTask
 
 
-def _step_fn(model, opt, batch, mask=None, cu=None):
+def _step_fn(model, opt, batch, mask=None, cu=None, in_kernels=True):
     task = LMTask(batch_size=1, seed=0)
     n_scored = max(1, int((batch.targets != D.IGNORE_INDEX).sum()))
 
     def step():
+        packed_ops.IN_KERNELS = in_kernels
         opt.zero_grad(set_to_none=True)
         if cu is not None:
             loss, _ = task.loss_stats(model, batch)
@@ -72,20 +76,25 @@ def run(kind: str, seq_len: int, batch_size: int, rounds: int, min_run_time: flo
     model = LinearTransformerLM(config)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     fns = {"packed": _step_fn(model, opt, packed, cu=packed.cu_seqlens()),
+           "per-length": _step_fn(model, opt, packed, cu=packed.cu_seqlens(), in_kernels=False),
            "padded": _step_fn(model, opt, padded, mask=mask),
            "leaky": _step_fn(model, opt, leaky)}
-    real = {"packed": packed.inputs.numel(), "padded": int(mask.sum()), "leaky": leaky.inputs.numel()}
+    real = {"packed": packed.inputs.numel(), "per-length": packed.inputs.numel(), "padded": int(mask.sum()),
+            "leaky": leaky.inputs.numel()}
     for fn in fns.values():  # warm-up (and the fused kernels' first use)
         fn()
     times: dict[str, list[float]] = {m: [] for m in fns}
     for _ in range(rounds):
         for mode, fn in fns.items():
             times[mode].append(tb.Timer("f()", globals={"f": fn}).blocked_autorange(min_run_time=min_run_time).median)
+    packed_ops.IN_KERNELS = True
     ratios = [(real["packed"] / tp) / (real["padded"] / td) for tp, td in zip(times["packed"], times["padded"])]
+    old = [(real["per-length"] / tp) / (real["padded"] / td) for tp, td in zip(times["per-length"], times["padded"])]
     return {"kind": kind, "T": seq_len, "B": batch_size, "docs": int(packed.starts.sum()),
             "padding": 1 - real["padded"] / (batch_size * seq_len),
             **{f"{m}_tok_s": real[m] / statistics.median(t) for m, t in times.items()},
-            "ratio": statistics.median(ratios), "ratio_lo": min(ratios), "ratio_hi": max(ratios)}
+            "ratio": statistics.median(ratios), "ratio_lo": min(ratios), "ratio_hi": max(ratios),
+            "per_length_ratio": statistics.median(old), "per_length_lo": min(old), "per_length_hi": max(old)}
 
 
 def main(argv=None) -> None:
@@ -102,14 +111,15 @@ def main(argv=None) -> None:
     corpus = D.Corpus.load()
     print(f"{corpus.describe()}\nthreads {args.threads}, fused kernels {native.available()}, "
           f"torch {torch.__version__}")
-    print(f"{'kind':<15}{'T':>6}{'B':>4}{'docs':>6}{'padding':>9}{'packed tok/s':>14}{'padded tok/s':>14}"
-          f"{'leaky tok/s':>13}{'packed/padded':>22}")
+    print(f"{'kind':<15}{'T':>6}{'B':>4}{'docs':>6}{'padding':>9}{'packed tok/s':>14}{'per-length':>12}"
+          f"{'padded tok/s':>14}{'leaky tok/s':>13}{'packed/padded':>22}{'per-length/padded':>24}")
     for kind in args.kinds.split(","):
         for seq_len in args.seq_len:
             r = run(kind, seq_len, args.batch_size, args.rounds, args.min_run_time, corpus, args.cross)
             print(f"{r['kind']:<15}{r['T']:>6}{r['B']:>4}{r['docs']:>6}{r['padding']:>8.1%}{r['packed_tok_s']:>14,.0f}"
-                  f"{r['padded_tok_s']:>14,.0f}{r['leaky_tok_s']:>13,.0f}"
-                  f"{r['ratio']:>9.2f}× ({r['ratio_lo']:.2f}–{r['ratio_hi']:.2f})", flush=True)
+                  f"{r['per-length_tok_s']:>12,.0f}{r['padded_tok_s']:>14,.0f}{r['leaky_tok_s']:>13,.0f}"
+                  f"{r['ratio']:>9.2f}× ({r['ratio_lo']:.2f}–{r['ratio_hi']:.2f})"
+                  f"{r['per_length_ratio']:>11.2f}× ({r['per_length_lo']:.2f}–{r['per_length_hi']:.2f})", flush=True)
 
 
 if __name__ == "__main__":

@@ -7,8 +7,11 @@ mask: forward + backward time, ratios side by side in one run.
 Shapes: B = 1, H = 8, D = E = 64, fp32, causal. Methods, each `o = f(q, k, v); o.sum().backward()`:
 
     linear     linattn.linear_attention (elu+1, chunk 64; the fused CPU kernels where built)
-    swa        linattn.ops.swa.sliding_window_attention, chunk 64 (CPU: torch's flash kernel on blocks)
-    swa-c32    the same with query blocks of 32 (span 96 keys instead of 128); swa-c16: of 16 (span 80)
+    swa        linattn.ops.swa.sliding_window_attention, its default block (CPU fp32: linattn's kernels,
+               csrc/swa.cpp, with query blocks of 16 for W ≤ 64, 32 above: ops.swa.cpu.native_chunk)
+    swa-c64    the same with query blocks of 64 (span 127 keys at W = 64); swa-c32: of 32 (span 95),
+               swa-c16: of 16 (span 79)
+    swa-flash  the CPU path before linattn's kernels: torch's flash kernel on padded spans (chunk 64)
     swa-torch  the torch-op path (the Function of linattn.ops.swa.chunked, other devices' path)
     sdpa-band  torch's scaled_dot_product_attention with an N×N additive band mask (the quadratic way;
                skipped where the mask would pass --max-mask-mib)
@@ -31,9 +34,9 @@ import torch.nn.functional as F
 import torch.utils.benchmark as tb
 
 import linattn
-from linattn.ops.swa import chunked, sliding_window_attention
+from linattn.ops.swa import chunked, cpu, sliding_window_attention
 
-METHODS = ("linear", "swa", "swa-c32", "swa-c16", "swa-torch", "sdpa-band")
+METHODS = ("linear", "swa", "swa-c64", "swa-c32", "swa-c16", "swa-flash", "swa-torch", "sdpa-band")
 
 
 def band_bias(n: int, window: int) -> torch.Tensor:
@@ -42,21 +45,24 @@ def band_bias(n: int, window: int) -> torch.Tensor:
 
 
 def step_fn(method: str, q, k, v, window: int, bias):
-    def swa(chunk: int, fused: bool):
+    def swa(chunk: int | None, fused: bool, own: bool = True):
         def run():
             old, chunked.FUSED_CPU = chunked.FUSED_CPU, fused
+            old_own, cpu.NATIVE = cpu.NATIVE, own
             try:
                 sliding_window_attention(q, k, v, window=window, chunk_size=chunk).sum().backward()
             finally:
-                chunked.FUSED_CPU = old
+                chunked.FUSED_CPU, cpu.NATIVE = old, old_own
         return run
 
     if method == "linear":
         return lambda: linattn.linear_attention(q, k, v, causal=True).sum().backward()
     if method == "swa":
-        return swa(64, True)
-    if method in ("swa-c32", "swa-c16"):
+        return swa(None, True)
+    if method in ("swa-c64", "swa-c32", "swa-c16"):
         return swa(int(method[5:]), True)
+    if method == "swa-flash":
+        return swa(64, True, own=False)
     if method == "swa-torch":
         return swa(64, False)
     return lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=bias).sum().backward()

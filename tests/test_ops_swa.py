@@ -25,12 +25,14 @@ def _one_thread(one_thread):
     yield
 
 
-@pytest.fixture(params=["fused", "torch"])
+@pytest.fixture(params=["native", "fused", "torch"])
 def swa_path(request, monkeypatch):
-    """Runs a test on each CPU path: torch's fused flash kernel on blocks (linattn.ops.swa.cpu) and
-    the torch-op Function (linattn.ops.swa.chunked, the path of other devices); fused, with a few
-    query blocks per kernel call so that the calls' seams are crossed."""
-    monkeypatch.setattr(chunked, "FUSED_CPU", request.param == "fused")
+    """Runs a test on each CPU path: linattn's kernels (csrc/swa.cpp; fp32/fp64 without a key mask,
+    else the flash path), torch's fused flash kernel on blocks (linattn.ops.swa.cpu) and the torch-op
+    Function (linattn.ops.swa.chunked, the path of other devices); fused, with a few query blocks per
+    kernel call so that the calls' seams are crossed."""
+    monkeypatch.setattr(chunked, "FUSED_CPU", request.param != "torch")
+    monkeypatch.setattr(cpu, "NATIVE", request.param == "native")
     monkeypatch.setattr(cpu, "GROUP_TOKENS", 24)
     return request.param
 
@@ -115,7 +117,8 @@ def test_swa_saves_no_score_matrix(swa_path):
     q, k, v = qkv(1, 1, n, d, dtype=torch.float32)
     out = sliding_window_attention(q, k, v, window=w, chunk_size=c)
     saved = sum(t.numel() for t in out.grad_fn.saved_tensors)
-    fn = cpu.FusedSlidingWindowAttention if swa_path == "fused" else chunked.SlidingWindowAttentionFunction
+    fn = {"native": cpu.NativeSlidingWindowAttention, "fused": cpu.FusedSlidingWindowAttention,
+          "torch": chunked.SlidingWindowAttentionFunction}[swa_path]
     assert isinstance(out.grad_fn, fn._backward_cls)
     assert saved <= 5 * (n + 2 * c) * d + (n * 2 * c if swa_path == "fused" else 0) < n * n // 4
 

@@ -19,7 +19,9 @@ fwd+bwd is counted as 3× forward.
         inverse; KDA's per-channel decays rescale k and q elementwise, its sub-chunked products cost
         what the dense ones do)
     sliding window, window W, query blocks of C    2·N·S·(K + V),  S = (⌈(W − 1)/C⌉ + 1)·C
-        (each block of C queries against its span of S keys, as linattn.ops.swa runs it)
+        (each block of C queries against its span of S keys, as linattn.ops.swa's flash and torch-op
+        paths run it; linattn's CPU kernels, fp32, read C + W − 1 keys: 127 of the 128 counted at
+        W = C = 64)
     softmax, causal (SDPA)    N²·(K + V)   (the half of QKᵀ and PV under the diagonal)
 """
 
@@ -113,7 +115,7 @@ def families(cfg: RooflineConfig) -> dict:
                            "scalar", True, dlt),
         "KDA": (lambda q, k, v, g, beta: kda(q, k, v, beta, g, qk_l2norm=True, chunk_size=c), "channel", True, dlt),
         f"sliding window (W={cfg.window})": (
-            lambda q, k, v: sliding_window_attention(q, k, v, window=cfg.window), None, False,
+            lambda q, k, v: sliding_window_attention(q, k, v, window=cfg.window, chunk_size=c), None, False,
             bh * window_flops(cfg.n, cfg.key_dim, cfg.value_dim, c, cfg.window)),
         "softmax (SDPA)": (lambda q, k, v: softmax_attention(q, k, v, causal=True), None, False,
                            bh * softmax_flops(cfg.n, cfg.key_dim, cfg.value_dim)),

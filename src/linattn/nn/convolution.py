@@ -100,49 +100,51 @@ class ShortConvolution(nn.Module):
         return y, xp[:, xp.shape[1] - (k - 1):].clone()  # a copy: the cache must not keep xp alive
 
     def _packed(self, x, mask, tail, return_tail: bool, cu_seqlens):
-        """forward on N packed sequences. Without tails: the convolution of the whole row, then the
-        first K−1 tokens of every sequence (whose taps reached into the sequence before) replaced by
-        their sums with zeros before the sequence (chosen with `where`; the replaced values get no
-        gradient, so a NaN in one sequence reaches no other); the sums are the ones of separate
-        calls, bit for bit. With a tail or return_tail: sequence by sequence."""
+        """forward on N packed sequences, in one pass whatever N: the convolution of the whole row, then
+        the first K−1 tokens of every sequence (whose taps reached into the sequence before) replaced by
+        their sums over the sequence's own inputs and, before its first token, its tail (zeros without
+        one): each tap is gathered from a source that holds the tails and the row, so nothing of another
+        sequence is read, and the replaced values get no gradient (a NaN in one sequence reaches no
+        other). tail' (return_tail) is each sequence's last K−1 inputs, gathered from the same source
+        (for a sequence shorter than K−1, the end of its tail, then its inputs). The sums are the ones
+        of separate calls, bit for bit."""
         bounds = packed.boundaries(cu_seqlens, batch=x.shape[0], length=x.shape[1])
-        k = self.kernel_size
-        if tail is not None or return_tail:
-            if tail is not None and tuple(tail.shape) != (len(bounds), k - 1, self.channels):
-                raise ValueError(f"tail must have shape (N, K−1, C) = {(len(bounds), k - 1, self.channels)} with "
-                                 f"cu_seqlens, got {tuple(tail.shape)}")
-            ys, tails = [], []
-            for i, (s, e) in enumerate(bounds):
-                t_i = None if tail is None else tail[i:i + 1]
-                if e == s:
-                    tails.append(self.new_tail(1, dtype=x.dtype, device=x.device) if t_i is None else t_i.to(x.dtype))
-                    continue
-                y_i, t_i = self.forward(x[:, s:e], None if mask is None else mask[:, s:e], t_i, True)
-                ys.append(y_i)
-                tails.append(t_i)
-            y = torch.cat(ys, 1) if ys else x.new_zeros(x.shape)
-            return (y, torch.cat(tails, 0)) if return_tail else y
+        k, count, n = self.kernel_size, len(bounds), x.shape[1]
+        if tail is not None and tuple(tail.shape) != (count, k - 1, self.channels):
+            raise ValueError(f"tail must have shape (N, K−1, C) = {(count, k - 1, self.channels)} with "
+                             f"cu_seqlens, got {tuple(tail.shape)}")
         if mask is not None:
             x = x.masked_fill(~mask[..., None], 0.0)
-        n = x.shape[1]
-        xp = F.pad(x, (0, 0, k - 1, 0))
         w = self.weight if self.weight.dtype == x.dtype else self.weight.to(x.dtype)
-        y = xp[:, :n] * w[:, 0]
-        for j in range(1, k):
-            y = torch.addcmul(y, xp[:, j:j + n], w[:, j])
-        pos = packed.positions(cu_seqlens, n).to(x.device)  # index of each token in its sequence
+        y = depthwise_causal(F.pad(x, (0, 0, k - 1, 0)), w, n)
+        # the source of every tap: the N tails (N·(K−1) rows, zeros without them), then the row's T inputs;
+        # extended index m of sequence s (its tail, then its tokens) is row s·(K−1) + m of the tails for
+        # m < K−1, else row N·(K−1) + start_s + m − (K−1)
+        tails = x.new_zeros(count * (k - 1), self.channels) if tail is None else tail.to(x.dtype).reshape(-1, self.channels)
+        src = torch.cat((tails, x[0]), 0)
+        device = x.device
+        starts = torch.tensor([s for s, _ in bounds], dtype=torch.long, device=device)
+        lengths = torch.tensor([e - s for s, e in bounds], dtype=torch.long, device=device)
+
+        def rows(seq, m):  # source rows of the extended indices m (…) of the sequences seq (…)
+            return torch.where(m < k - 1, seq * (k - 1) + m, count * (k - 1) + starts[seq] + m - (k - 1))
+
+        pos = packed.positions(cu_seqlens, n).to(device)  # index of each token in its sequence
         fix = (pos < k - 1).nonzero().reshape(-1)  # the tokens whose taps reach before their sequence
-        if k > 1 and fix.numel():  # their sums again, taps before the sequence reading zeros
-            taps = xp[:, fix[:, None] + torch.arange(k, device=x.device)]  # (1, M, K, C)
-            inside = (k - 1 - torch.arange(k, device=x.device))[None, :] <= pos[fix][:, None]
-            taps = torch.where(inside[None, :, :, None], taps, x.new_zeros(()))
-            y_fix = taps[:, :, 0] * w[:, 0]
+        if k > 1 and fix.numel():  # their sums again, over the sequence's tail and inputs
+            seq = packed.sequence_ids(cu_seqlens, n).to(device)[fix]
+            taps = src[rows(seq[:, None], pos[fix][:, None] + torch.arange(k, device=device))]  # (M, K, C)
+            y_fix = taps[:, 0] * w[:, 0]
             for j in range(1, k):
-                y_fix = torch.addcmul(y_fix, taps[:, :, j], w[:, j])
-            y = y.index_put((torch.zeros_like(fix), fix), y_fix[0])  # replaces (its gradient there is 0)
+                y_fix = torch.addcmul(y_fix, taps[:, j], w[:, j])
+            y = y.index_put((torch.zeros_like(fix), fix), y_fix)  # replaces (its gradient there is 0)
         if self.bias is not None:
             y = y + self.bias.to(x.dtype)
-        return y
+        if not return_tail:
+            return y
+        seq = torch.arange(count, device=device)[:, None]
+        last = lengths[:, None] + torch.arange(k - 1, device=device)  # the last K−1 extended indices
+        return y, src[rows(seq, last)]
 
     def extra_repr(self) -> str:
         return f"channels={self.channels}, kernel_size={self.kernel_size}, bias={self.bias is not None}"

@@ -11,10 +11,12 @@ the rows back. `csrc/gated.cpp` and `csrc/gated_backward.cpp` are the gated form
 (linattn.ops.gated.fused), `csrc/delta.cpp` and `csrc/kda.cpp` the delta family's
 (linattn.ops.delta.fused: chunked forward and backward without a gate or with one decay per head in
 delta.cpp, with one per key channel, KDA's, in kda.cpp; the one-token step of every gate form in
-delta.cpp). The files
+delta.cpp), `csrc/swa.cpp` sliding-window attention's (linattn.ops.swa.cpu). The files
 share headers: `csrc/common.h` (φ, bf16 conversions, work buffers, the ISA clones), `csrc/blas.h`
 (torch's BLAS), `csrc/pool.h` (the one pool of result buffers), `csrc/chunked.h` (the pieces of the
-ungated and gated chunk loops), `csrc/delta.h` (those of the delta family's chunk loops).
+ungated and gated chunk loops), `csrc/delta.h` (those of the delta family's chunk loops), `csrc/rows.h`
+(the rows a chunked kernel walks: (batch, head), or with cu_seqlens (sequence, head): packed sequences
+in one call, design §17).
 
 bf16 inputs: the chunked kernels multiply them with MKL's bf16 gemm where the CPU has AMX, else
 widen each block to fp32 in cache and use the fp32 gemm (`bf16_choice`, the rule of
@@ -41,7 +43,7 @@ from pathlib import Path
 
 import torch
 
-from . import precision
+from . import packed, precision
 from .features import kernel_featurizer, native_code
 from .linear.chunked import ChunkedCausalLinearAttention
 from .autodiff import first_order
@@ -50,7 +52,7 @@ from .nonfinite import all_finite
 _CSRC = Path(__file__).with_name("csrc")
 _SOURCES = [str(_CSRC / name)
             for name in ("decode.cpp", "chunked.cpp", "gated.cpp", "gated_backward.cpp", "delta.cpp", "kda.cpp",
-                         "model_step.cpp")]
+                         "model_step.cpp", "swa.cpp")]
 _CFLAGS = ["-O3", "-fopenmp", "-fno-trapping-math"]
 _lock = threading.Lock()
 _state: dict = {"loaded": None, "error": None}
@@ -240,33 +242,36 @@ def chunked_ready(dtype: torch.dtype) -> bool:
     return _state[key]
 
 
-def chunked(q, k, v, state, *, phi: int, normalize: bool, eps: float, chunk: int):
+def chunked(q, k, v, state, *, phi: int, normalize: bool, eps: float, chunk: int, cu_seqlens=None):
     """The causal chunked forward as fused operators: linattn_cpu::chunked alone when no gradient is
     wanted, else through `FusedChunkedCausal` (its backward is linattn_cpu::chunked_backward).
+    cu_seqlens (checked by the caller): packed sequences in one call (batch 1, a state per sequence).
     Returns (o, (kv, z))."""
     kv0, z0 = state
     w = wide(q)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, kv0, z0)):
-        o, kv, z = FusedChunkedCausal.apply(q, k, v, kv0, z0, phi, normalize, eps, chunk, w)
+        o, kv, z = FusedChunkedCausal.apply(q, k, v, kv0, z0, phi, normalize, eps, chunk, w, cu_seqlens)
     else:
-        o, kv, z, *_ = torch.ops.linattn_cpu.chunked.default(q, k, v, kv0, z0, phi, normalize, eps, chunk, False, w)
+        o, kv, z, *_ = torch.ops.linattn_cpu.chunked.default(q, k, v, kv0, z0, phi, normalize, eps, chunk, False, w,
+                                                             cu_seqlens)
     return o, (kv, z)
 
 
 class FusedChunkedCausal(torch.autograd.Function):
-    """apply(q, k, v, kv0, z0, phi, normalize, eps, chunk, wide) -> (o, kv, z), fused forward and backward
-    (wide: bf16 inputs on the fp32 path, `wide`; the backward takes the forward's path).
+    """apply(q, k, v, kv0, z0, phi, normalize, eps, chunk, wide, cu_seqlens) -> (o, kv, z), fused forward and
+    backward (wide: bf16 inputs on the fp32 path, `wide`; the backward takes the forward's path; cu_seqlens:
+    packed sequences, or None).
 
     Saved for the backward: q, k, v, o, the denominators d + ε (B·H·N floats) and the state entering
     every block of 512 tokens (B·H·⌈N/512⌉·F·E floats); the backward recomputes φ and the chunk states
     of one block at a time. Not twice differentiable."""
 
     @staticmethod
-    def forward(ctx, q, k, v, kv0, z0, phi, normalize, eps, chunk, wide):
+    def forward(ctx, q, k, v, kv0, z0, phi, normalize, eps, chunk, wide, cu_seqlens=None):
         o, kv, z, den, S_blocks, z_blocks = torch.ops.linattn_cpu.chunked.default(q, k, v, kv0, z0, phi, normalize,
-                                                                                 eps, chunk, True, wide)
+                                                                                 eps, chunk, True, wide, cu_seqlens)
         ctx.save_for_backward(q, k, v, o, den, S_blocks, z_blocks, kv0, z0)
-        ctx.phi, ctx.normalize, ctx.eps, ctx.chunk, ctx.wide = phi, normalize, eps, chunk, wide
+        ctx.phi, ctx.normalize, ctx.eps, ctx.chunk, ctx.wide, ctx.cu = phi, normalize, eps, chunk, wide, cu_seqlens
         ctx.set_materialize_grads(False)  # unused outputs get None, not zero tensors
         return o, kv, z
 
@@ -277,22 +282,38 @@ class FusedChunkedCausal(torch.autograd.Function):
         q, k, v, o, den, S_blocks, z_blocks, kv0, z0 = ctx.saved_tensors
         dq, dk, dv, dkv0, dz0 = torch.ops.linattn_cpu.chunked_backward.default(
             q, k, v, o, torch.zeros_like(o) if do is None else do, den, S_blocks, z_blocks, dkv, dz, ctx.phi,
-            ctx.normalize, ctx.chunk, ctx.wide)
+            ctx.normalize, ctx.chunk, ctx.wide, ctx.cu)
         if not all_finite(dkv0, dz0):  # a NaN or Inf among the factors: the torch ops' exact pass
             dq, dk, dv, dkv0, dz0 = _exact_backward(ctx, (q, k, v, kv0, z0), (do, dkv, dz))
-        return dq, dk, dv, dkv0.to(kv0.dtype), dz0.to(z0.dtype), None, None, None, None, None
+        return dq, dk, dv, dkv0.to(kv0.dtype), dz0.to(z0.dtype), None, None, None, None, None, None
 
 
 def _exact_backward(ctx, inputs, grads):
     """Gradients of (q, k, v, kv0, z0) from the torch-op chunked Function's exact pass (run again
-    here), for a backward whose products met a NaN or Inf (linattn.ops.linear.chunked)."""
+    here; sequence by sequence when packed), for a backward whose products met a NaN or Inf
+    (linattn.ops.linear.chunked)."""
     fz = kernel_featurizer(ctx.phi)
+
+    def exact(*xs):
+        return ChunkedCausalLinearAttention.apply(fz, ctx.chunk, ctx.normalize, ctx.eps, True, *xs)
+
     with torch.enable_grad():
         xs = [x.detach().requires_grad_() for x in inputs]
-        outs = ChunkedCausalLinearAttention.apply(fz, ctx.chunk, ctx.normalize, ctx.eps, True, *xs)
+        outs = exact(*xs) if ctx.cu is None else packed_exact(exact, ctx.cu, xs[:3], xs[3:])
         used = [(out, g) for out, g in zip(outs, grads) if g is not None]
         res = torch.autograd.grad([u[0] for u in used], xs, [u[1] for u in used], allow_unused=True)
     return [torch.zeros_like(x) if r is None else r for x, r in zip(xs, res)]
+
+
+def packed_exact(exact, cu_seqlens, tokens, states):
+    """exact(*tokens, *states) -> (o, *final states), an unpacked torch-op Function, run on the packed
+    sequences of cu_seqlens one length at a time (linattn.ops.packed.per_sequence); returns (o, *final
+    states) of the whole packed row, as the fused kernel given cu_seqlens does."""
+    q = tokens[0]
+    bounds = packed.boundaries(cu_seqlens, batch=q.shape[0], length=q.shape[2])
+    e = tokens[2].shape[-1]
+    o, final = packed.per_sequence(exact, bounds, tokens, states, lambda: q.new_zeros(1, q.shape[1], 0, e))
+    return (o, *final)
 
 
 def release_pool() -> int:

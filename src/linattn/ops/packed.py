@@ -6,16 +6,21 @@ one row (batch 1), described by `cu_seqlens`, the LongTensor [N+1] of cumulative
 
 Every recurrent state starts afresh (or from initial_state[n]) at cu_seqlens[n]; the final states
 come back one per sequence, stacked on a leading dim N where the unpacked operators have B.
-Nothing crosses a boundary: `run` evaluates each sequence by itself — its tokens are sliced out of
-the row and given to the unpacked operator, sequences of equal length stacked as the rows of one
-batch (which the operators keep apart row by row) — so a chunk never holds two sequences and a NaN
-in one cannot reach another. Sequences of length 0 (their final state is their initial state) and 1 are
+Nothing crosses a boundary: the fused kernels walk each (sequence, head) as a row of its own, and
+`run` evaluates each sequence by itself — its tokens are sliced out of the row and given to the
+unpacked operator, sequences of equal length stacked as the rows of one batch (which the operators
+keep apart row by row) — so either way a chunk never holds two sequences and a NaN in one cannot
+reach another. Sequences of length 0 (their final state is their initial state) and 1 are
 allowed.
 
 The helpers here know nothing of the operator families: the operators (linattn.ops.linear, .gated, .delta with
-KDA) call `boundaries` once to check cu_seqlens (the one validator of it), then `run` with a function that
-evaluates one sequence. `positions` and `sequence_ids` serve the models (positions restarting at each
-document) and the short convolution.
+KDA) call `boundaries` once to check cu_seqlens (the one validator of it). Where a call takes the fused CPU
+kernels (and `IN_KERNELS`), the whole packed row is one kernel call that is given cu_seqlens: each (sequence,
+head) is a row of the kernel, walked from its own initial state, its chunks cut at the sequence's end
+(csrc/rows.h). Elsewhere (other devices, options the kernels do not take, a NaN or Inf that needs an exact
+pass) they call `run` with a function that evaluates one sequence; `per_sequence` is `run` for the exact
+passes of the fused backwards. `positions` and `sequence_ids` serve the models (positions restarting at
+each document) and the short convolution.
 """
 
 from __future__ import annotations
@@ -25,6 +30,11 @@ from collections.abc import Callable, Sequence
 import torch
 
 _INT_DTYPES = (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
+
+#: Whether a packed call that the fused CPU kernels take runs as one kernel call over the whole row
+#: (cu_seqlens inside the kernels; True) or as one call per distinct length (`run`; False, the path of
+#: the other devices). Same numbers either way; benchmarks and tests switch it to compare the two.
+IN_KERNELS = True
 
 
 def boundaries(cu_seqlens, *, batch: int, length: int, name: str = "cu_seqlens") -> list[tuple[int, int]]:
@@ -157,6 +167,21 @@ def run(one: Callable, bounds: list[tuple[int, int]], initial_state, empty_state
     return o, final
 
 
+def per_sequence(fn: Callable, bounds: list[tuple[int, int]], tokens: Sequence, states: Sequence, empty_output: Callable):
+    """A packed call as separate calls: fn(*token_tensors, *states) -> (o, *final states) evaluates the G
+    sequences of one length stacked on the batch axis (their tokens `gather`ed from `tokens`, each
+    (1, H, T, …) or None, their states selected from `states`, each with leading dim N or None).
+    Returns (o (1, H, T, E), the tuple of the final states (leading dim N), one per entry of `states`,
+    None where fn returns none, e.g. for a state given as None). For the exact passes of the
+    fused kernels' backwards, which run the torch-op Functions sequence by sequence."""
+
+    def one(spans, state):
+        o, *final = fn(*(gather(x, spans, 2) for x in tokens), *state)
+        return o, tuple(final) + (None,) * (len(state) - len(final))  # as many as `states` (None: no such state)
+
+    return run(one, bounds, tuple(states), lambda state: state, empty_output)
+
+
 def positions(cu_seqlens: torch.Tensor, length: int | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
     """(T,) int64: each token's index inside its own sequence (0 at every cu_seqlens[n]); the
     positions of RoPE and learned position embeddings in a packed row. cu_seqlens is checked.
@@ -214,5 +239,5 @@ def cu_seqlens_from_position_ids(position_ids) -> torch.Tensor | None:
     return torch.cat([starts.new_zeros(1), starts, starts.new_full((1,), t)]).long()
 
 
-__all__ = ["boundaries", "check_state_count", "cu_seqlens_from_lengths", "cu_seqlens_from_position_ids", "gather",
-           "positions", "run", "select_state", "sequence_ids", "stack_states"]
+__all__ = ["IN_KERNELS", "boundaries", "check_state_count", "cu_seqlens_from_lengths", "cu_seqlens_from_position_ids",
+           "gather", "per_sequence", "positions", "run", "select_state", "sequence_ids", "stack_states"]

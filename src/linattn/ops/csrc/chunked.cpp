@@ -4,7 +4,8 @@
 // with the state and the C×C scores kept in cache and the products done by the BLAS gemm that torch
 // links (looked up at run time; without it the op raises and linattn uses torch ops). For training
 // it also saves the denominators and the state entering each block; `chunked_backward` walks the
-// rows back from them.
+// rows back from them. With cu_seqlens (packed sequences, rows.h) each (sequence, head) is a row of
+// its own, from its own initial state: one call for the whole packed row.
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -14,6 +15,7 @@
 
 #include "chunked.h"
 #include "pool.h"
+#include "rows.h"
 
 namespace {
 
@@ -44,13 +46,13 @@ LINATTN_CLONES void mask_and_denominators(Acc* __restrict__ A, int c, const T* _
 // and a chunk's values are widened in cache and only the outputs are rounded. With a training
 // forward (saves != nullptr) it also keeps what the backward needs (Saves).
 template <typename T, typename M>
-void chunked_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& o, at::Tensor& kv,
-                  at::Tensor& z_all, int64_t phi, bool normalize, double eps, int64_t chunk, int64_t block,
-                  const Saves<linattn_acc<T>>* saves) {
+void chunked_rows(const Rows& rows, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& o,
+                  at::Tensor& kv, at::Tensor& z_all, int64_t phi, bool normalize, double eps, int64_t chunk,
+                  int64_t block, const Saves<linattn_acc<T>>* saves) {
   using Acc = linattn_acc<T>;
   constexpr bool low_out = !std::is_same<T, Acc>::value, low_op = !std::is_same<M, Acc>::value;
   constexpr bool widen = !std::is_same<T, M>::value;
-  const int64_t N = q.size(2), F = q.size(3), E = v.size(3), rows = q.size(0) * q.size(1);
+  const int64_t F = q.size(3), E = v.size(3);
   const T* pq = q.data_ptr<T>();
   const T* pk = k.data_ptr<T>();
   const T* pv = v.data_ptr<T>();
@@ -58,33 +60,34 @@ void chunked_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   Acc* pS = kv.data_ptr<Acc>();
   Acc* pz = z_all.data_ptr<Acc>();
   const Acc eps_t = static_cast<Acc>(eps);
-  at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
+  at::parallel_for(0, rows.count(), 1, [&](int64_t i0, int64_t i1) {
     const SequentialBlas one_thread;
     Aligned<Acc> A(chunk * chunk), den(chunk), U(low_out ? chunk * E : 0);
     Aligned<M> A_low(low_op ? chunk * chunk : 0), S_low(low_op ? F * E : 0), Vw(widen ? chunk * E : 0);
     BlockFeatures<T, M> fb(phi, block, F);
-    for (int64_t r = r0; r < r1; ++r) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t r = rows.row(i), N = rows.length(r), t_row = rows.start(r);
       Acc* S = pS + r * F * E;
       Acc* z = pz + r * F;
       for (int64_t s = 0; s < N; s += block) {
         const int64_t m = std::min(N, s + block) - s;
         if (saves != nullptr) {
-          const int64_t b = r * saves->blocks + s / block;
+          const int64_t b = rows.first_block(r) + s / block;
           std::copy(S, S + F * E, saves->S_blocks + b * F * E);
           std::copy(z, z + F, saves->z_blocks + b * F);
         }
-        fb.compute(pq + (r * N + s) * F, pk + (r * N + s) * F, m * F, phi);
+        fb.compute(pq + (t_row + s) * F, pk + (t_row + s) * F, m * F, phi);
         for (int64_t c0 = 0; c0 < m; c0 += chunk) {
           const int c = static_cast<int>(std::min(chunk, m - c0)), f = static_cast<int>(F), e = static_cast<int>(E);
           const M* Qc = fb.Q + c0 * F;
           const M* Kc = fb.K + c0 * F;
-          const M* Vc = input_as<M>(pv + (r * N + s + c0) * E, Vw, int64_t(c) * E);
-          T* Oc = po + (r * N + s + c0) * E;
-          prefetch_ahead(pq, pk, pv, po, r * N, s + c0, std::min(N, s + c0 + chunk), block, N, F, E);
+          const M* Vc = input_as<M>(pv + (t_row + s + c0) * E, Vw, int64_t(c) * E);
+          T* Oc = po + (t_row + s + c0) * E;
+          prefetch_ahead(pq, pk, pv, po, t_row, s + c0, std::min(N, s + c0 + chunk), block, N, F, E);
           gemm_rm<M>(false, true, c, c, f, Qc, f, Kc, f, Acc(0), A.data(), c);  // A = Q̃K̃ᵀ
           if (normalize) {
             mask_and_denominators(A.data(), c, fb.Qa + c0 * F, z, F, eps_t, den.data());
-            if (saves != nullptr) std::copy(den.begin(), den.begin() + c, saves->den + r * N + s + c0);
+            if (saves != nullptr) std::copy(den.begin(), den.begin() + c, saves->den + t_row + s + c0);
           } else {
             mask_upper(A.data(), c);
           }
@@ -112,24 +115,26 @@ void chunked_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
 // Returns (o, kv, z, den, S_blocks, z_blocks); the last three are empty unless save (training).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> chunked(
     const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in, const at::Tensor& kv0_in,
-    const at::Tensor& z0_in, int64_t phi, bool normalize, double eps, int64_t chunk, bool save, bool wide) {
+    const at::Tensor& z0_in, int64_t phi, bool normalize, double eps, int64_t chunk, bool save, bool wide,
+    const c10::optional<at::Tensor>& cu_seqlens) {
   chunk = check_inputs("linattn_cpu::chunked", q_in, k_in, v_in, kv0_in, z0_in, phi, chunk, wide);
   const at::Tensor q = q_in.contiguous(), k = k_in.contiguous(), v = v_in.contiguous();
-  const int64_t N = q.size(2), F = q.size(3), E = v.size(3), rows = q.size(0) * q.size(1);
-  TORCH_CHECK(kv0_in.numel() == rows * F * E && z0_in.numel() == rows * F,
-              "linattn_cpu::chunked: the initial state must be (B, H, F, E), (B, H, F)");
+  const int64_t N = q.size(2), F = q.size(3), E = v.size(3), block = block_tokens(chunk);
+  const Rows rows("linattn_cpu::chunked", q, cu_seqlens, block);
+  TORCH_CHECK(kv0_in.numel() == rows.count() * F * E && z0_in.numel() == rows.count() * F,
+              "linattn_cpu::chunked: the initial state must be (B, H, F, E), (B, H, F) (S for B with cu_seqlens)");
   at::Tensor kv = kv0_in.contiguous().clone(), z = z0_in.contiguous().clone();
   at::Tensor o = empty_result(v.sizes(), v.options());
-  const int64_t block = block_tokens(chunk), blocks = (N + block - 1) / block;
   const auto acc = kv.options();
-  at::Tensor den = at::empty({save && normalize ? rows : 0, N}, acc);
-  at::Tensor S_blocks = at::empty({save ? rows : 0, blocks, F, E}, acc), z_blocks = at::empty({save ? rows : 0, blocks, F}, acc);
+  at::Tensor den = at::empty({save && normalize ? q.size(0) * q.size(1) : 0, N}, acc);
+  at::Tensor S_blocks = at::empty({save ? rows.blocks() : 0, F, E}, acc), z_blocks = at::empty({save ? rows.blocks() : 0, F}, acc);
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "linattn_cpu_chunked", [&] {
     using Acc = linattn_acc<scalar_t>;
     const Saves<Acc> saves{normalize ? den.data_ptr<Acc>() : nullptr, S_blocks.data_ptr<Acc>(), z_blocks.data_ptr<Acc>(),
-                           blocks};
+                           rows.blocks()};
     with_operands<scalar_t>(wide, [&](auto op) {
-      chunked_rows<scalar_t, decltype(op)>(q, k, v, o, kv, z, phi, normalize, eps, chunk, block, save ? &saves : nullptr);
+      chunked_rows<scalar_t, decltype(op)>(rows, q, k, v, o, kv, z, phi, normalize, eps, chunk, block,
+                                           save ? &saves : nullptr);
     });
   });
   return {o, kv, z, den, S_blocks, z_blocks};
@@ -144,15 +149,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
 // then dq = dQ̃ ⊙ φ'(q), dk likewise; the final R, r are the gradients of the initial state.
 // Without normalization G = dO and the g terms vanish.
 template <typename T, typename M>
-void chunked_backward_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& o,
+void chunked_backward_rows(const Rows& rows, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& o,
                            const at::Tensor& dout, const at::Tensor& den_all, const at::Tensor& S_blocks,
                            const at::Tensor& z_blocks, at::Tensor& dq, at::Tensor& dk, at::Tensor& dv, at::Tensor& R_all,
                            at::Tensor& r_all, int64_t phi, bool normalize, int64_t chunk, int64_t block) {
   using Acc = linattn_acc<T>;
   constexpr bool low_out = !std::is_same<T, Acc>::value, low_op = !std::is_same<M, Acc>::value;
   constexpr bool widen = !std::is_same<T, M>::value;
-  const int64_t N = q.size(2), F = q.size(3), E = v.size(3), rows = q.size(0) * q.size(1);
-  const int64_t blocks = (N + block - 1) / block, per_block = block / chunk;
+  const int64_t F = q.size(3), E = v.size(3), per_block = block / chunk;
   const T *pq = q.data_ptr<T>(), *pk = k.data_ptr<T>(), *pv = v.data_ptr<T>(), *po = o.data_ptr<T>();
   const T* pdo = dout.data_ptr<T>();
   const Acc* pden = normalize ? den_all.data_ptr<Acc>() : nullptr;
@@ -160,7 +164,7 @@ void chunked_backward_rows(const at::Tensor& q, const at::Tensor& k, const at::T
   T *pdq = dq.data_ptr<T>(), *pdk = dk.data_ptr<T>(), *pdv = dv.data_ptr<T>();
   Acc *pR = R_all.data_ptr<Acc>(), *pr = r_all.data_ptr<Acc>();
   const int f = static_cast<int>(F), e = static_cast<int>(E);
-  at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
+  at::parallel_for(0, rows.count(), 1, [&](int64_t i0, int64_t i1) {
     const SequentialBlas one_thread;
     const int64_t cc = chunk * chunk;
     Aligned<Acc> A(cc), P(cc), G(chunk * E), g(chunk), dQ(chunk * F), dK(chunk * F), dV(chunk * E);
@@ -168,25 +172,28 @@ void chunked_backward_rows(const at::Tensor& q, const at::Tensor& k, const at::T
     Aligned<M> A_low(low_op ? cc : 0), P_low(low_op ? cc : 0), G_low(low_op ? chunk * E : 0), S_low(low_op ? F * E : 0),
         R_low(low_op ? F * E : 0), Vw(widen ? chunk * E : 0);
     BlockFeatures<T, M> fb(phi, block, F);
-    for (int64_t r = r0; r < r1; ++r) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t r = rows.row(i), N = rows.length(r), t_row = rows.start(r);
+      const int64_t blocks = (N + block - 1) / block;
       Acc* R = pR + r * F * E;
       Acc* rr = pr + r * F;
       for (int64_t b = blocks - 1; b >= 0; --b) {
         const int64_t s = b * block, m = std::min(N, s + block) - s, nch = (m + chunk - 1) / chunk;
-        fb.compute(pq + (r * N + s) * F, pk + (r * N + s) * F, m * F, phi);
+        const int64_t saved = rows.first_block(r) + b;
+        fb.compute(pq + (t_row + s) * F, pk + (t_row + s) * F, m * F, phi);
         const M *Q = fb.Q, *K = fb.K;
-        std::copy(pSb + (r * blocks + b) * F * E, pSb + (r * blocks + b + 1) * F * E, Sc.begin());
-        std::copy(pzb + (r * blocks + b) * F, pzb + (r * blocks + b + 1) * F, zc.begin());
+        std::copy(pSb + saved * F * E, pSb + (saved + 1) * F * E, Sc.begin());
+        std::copy(pzb + saved * F, pzb + (saved + 1) * F, zc.begin());
         for (int64_t j = 0; j + 1 < nch; ++j) {  // the states entering the block's later chunks
           const int c = static_cast<int>(std::min(chunk, m - j * chunk));
           std::copy(Sc.begin() + j * F * E, Sc.begin() + (j + 1) * F * E, Sc.begin() + (j + 1) * F * E);
           std::copy(zc.begin() + j * F, zc.begin() + (j + 1) * F, zc.begin() + (j + 1) * F);
-          const M* Vj = input_as<M>(pv + (r * N + s + j * chunk) * E, Vw, int64_t(c) * E);
+          const M* Vj = input_as<M>(pv + (t_row + s + j * chunk) * E, Vw, int64_t(c) * E);
           gemm_rm<M>(true, false, f, e, c, K + j * chunk * F, f, Vj, e, Acc(1), Sc.data() + (j + 1) * F * E, e);
           add_column_sums(zc.data() + (j + 1) * F, fb.Ka + j * chunk * F, c, F);
         }
         for (int64_t j = nch - 1; j >= 0; --j) {
-          const int64_t c0 = j * chunk, t0 = r * N + s + c0;
+          const int64_t c0 = j * chunk, t0 = t_row + s + c0;
           const int c = static_cast<int>(std::min(chunk, m - c0));
           const M *Qc = Q + c0 * F, *Kc = K + c0 * F, *Vc = input_as<M>(pv + t0 * E, Vw, int64_t(c) * E);
           const Acc *S = Sc.data() + j * F * E, *z = zc.data() + j * F;
@@ -232,30 +239,32 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> chunked_b
     const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in, const at::Tensor& o_in,
     const at::Tensor& do_in, const at::Tensor& den, const at::Tensor& S_blocks, const at::Tensor& z_blocks,
     const c10::optional<at::Tensor>& dkv, const c10::optional<at::Tensor>& dz, int64_t phi, bool normalize,
-    int64_t chunk, bool wide) {
+    int64_t chunk, bool wide, const c10::optional<at::Tensor>& cu_seqlens) {
   chunk = check_inputs("linattn_cpu::chunked_backward", q_in, k_in, v_in, S_blocks, z_blocks, phi, chunk, wide);
   const at::Tensor q = q_in.contiguous(), k = k_in.contiguous(), v = v_in.contiguous(), o = o_in.contiguous(),
                    dout = do_in.to(v.scalar_type()).contiguous();
   TORCH_CHECK(o.sizes() == v.sizes() && dout.sizes() == v.sizes(), "linattn_cpu::chunked_backward: o and do must be shaped like v");
-  const int64_t N = q.size(2), F = q.size(3), E = v.size(3), rows = q.size(0) * q.size(1);
-  const int64_t block = block_tokens(chunk), blocks = (N + block - 1) / block;
-  TORCH_CHECK(S_blocks.numel() == rows * blocks * F * E && z_blocks.numel() == rows * blocks * F &&
-                  (!normalize || den.numel() == rows * N),
+  const int64_t N = q.size(2), F = q.size(3), E = v.size(3), block = block_tokens(chunk);
+  const Rows rows("linattn_cpu::chunked_backward", q, cu_seqlens, block);
+  const int64_t nr = rows.count();
+  TORCH_CHECK(S_blocks.numel() == rows.blocks() * F * E && z_blocks.numel() == rows.blocks() * F &&
+                  (!normalize || den.numel() == q.size(0) * q.size(1) * N),
               "linattn_cpu::chunked_backward: the saved tensors do not match q, k, v");
   const auto acc = S_blocks.options();
-  at::Tensor R = dkv.has_value() ? dkv->to(acc).contiguous().clone() : at::zeros({rows, F, E}, acc);
-  at::Tensor r = dz.has_value() ? dz->to(acc).contiguous().clone() : at::zeros({rows, F}, acc);
-  TORCH_CHECK(R.numel() == rows * F * E && r.numel() == rows * F, "linattn_cpu::chunked_backward: dkv, dz must be shaped like the state");
+  at::Tensor R = dkv.has_value() ? dkv->to(acc).contiguous().clone() : at::zeros({nr, F, E}, acc);
+  at::Tensor r = dz.has_value() ? dz->to(acc).contiguous().clone() : at::zeros({nr, F}, acc);
+  TORCH_CHECK(R.numel() == nr * F * E && r.numel() == nr * F, "linattn_cpu::chunked_backward: dkv, dz must be shaped like the state");
   at::Tensor dq = empty_result(q.sizes(), q.options()), dk = empty_result(k.sizes(), k.options()),
              dv = empty_result(v.sizes(), v.options());
   const at::Tensor den_c = den.contiguous(), Sb = S_blocks.contiguous(), zb = z_blocks.contiguous();
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "linattn_cpu_chunked_backward", [&] {
     with_operands<scalar_t>(wide, [&](auto op) {
-      chunked_backward_rows<scalar_t, decltype(op)>(q, k, v, o, dout, den_c, Sb, zb, dq, dk, dv, R, r, phi, normalize,
-                                                    chunk, block);
+      chunked_backward_rows<scalar_t, decltype(op)>(rows, q, k, v, o, dout, den_c, Sb, zb, dq, dk, dv, R, r, phi,
+                                                    normalize, chunk, block);
     });
   });
-  return {dq, dk, dv, R.view({q.size(0), q.size(1), F, E}), r.view({q.size(0), q.size(1), F})};
+  const int64_t n = rows.sequences(), h = q.size(1);
+  return {dq, dk, dv, R.view({n, h, F, E}), r.view({n, h, F})};
 }
 
 }  // namespace
@@ -266,10 +275,11 @@ TORCH_LIBRARY(linattn_cpu, m) {
   m.def("release_pool() -> int", release_pool);
   m.def(
       "chunked(Tensor q, Tensor k, Tensor v, Tensor kv0, Tensor z0, int phi, bool normalize, float eps, int chunk, "
-      "bool save, bool wide=False) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+      "bool save, bool wide=False, Tensor? cu_seqlens=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def(
       "chunked_backward(Tensor q, Tensor k, Tensor v, Tensor o, Tensor do, Tensor den, Tensor S_blocks, "
-      "Tensor z_blocks, Tensor? dkv, Tensor? dz, int phi, bool normalize, int chunk, bool wide=False) "
+      "Tensor z_blocks, Tensor? dkv, Tensor? dz, int phi, bool normalize, int chunk, bool wide=False, "
+      "Tensor? cu_seqlens=None) "
       "-> (Tensor, Tensor, Tensor, Tensor, Tensor)");
 }
 

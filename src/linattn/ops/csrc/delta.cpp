@@ -19,7 +19,8 @@
 // is one token of the recurrence for decoding, with g one decay per row or one per key channel (KDA:
 // S' = (I − β k̂k̂ᵀ) Diag(e^g) S + β k̂ vᵀ); the chunked kernels here take one per row (a per-channel g
 // runs kda.cpp's). β and g come in Acc, checked here only by `delta_step` (linattn checks them before
-// the chunked ops). The pieces shared with kda.cpp are in delta.h.
+// the chunked ops). The pieces shared with kda.cpp are in delta.h. The chunked kernels take packed
+// sequences (cu_seqlens: one row per sequence and head, from its own initial state; rows.h).
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -30,6 +31,7 @@
 #include "common.h"
 #include "delta.h"
 #include "pool.h"
+#include "rows.h"
 #include "step_rows.h"
 
 namespace {
@@ -162,12 +164,11 @@ struct FrontBuffers {
 };
 
 template <typename T>
-void forward_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& beta,
-                  const at::Tensor* g, at::Tensor& o, at::Tensor& S_all, at::Tensor* S_blocks, double scale, bool l2norm,
-                  int64_t chunk) {
+void forward_rows(const Rows& rows, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                  const at::Tensor& beta, const at::Tensor* g, at::Tensor& o, at::Tensor& S_all, at::Tensor* S_blocks,
+                  double scale, bool l2norm, int64_t chunk) {
   using Acc = linattn_acc<T>;
-  const int64_t N = q.size(2), D = q.size(3), E = v.size(3), rows = q.size(0) * q.size(1);
-  const int64_t block = block_tokens(chunk), blocks = (N + block - 1) / block;
+  const int64_t D = q.size(3), E = v.size(3), block = block_tokens(chunk);
   const T *pq = q.data_ptr<T>(), *pk = k.data_ptr<T>(), *pv = v.data_ptr<T>();
   const Acc* pb = beta.data_ptr<Acc>();
   const Acc* pg = g != nullptr ? g->data_ptr<Acc>() : nullptr;
@@ -176,16 +177,17 @@ void forward_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   Acc* pSb = S_blocks != nullptr ? S_blocks->data_ptr<Acc>() : nullptr;
   const bool gated = pg != nullptr;
   const Acc s = static_cast<Acc>(scale);
-  at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
+  at::parallel_for(0, rows.count(), 1, [&](int64_t i0, int64_t i1) {
     const SequentialBlas one_thread;
     const FlushDenormals flush;
     FrontBuffers<Acc> buf(chunk, D, E);
     Aligned<Acc> tmp(gated ? chunk * E : 0);
-    for (int64_t r = r0; r < r1; ++r) {
-      const Row<T, Acc> in{pq + r * N * D, pk + r * N * D, pv + r * N * E, pb + r * N, gated ? pg + r * N : nullptr};
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t r = rows.row(i), N = rows.length(r), t = rows.start(r), first = rows.first_block(r);
+      const Row<T, Acc> in{pq + t * D, pk + t * D, pv + t * E, pb + t, gated ? pg + t : nullptr};
       Acc* S = pS + r * D * E;
       for (int64_t t0 = 0; t0 < N; t0 += chunk) {
-        if (pSb != nullptr && t0 % block == 0) std::copy(S, S + D * E, pSb + (r * blocks + t0 / block) * D * E);
+        if (pSb != nullptr && t0 % block == 0) std::copy(S, S + D * E, pSb + (first + t0 / block) * D * E);
         const int c = static_cast<int>(std::min(chunk, N - t0));
         ChunkTerms<Acc> ch = buf.terms();
         chunk_front(in, t0, c, D, E, l2norm, S, ch, buf.SK.data(), buf.row.data(), true);
@@ -194,18 +196,19 @@ void forward_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
         if (gated) scale_rows(O, ch.eb, O, c, E);
         gemm_rm<Acc>(false, false, c, static_cast<int>(E), c, ch.AP + c * c, c, ch.Vp, static_cast<int>(E), Acc(1), O,
                      static_cast<int>(E));
-        store_scaled<T, Acc>(O, s, po + (r * N + t0) * E, int64_t(c) * E);
+        store_scaled<T, Acc>(O, s, po + (t + t0) * E, int64_t(c) * E);
         update_state(S, ch, gated, c, D, E, tmp.data());
       }
     }
   });
 }
 
-// q, k (B, H, N, D), v (B, H, N, E) of one dtype; β, g (B, H, N) and `states` states (B, H, D, E) in Acc
-// (state_error: what to say when their number does not match).
-void check_inputs(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& beta,
-                  const c10::optional<at::Tensor>& g, const at::Tensor& S, int64_t states, int64_t chunk,
-                  const char* state_error) {
+// q, k (B, H, N, D), v (B, H, N, E) of one dtype; β, g (B, H, N) and S (D×E matrices: one per row, the
+// initial states, or the saved block states when saved) in Acc (state_error: what to say when their
+// number does not match). Returns the rows (rows.h) of the call.
+Rows check_inputs(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& beta,
+                  const c10::optional<at::Tensor>& g, const at::Tensor& S, bool saved, int64_t chunk,
+                  const c10::optional<at::Tensor>& cu_seqlens, const char* state_error) {
   TORCH_CHECK(q.dim() == 4 && k.sizes() == q.sizes() && v.dim() == 4 && v.sizes().slice(0, 3) == q.sizes().slice(0, 3),
               op, " expects q, k (B, H, N, D) and v (B, H, N, E)");
   TORCH_CHECK(chunk > 0, op, ": chunk must be positive");
@@ -215,8 +218,10 @@ void check_inputs(const char* op, const at::Tensor& q, const at::Tensor& k, cons
               ": beta, g and the state must be float64 for float64 inputs, else float32");
   TORCH_CHECK(beta.numel() == q.size(0) * q.size(1) * q.size(2) && (!g.has_value() || g->numel() == beta.numel()), op,
               ": beta and g must be (B, H, N)");
-  TORCH_CHECK(S.numel() == states * q.size(0) * q.size(1) * q.size(3) * v.size(3), op, ": ", state_error);
   TORCH_CHECK(delta_has_blas(), op, ": no BLAS gemm/trsm found in torch");
+  Rows rows(op, q, cu_seqlens, block_tokens(chunk));
+  TORCH_CHECK(S.numel() == (saved ? rows.blocks() : rows.count()) * q.size(3) * v.size(3), op, ": ", state_error);
+  return rows;
 }
 
 
@@ -390,31 +395,31 @@ void chunk_backward(const Row<T, Acc>& in, const RowGrads<T, Acc>& out, int64_t 
 }
 
 template <typename T>
-void backward_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& beta,
-                   const at::Tensor* g, const at::Tensor& S_blocks, const at::Tensor& dO, at::Tensor& dq, at::Tensor& dk,
-                   at::Tensor& dv, at::Tensor& dbeta, at::Tensor* dg, at::Tensor& R_all, double scale, bool l2norm,
-                   int64_t chunk) {
+void backward_rows(const Rows& rows, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                   const at::Tensor& beta, const at::Tensor* g, const at::Tensor& S_blocks, const at::Tensor& dO,
+                   at::Tensor& dq, at::Tensor& dk, at::Tensor& dv, at::Tensor& dbeta, at::Tensor* dg, at::Tensor& R_all,
+                   double scale, bool l2norm, int64_t chunk) {
   using Acc = linattn_acc<T>;
-  const int64_t N = q.size(2), D = q.size(3), E = v.size(3), rows = q.size(0) * q.size(1);
-  const int64_t block = block_tokens(chunk), blocks = (N + block - 1) / block, per = block / chunk;
+  const int64_t D = q.size(3), E = v.size(3), block = block_tokens(chunk), per = block / chunk;
   const T *pq = q.data_ptr<T>(), *pk = k.data_ptr<T>(), *pv = v.data_ptr<T>(), *pdo = dO.data_ptr<T>();
   const Acc *pb = beta.data_ptr<Acc>(), *pg = g != nullptr ? g->data_ptr<Acc>() : nullptr;
   const Acc* pSb = S_blocks.data_ptr<Acc>();
   T *pdq = dq.data_ptr<T>(), *pdk = dk.data_ptr<T>(), *pdv = dv.data_ptr<T>();
   Acc *pdb = dbeta.data_ptr<Acc>(), *pdg = dg != nullptr ? dg->data_ptr<Acc>() : nullptr, *pR = R_all.data_ptr<Acc>();
   const bool gated = pg != nullptr;
-  at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
+  at::parallel_for(0, rows.count(), 1, [&](int64_t i0, int64_t i1) {
     const SequentialBlas one_thread;
     const FlushDenormals flush;
     BackBuffers<Acc> w(chunk, D, E, per, gated);
-    for (int64_t r = r0; r < r1; ++r) {
-      const Row<T, Acc> in{pq + r * N * D, pk + r * N * D, pv + r * N * E, pb + r * N, gated ? pg + r * N : nullptr};
-      const RowGrads<T, Acc> out{pdo + r * N * E, pdq + r * N * D, pdk + r * N * D, pdv + r * N * E, pdb + r * N,
-                                 gated ? pdg + r * N : nullptr};
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t r = rows.row(i), N = rows.length(r), t = rows.start(r), first = rows.first_block(r);
+      const Row<T, Acc> in{pq + t * D, pk + t * D, pv + t * E, pb + t, gated ? pg + t : nullptr};
+      const RowGrads<T, Acc> out{pdo + t * E, pdq + t * D, pdk + t * D, pdv + t * E, pdb + t,
+                                 gated ? pdg + t : nullptr};
       Acc* R = pR + r * D * E;
-      for (int64_t blk = blocks - 1; blk >= 0; --blk) {
+      for (int64_t blk = (N + block - 1) / block - 1; blk >= 0; --blk) {
         const int64_t s = blk * block, nch = (std::min(N, s + block) - s + chunk - 1) / chunk;
-        std::copy(pSb + (r * blocks + blk) * D * E, pSb + (r * blocks + blk + 1) * D * E, w.state(0));
+        std::copy(pSb + (first + blk) * D * E, pSb + (first + blk + 1) * D * E, w.state(0));
         for (int64_t j = 0; j < nch; ++j) {  // the block's chunks again, keeping their terms
           const int64_t t0 = s + j * chunk;
           const int c = static_cast<int>(std::min(chunk, N - t0));
@@ -441,45 +446,45 @@ void backward_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> delta_chunked_backward(
     const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in, const at::Tensor& beta_in,
     const c10::optional<at::Tensor>& g_in, const at::Tensor& S_blocks_in, const at::Tensor& do_in,
-    const c10::optional<at::Tensor>& dS, double scale, bool l2norm, int64_t chunk) {
-  const int64_t blocks = q_in.dim() == 4 && chunk > 0 ? (q_in.size(2) + block_tokens(chunk) - 1) / block_tokens(chunk) : 1;
-  check_inputs("linattn_cpu::delta_chunked_backward", q_in, k_in, v_in, beta_in, g_in, S_blocks_in, blocks, chunk,
-               "the saved block states do not match q, k, v");
+    const c10::optional<at::Tensor>& dS, double scale, bool l2norm, int64_t chunk,
+    const c10::optional<at::Tensor>& cu_seqlens) {
+  const Rows rows = check_inputs("linattn_cpu::delta_chunked_backward", q_in, k_in, v_in, beta_in, g_in, S_blocks_in,
+                                 true, chunk, cu_seqlens, "the saved block states do not match q, k, v");
   const at::Tensor q = q_in.contiguous(), k = k_in.contiguous(), v = v_in.contiguous(), beta = beta_in.contiguous();
   const at::Tensor g = g_in.has_value() ? g_in->contiguous() : at::Tensor();
   const at::Tensor dO = do_in.to(v.scalar_type()).contiguous(), S_blocks = S_blocks_in.contiguous();
   TORCH_CHECK(dO.sizes() == v.sizes(), "linattn_cpu::delta_chunked_backward: do must be shaped like v");
-  const int64_t N = q.size(2), D = q.size(3), E = v.size(3), rows = q.size(0) * q.size(1);
+  const int64_t D = q.size(3), E = v.size(3), nr = rows.count();
   const auto acc = S_blocks.options();
-  at::Tensor R = dS.has_value() ? dS->to(acc).contiguous().clone() : at::zeros({rows, D, E}, acc);
-  TORCH_CHECK(R.numel() == rows * D * E, "linattn_cpu::delta_chunked_backward: dS must be shaped like the state");
+  at::Tensor R = dS.has_value() ? dS->to(acc).contiguous().clone() : at::zeros({nr, D, E}, acc);
+  TORCH_CHECK(R.numel() == nr * D * E, "linattn_cpu::delta_chunked_backward: dS must be shaped like the state");
   at::Tensor dq = empty_result(q.sizes(), q.options()), dk = empty_result(k.sizes(), k.options()),
              dv = empty_result(v.sizes(), v.options());
   at::Tensor dbeta = at::empty(beta.sizes(), acc), dg = at::empty(g.defined() ? g.sizes() : at::IntArrayRef{0}, acc);
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "linattn_cpu_delta_chunked_backward", [&] {
-    backward_rows<scalar_t>(q, k, v, beta, g.defined() ? &g : nullptr, S_blocks, dO, dq, dk, dv, dbeta,
+    backward_rows<scalar_t>(rows, q, k, v, beta, g.defined() ? &g : nullptr, S_blocks, dO, dq, dk, dv, dbeta,
                             g.defined() ? &dg : nullptr, R, scale, l2norm, chunk);
   });
-  return {dq, dk, dv, dbeta, dg, R.view({q.size(0), q.size(1), D, E})};
+  return {dq, dk, dv, dbeta, dg, R.view({rows.sequences(), q.size(1), D, E})};
 }
 
-// Returns (o, S, S_blocks); S_blocks (rows, blocks, D, E) is empty unless save (training).
+// Returns (o, S, S_blocks); S_blocks (the saved blocks of every row, D, E) is empty unless save (training).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> delta_chunked(const at::Tensor& q_in, const at::Tensor& k_in,
                                                              const at::Tensor& v_in, const at::Tensor& beta_in,
                                                              const c10::optional<at::Tensor>& g_in,
                                                              const at::Tensor& S0, double scale, bool l2norm,
-                                                             int64_t chunk, bool save) {
-  check_inputs("linattn_cpu::delta_chunked", q_in, k_in, v_in, beta_in, g_in, S0, 1, chunk,
-               "the state must be (B, H, D, E)");
+                                                             int64_t chunk, bool save,
+                                                             const c10::optional<at::Tensor>& cu_seqlens) {
+  const Rows rows = check_inputs("linattn_cpu::delta_chunked", q_in, k_in, v_in, beta_in, g_in, S0, false, chunk,
+                                 cu_seqlens, "the state must be (B, H, D, E) (S for B with cu_seqlens)");
   const at::Tensor q = q_in.contiguous(), k = k_in.contiguous(), v = v_in.contiguous(), beta = beta_in.contiguous();
   const at::Tensor g = g_in.has_value() ? g_in->contiguous() : at::Tensor();
-  const int64_t N = q.size(2), D = q.size(3), E = v.size(3), rows = q.size(0) * q.size(1);
-  const int64_t blocks = (N + block_tokens(chunk) - 1) / block_tokens(chunk);
-  at::Tensor S = S0.contiguous().clone().view({q.size(0), q.size(1), D, E});
+  const int64_t D = q.size(3), E = v.size(3);
+  at::Tensor S = S0.contiguous().clone().view({rows.sequences(), q.size(1), D, E});
   at::Tensor o = empty_result(v.sizes(), v.options());
-  at::Tensor S_blocks = at::empty({save ? rows : 0, blocks, D, E}, S.options());
+  at::Tensor S_blocks = at::empty({save ? rows.blocks() : 0, D, E}, S.options());
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "linattn_cpu_delta_chunked", [&] {
-    forward_rows<scalar_t>(q, k, v, beta, g.defined() ? &g : nullptr, o, S, save ? &S_blocks : nullptr, scale, l2norm,
+    forward_rows<scalar_t>(rows, q, k, v, beta, g.defined() ? &g : nullptr, o, S, save ? &S_blocks : nullptr, scale, l2norm,
                            chunk);
   });
   return {o, S, S_blocks};
@@ -584,10 +589,11 @@ TORCH_LIBRARY_FRAGMENT(linattn_cpu, m) {
   m.def("delta_has_blas() -> bool", delta_has_blas);
   m.def(
       "delta_chunked(Tensor q, Tensor k, Tensor v, Tensor beta, Tensor? g, Tensor S0, float scale, bool l2norm, "
-      "int chunk, bool save) -> (Tensor, Tensor, Tensor)");
+      "int chunk, bool save, Tensor? cu_seqlens=None) -> (Tensor, Tensor, Tensor)");
   m.def(
       "delta_chunked_backward(Tensor q, Tensor k, Tensor v, Tensor beta, Tensor? g, Tensor S_blocks, Tensor do, "
-      "Tensor? dS, float scale, bool l2norm, int chunk) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+      "Tensor? dS, float scale, bool l2norm, int chunk, Tensor? cu_seqlens=None) "
+      "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def(
       "delta_step(Tensor S, Tensor q, Tensor k, Tensor v, Tensor beta, Tensor? g, float scale, bool l2norm) "
       "-> (Tensor, Tensor)");

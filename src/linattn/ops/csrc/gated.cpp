@@ -1,6 +1,7 @@
 // Fused CPU operators of gated causal linear attention (the maths in gated.h): `gated_chunked`, the
 // chunked forward (for training it also saves the denominators and the state entering each block),
-// and `gated_step`, one recurrent step (it checks g ≤ 0 and finite itself).
+// and `gated_step`, one recurrent step (it checks g ≤ 0 and finite itself). The chunked forward takes
+// packed sequences (cu_seqlens: one row per sequence and head, from its own initial state; rows.h).
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -10,6 +11,7 @@
 
 #include "gated.h"
 #include "pool.h"
+#include "rows.h"
 #include "step_rows.h"
 
 namespace {
@@ -20,12 +22,12 @@ using linattn_pool::empty_result;
 // the fp32 path: then a block's features and a chunk's values are widened in cache, the chunk runs
 // the fp32 code, and its outputs are rounded to bf16 once)
 template <typename T, typename M>
-void gated_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g, at::Tensor& o,
-                at::Tensor& kv, at::Tensor& z_all, int64_t phi, bool normalize, double eps, int64_t chunk, int64_t block,
-                const Saves<linattn_acc<T>>* saves) {
+void gated_rows(const Rows& rows, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
+                at::Tensor& o, at::Tensor& kv, at::Tensor& z_all, int64_t phi, bool normalize, double eps, int64_t chunk,
+                int64_t block, const Saves<linattn_acc<T>>* saves) {
   using Acc = linattn_acc<T>;
   constexpr bool widen = !std::is_same<T, M>::value;
-  const int64_t N = q.size(2), F = q.size(3), E = v.size(3), rows = q.size(0) * q.size(1);
+  const int64_t F = q.size(3), E = v.size(3);
   const bool vector = g.dim() == 4;
   const int64_t G = vector ? F : 1;
   const T *pq = q.data_ptr<T>(), *pk = k.data_ptr<T>(), *pv = v.data_ptr<T>();
@@ -34,27 +36,28 @@ void gated_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, c
   Acc* pS = kv.data_ptr<Acc>();
   Acc* pz = normalize ? z_all.data_ptr<Acc>() : nullptr;
   const Acc eps_t = static_cast<Acc>(eps);
-  at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
+  at::parallel_for(0, rows.count(), 1, [&](int64_t i0, int64_t i1) {
     const SequentialBlas one_thread;
     Work<M> wk(chunk, F, E, vector);
     BlockFeatures<T, M> fb(phi, block, F);
     Aligned<M> Vw(widen ? chunk * E : 0), Ow(widen ? chunk * E : 0);
-    for (int64_t r = r0; r < r1; ++r) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t r = rows.row(i), N = rows.length(r), t_row = rows.start(r);
       Acc* S = pS + r * F * E;
       Acc* z = normalize ? pz + r * F : nullptr;
       for (int64_t s = 0; s < N; s += block) {
         const int64_t m = std::min(N, s + block) - s;
         if (saves != nullptr) {
-          const int64_t b = r * saves->blocks + s / block;
+          const int64_t b = rows.first_block(r) + s / block;
           std::copy(S, S + F * E, saves->S_blocks + b * F * E);
           if (normalize) std::copy(z, z + F, saves->z_blocks + b * F);
         }
-        fb.compute(pq + (r * N + s) * F, pk + (r * N + s) * F, m * F, phi);
+        fb.compute(pq + (t_row + s) * F, pk + (t_row + s) * F, m * F, phi);
         for (int64_t c0 = 0; c0 < m; c0 += chunk) {
           const int c = static_cast<int>(std::min(chunk, m - c0));
-          const int64_t t0 = r * N + s + c0;
+          const int64_t t0 = t_row + s + c0;
           Acc* den_out = saves != nullptr && normalize ? saves->den + t0 : nullptr;
-          prefetch_ahead(pq, pk, pv, po, r * N, s + c0, std::min(N, s + c0 + chunk), block, N, F, E);
+          prefetch_ahead(pq, pk, pv, po, t_row, s + c0, std::min(N, s + c0 + chunk), block, N, F, E);
           const M* V = input_as<M>(pv + t0 * E, Vw, int64_t(c) * E);
           M* O;
           if constexpr (widen) {
@@ -82,29 +85,32 @@ void gated_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, c
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> gated_chunked(
     const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in, const at::Tensor& g_in,
     const at::Tensor& kv0_in, const c10::optional<at::Tensor>& z0_in, int64_t phi, double eps, int64_t chunk, bool save,
-    bool wide) {
+    bool wide, const c10::optional<at::Tensor>& cu_seqlens) {
   const bool normalize = z0_in.has_value();
   chunk = check_inputs("linattn_cpu::gated_chunked", q_in, k_in, v_in, kv0_in, normalize ? *z0_in : kv0_in, phi, chunk,
                        wide);
   check_gates("linattn_cpu::gated_chunked", q_in, g_in, kv0_in);
   const at::Tensor q = q_in.contiguous(), k = k_in.contiguous(), v = v_in.contiguous(), g = g_in.contiguous();
-  const int64_t N = q.size(2), F = q.size(3), E = v.size(3), rows = q.size(0) * q.size(1);
-  TORCH_CHECK(kv0_in.numel() == rows * F * E && (!normalize || z0_in->numel() == rows * F),
-              "linattn_cpu::gated_chunked: the initial state must be (B, H, F, E) and (B, H, F)");
+  const int64_t N = q.size(2), F = q.size(3), E = v.size(3), block = block_tokens(chunk);
+  const Rows rows("linattn_cpu::gated_chunked", q, cu_seqlens, block);
+  TORCH_CHECK(kv0_in.numel() == rows.count() * F * E && (!normalize || z0_in->numel() == rows.count() * F),
+              "linattn_cpu::gated_chunked: the initial state must be (B, H, F, E) and (B, H, F) (S for B with "
+              "cu_seqlens)");
   at::Tensor kv = kv0_in.contiguous().clone();
   at::Tensor z = normalize ? z0_in->contiguous().clone() : at::empty({0}, kv.options());
   at::Tensor o = empty_result(v.sizes(), v.options());
-  const int64_t block = block_tokens(chunk), blocks = (N + block - 1) / block;
+  const int64_t blocks = rows.blocks();
   const auto acc = kv.options();
-  at::Tensor den = at::empty({save && normalize ? rows : 0, N}, acc);
-  at::Tensor S_blocks = at::empty({save ? rows : 0, blocks, F, E}, acc);
-  at::Tensor z_blocks = at::empty({save && normalize ? rows : 0, blocks, F}, acc);
+  at::Tensor den = at::empty({save && normalize ? q.size(0) * q.size(1) : 0, N}, acc);
+  at::Tensor S_blocks = at::empty({save ? blocks : 0, F, E}, acc);
+  at::Tensor z_blocks = at::empty({save && normalize ? blocks : 0, F}, acc);
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "linattn_cpu_gated_chunked", [&] {
     using Acc = linattn_acc<scalar_t>;
     const Saves<Acc> saves{normalize ? den.data_ptr<Acc>() : nullptr, S_blocks.data_ptr<Acc>(),
                            normalize ? z_blocks.data_ptr<Acc>() : nullptr, blocks};
     with_operands<scalar_t>(wide, [&](auto op) {
-      gated_rows<scalar_t, decltype(op)>(q, k, v, g, o, kv, z, phi, normalize, eps, chunk, block, save ? &saves : nullptr);
+      gated_rows<scalar_t, decltype(op)>(rows, q, k, v, g, o, kv, z, phi, normalize, eps, chunk, block,
+                                         save ? &saves : nullptr);
     });
   });
   return {o, kv, z, den, S_blocks, z_blocks};
@@ -208,7 +214,7 @@ at::Tensor gated_step_(at::Tensor& kv, const c10::optional<at::Tensor>& z, const
 TORCH_LIBRARY_FRAGMENT(linattn_cpu, m) {
   m.def(
       "gated_chunked(Tensor q, Tensor k, Tensor v, Tensor g, Tensor kv0, Tensor? z0, int phi, float eps, int chunk, "
-      "bool save, bool wide=False) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+      "bool save, bool wide=False, Tensor? cu_seqlens=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def(
       "gated_step(Tensor kv, Tensor? z, Tensor q, Tensor k, Tensor v, Tensor g, int phi, float eps) "
       "-> (Tensor, Tensor, Tensor)");

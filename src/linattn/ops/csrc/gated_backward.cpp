@@ -1,6 +1,6 @@
 // The backward of the gated chunked forward (linattn_cpu::gated_chunked_backward; the maths in gated.h):
-// one (batch, head) row per task, blocks and chunks in reverse, the states entering the chunks of a
-// block recomputed from the one saved for it.
+// one (batch, head) row per task (or, with cu_seqlens, one per sequence and head: rows.h), blocks and
+// chunks in reverse, the states entering the chunks of a block recomputed from the one saved for it.
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -10,6 +10,7 @@
 
 #include "gated.h"
 #include "pool.h"
+#include "rows.h"
 
 namespace {
 
@@ -237,7 +238,7 @@ struct WideChunk {
 };
 
 template <typename T, typename M>
-void gated_backward_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
+void gated_backward_rows(const Rows& rows, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
                          const at::Tensor& o, const at::Tensor& dout, const at::Tensor& den_all,
                          const at::Tensor& S_blocks, const at::Tensor& z_blocks, const at::Tensor& kvN,
                          const at::Tensor& zN, const at::Tensor& R_all, const at::Tensor& r_all, at::Tensor& dq,
@@ -245,8 +246,7 @@ void gated_backward_rows(const at::Tensor& q, const at::Tensor& k, const at::Ten
                          int64_t block) {
   using Acc = linattn_acc<T>;
   constexpr bool widen = WideChunk<T, M>::widen;
-  const int64_t N = q.size(2), F = q.size(3), E = v.size(3), rows = q.size(0) * q.size(1);
-  const int64_t blocks = (N + block - 1) / block, per_block = block / chunk;
+  const int64_t F = q.size(3), E = v.size(3), per_block = block / chunk;
   const bool vector = g.dim() == 4;
   const int64_t Gw = vector ? F : 1;
   const T *pq = q.data_ptr<T>(), *pk = k.data_ptr<T>(), *pv = v.data_ptr<T>(), *po = o.data_ptr<T>();
@@ -261,7 +261,7 @@ void gated_backward_rows(const at::Tensor& q, const at::Tensor& k, const at::Ten
   Acc* pdg = dg.data_ptr<Acc>();
   Acc* pR = R_all.data_ptr<Acc>();
   Acc* pr = normalize ? r_all.data_ptr<Acc>() : nullptr;
-  at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
+  at::parallel_for(0, rows.count(), 1, [&](int64_t i0, int64_t i1) {
     const SequentialBlas one_thread;
     Work<M> wk(chunk, F, E, vector);
     Grads<M> gr(chunk, F, E);
@@ -271,17 +271,19 @@ void gated_backward_rows(const at::Tensor& q, const at::Tensor& k, const at::Ten
     std::vector<double> carry(Gw);
     std::vector<int> starts;
     std::vector<Acc> Sp, zp;
-    for (int64_t r = r0; r < r1; ++r) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t r = rows.row(i), N = rows.length(r), t_row = rows.start(r), first = rows.first_block(r);
+      const int64_t blocks = (N + block - 1) / block;
       Acc* R = pR + r * F * E;
       Acc* rr = normalize ? pr + r * F : nullptr;
       for (int64_t b = blocks - 1; b >= 0; --b) {
         const int64_t s = b * block, m = std::min(N, s + block) - s, nch = (m + chunk - 1) / chunk;
-        fb.compute(pq + (r * N + s) * F, pk + (r * N + s) * F, m * F, phi);
-        std::copy(pSb + (r * blocks + b) * F * E, pSb + (r * blocks + b + 1) * F * E, Sc.begin());
-        if (normalize) std::copy(pzb + (r * blocks + b) * F, pzb + (r * blocks + b + 1) * F, zc.begin());
+        fb.compute(pq + (t_row + s) * F, pk + (t_row + s) * F, m * F, phi);
+        std::copy(pSb + (first + b) * F * E, pSb + (first + b + 1) * F * E, Sc.begin());
+        if (normalize) std::copy(pzb + (first + b) * F, pzb + (first + b + 1) * F, zc.begin());
         for (int64_t j = 0; j + 1 < nch; ++j) {  // the states entering the block's later chunks
           const int c = static_cast<int>(std::min(chunk, m - j * chunk));
-          const int64_t c0 = j * chunk, t0 = r * N + s + c0;
+          const int64_t c0 = j * chunk, t0 = t_row + s + c0;
           Acc* Snext = Sc.data() + (j + 1) * F * E;
           Acc* znext = normalize ? zc.data() + (j + 1) * F : nullptr;
           std::copy(Sc.begin() + j * F * E, Sc.begin() + (j + 1) * F * E, Snext);
@@ -296,7 +298,7 @@ void gated_backward_rows(const at::Tensor& q, const at::Tensor& k, const at::Ten
           }
         }
         for (int64_t j = nch - 1; j >= 0; --j) {
-          const int64_t c0 = j * chunk, t0 = r * N + s + c0;
+          const int64_t c0 = j * chunk, t0 = t_row + s + c0;
           const int c = static_cast<int>(std::min(chunk, m - c0));
           Span<M> sp{c,
                      fb.Q + c0 * F,
@@ -329,11 +331,11 @@ void gated_backward_rows(const at::Tensor& q, const at::Tensor& k, const at::Ten
           const bool last_block = b + 1 == blocks;
           const Acc* S_out = j + 1 < nch   ? S + F * E
                              : last_block ? pkvN + r * F * E
-                                          : pSb + (r * blocks + b + 1) * F * E;
+                                          : pSb + (first + b + 1) * F * E;
           const Acc* z_out = !normalize     ? nullptr
                              : j + 1 < nch  ? z + F
                              : last_block   ? pzN + r * F
-                                            : pzb + (r * blocks + b + 1) * F;
+                                            : pzb + (first + b + 1) * F;
           if (vector) {
             vector_chunk_backward<M>(wk, gr, sp, F, E, S, z, S_out, z_out, R, rr, normalize, carry.data(), starts, Sp,
                                      zp);
@@ -357,7 +359,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
     const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in, const at::Tensor& g_in,
     const at::Tensor& o_in, const at::Tensor& do_in, const at::Tensor& den, const at::Tensor& S_blocks,
     const at::Tensor& z_blocks, const at::Tensor& kv_in, const c10::optional<at::Tensor>& z_in,
-    const c10::optional<at::Tensor>& dkv, const c10::optional<at::Tensor>& dz, int64_t phi, int64_t chunk, bool wide) {
+    const c10::optional<at::Tensor>& dkv, const c10::optional<at::Tensor>& dz, int64_t phi, int64_t chunk, bool wide,
+    const c10::optional<at::Tensor>& cu_seqlens) {
   const char* op = "linattn_cpu::gated_chunked_backward";
   const bool normalize = z_in.has_value();
   chunk = check_inputs(op, q_in, k_in, v_in, kv_in, normalize ? *z_in : kv_in, phi, chunk, wide);
@@ -365,10 +368,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   const at::Tensor q = q_in.contiguous(), k = k_in.contiguous(), v = v_in.contiguous(), g = g_in.contiguous(),
                    o = o_in.contiguous(), dout = do_in.to(v.scalar_type()).contiguous();
   TORCH_CHECK(o.sizes() == v.sizes() && dout.sizes() == v.sizes(), op, ": o and do must be shaped like v");
-  const int64_t N = q.size(2), F = q.size(3), E = v.size(3), rows = q.size(0) * q.size(1);
-  const int64_t block = block_tokens(chunk), blocks = (N + block - 1) / block;
-  TORCH_CHECK(S_blocks.numel() == rows * blocks * F * E && kv_in.numel() == rows * F * E &&
-                  (!normalize || (z_blocks.numel() == rows * blocks * F && den.numel() == rows * N &&
+  const int64_t N = q.size(2), F = q.size(3), E = v.size(3), block = block_tokens(chunk);
+  const Rows rows_(op, q, cu_seqlens, block);
+  const int64_t rows = rows_.count(), blocks = rows_.blocks();
+  TORCH_CHECK(S_blocks.numel() == blocks * F * E && kv_in.numel() == rows * F * E &&
+                  (!normalize || (z_blocks.numel() == blocks * F && den.numel() == q.size(0) * q.size(1) * N &&
                                   z_in->numel() == rows * F)),
               op, ": the saved tensors do not match q, k, v");
   const auto acc = kv_in.options();
@@ -383,11 +387,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
                    kvN = kv_in.contiguous(), zN = normalize ? z_in->contiguous() : at::empty({0}, acc);
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "linattn_cpu_gated_chunked_backward", [&] {
     with_operands<scalar_t>(wide, [&](auto op_type) {
-      gated_backward_rows<scalar_t, decltype(op_type)>(q, k, v, g, o, dout, den_c, Sb, zb, kvN, zN, R, r, dq, dk, dv, dg,
-                                                       phi, normalize, chunk, block);
+      gated_backward_rows<scalar_t, decltype(op_type)>(rows_, q, k, v, g, o, dout, den_c, Sb, zb, kvN, zN, R, r, dq, dk,
+                                                       dv, dg, phi, normalize, chunk, block);
     });
   });
-  const auto b = q.size(0), h = q.size(1);
+  const auto b = rows_.sequences(), h = q.size(1);
   return {dq, dk, dv, dg, R.view({b, h, F, E}), normalize ? r.view({b, h, F}) : r};
 }
 
@@ -397,7 +401,7 @@ TORCH_LIBRARY_FRAGMENT(linattn_cpu, m) {
   m.def(
       "gated_chunked_backward(Tensor q, Tensor k, Tensor v, Tensor g, Tensor o, Tensor do, Tensor den, "
       "Tensor S_blocks, Tensor z_blocks, Tensor kv, Tensor? z, Tensor? dkv, Tensor? dz, int phi, int chunk, "
-      "bool wide=False) "
+      "bool wide=False, Tensor? cu_seqlens=None) "
       "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
 }
 

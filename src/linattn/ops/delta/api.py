@@ -28,7 +28,7 @@ from ..linear.chunked import DEFAULT_CHUNK_SIZE, state_dtype
 from ..autodiff import has_tangent, refuse_forward_ad
 from ..nonfinite import all_finite
 from . import fused
-from .checks import check_arguments, check_values, op_name, per_channel
+from .checks import check_arguments, check_state, check_values, op_name, per_channel
 from .chunked import ChunkedDeltaRule, normalize_rows
 from .exact import exact_delta_rule
 
@@ -107,6 +107,10 @@ def _packed(q, k, v, beta, cu_seqlens, *, g, scale, qk_l2norm, initial_state, re
     if initial_state is not None:
         packed.check_state_count(initial_state, len(bounds))
     check_values(beta, g)
+    out = _packed_fused(q, k, v, beta, g, cu_seqlens, len(bounds), initial_state, scale=scale, l2norm=qk_l2norm,
+                        chunk_size=chunk_size)
+    if out is not None:
+        return out if return_state else out[0]
     b, h, _, d = q.shape
     e = v.shape[-1]
 
@@ -120,6 +124,26 @@ def _packed(q, k, v, beta, cu_seqlens, *, g, scale, qk_l2norm, initial_state, re
 
     o, S = packed.run(one, bounds, initial_state, empty, lambda: q.new_zeros(b, h, 0, e))
     return (o, S) if return_state else o
+
+
+def _packed_fused(q, k, v, beta, g, cu_seqlens, count: int, initial_state, *, scale, l2norm, chunk_size):
+    """The packed call as one fused kernel call given cu_seqlens (linattn.ops.packed.IN_KERNELS) when the
+    fused kernels take it: (o, S) with the states of the N sequences; None otherwise, and where a NaN or
+    Inf needs the exact pass (the per-sequence path then runs it sequence by sequence)."""
+    if not packed.IN_KERNELS or q.shape[2] == 0 or not fused.usable(q):
+        return None
+    h, d, e, sdt = q.shape[1], q.shape[3], v.shape[-1], state_dtype(q.dtype)
+    if initial_state is None:
+        S0 = q.new_zeros(count, h, d, e, dtype=sdt)
+    else:
+        check_state(initial_state, (count, h, d, e), sdt, q.device, "initial_state")
+        S0 = initial_state
+    refuse_forward_ad(op_name(g), q, k, v, beta, g, S0)
+    o, S = fused.chunked(q, k, v, beta.to(sdt), None if g is None else g.to(sdt), S0,
+                         scale=None if scale is None else float(scale), l2norm=l2norm,
+                         chunk=min(chunk_size, q.shape[2]), cu_seqlens=cu_seqlens)
+    grads = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, beta, g, S0))
+    return None if not all_finite(S) or (grads and not all_finite(q)) else (o, S)
 
 
 def delta_rule_affine_form(q, k, v, beta, *, g=None, scale: float | None = None, qk_l2norm: bool = False,

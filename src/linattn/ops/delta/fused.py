@@ -44,14 +44,15 @@ def _ops(g):
     return torch.ops.linattn_cpu.delta_chunked.default, torch.ops.linattn_cpu.delta_chunked_backward.default
 
 
-def chunked(q, k, v, beta, g, S0, *, scale: float | None, l2norm: bool, chunk: int):
+def chunked(q, k, v, beta, g, S0, *, scale: float | None, l2norm: bool, chunk: int, cu_seqlens=None):
     """The chunked forward (and, when a gradient is wanted, `FusedDeltaRule`'s backward). beta (B, H, N),
-    g (B, H, N), (B, H, N, D) or None, and S0 (B, H, D, E) in the state dtype. Returns (o, S)."""
+    g (B, H, N), (B, H, N, D) or None, and S0 (B, H, D, E) in the state dtype; cu_seqlens (checked by the
+    caller): packed sequences in one call (batch 1, S0 (N, H, D, E) a state per sequence). Returns (o, S)."""
     scale = 1.0 if scale is None else scale
     tensors = (q, k, v, beta, S0) + (() if g is None else (g,))
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        return FusedDeltaRule.apply(q, k, v, beta, g, S0, scale, l2norm, chunk)
-    o, S, _ = _ops(g)[0](q, k, v, beta, g, S0, scale, l2norm, chunk, False)
+        return FusedDeltaRule.apply(q, k, v, beta, g, S0, scale, l2norm, chunk, cu_seqlens)
+    o, S, _ = _ops(g)[0](q, k, v, beta, g, S0, scale, l2norm, chunk, False, cu_seqlens)
     return o, S
 
 
@@ -66,17 +67,18 @@ def step(S, q, k, v, beta, g, *, scale: float | None, l2norm: bool, inplace: boo
 
 
 class FusedDeltaRule(torch.autograd.Function):
-    """apply(q, k, v, beta, g, S0, scale, l2norm, chunk) -> (o, S), fused forward and backward.
+    """apply(q, k, v, beta, g, S0, scale, l2norm, chunk, cu_seqlens) -> (o, S), fused forward and backward
+    (cu_seqlens: packed sequences, or None).
 
     Saved for the backward: q, k, v, beta, g and the state entering every block of 256 tokens
     (B·H·⌈N/256⌉·D·E values); the backward recomputes one block's chunks at a time. Any gate form
     (`_ops`). Not twice differentiable."""
 
     @staticmethod
-    def forward(ctx, q, k, v, beta, g, S0, scale, l2norm, chunk):
-        o, S, S_blocks = _ops(g)[0](q, k, v, beta, g, S0, scale, l2norm, chunk, True)
+    def forward(ctx, q, k, v, beta, g, S0, scale, l2norm, chunk, cu_seqlens=None):
+        o, S, S_blocks = _ops(g)[0](q, k, v, beta, g, S0, scale, l2norm, chunk, True, cu_seqlens)
         ctx.save_for_backward(q, k, v, beta, g, S_blocks)
-        ctx.scale, ctx.l2norm, ctx.chunk, ctx.S0_dtype = scale, l2norm, chunk, S0.dtype
+        ctx.scale, ctx.l2norm, ctx.chunk, ctx.S0_dtype, ctx.cu = scale, l2norm, chunk, S0.dtype, cu_seqlens
         ctx.op_name = op_name(g)  # named by first_order's error
         ctx.set_materialize_grads(False)
         return o, S
@@ -88,5 +90,6 @@ class FusedDeltaRule(torch.autograd.Function):
         q, k, v, beta, g, S_blocks = ctx.saved_tensors
         if do is None:
             do = torch.zeros_like(v)
-        dq, dk, dv, dbeta, dg, dS0 = _ops(g)[1](q, k, v, beta, g, S_blocks, do, dS, ctx.scale, ctx.l2norm, ctx.chunk)
-        return dq, dk, dv, dbeta, None if g is None else dg, dS0.to(ctx.S0_dtype), None, None, None
+        dq, dk, dv, dbeta, dg, dS0 = _ops(g)[1](q, k, v, beta, g, S_blocks, do, dS, ctx.scale, ctx.l2norm, ctx.chunk,
+                                                ctx.cu)
+        return dq, dk, dv, dbeta, None if g is None else dg, dS0.to(ctx.S0_dtype), None, None, None, None

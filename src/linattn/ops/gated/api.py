@@ -123,6 +123,9 @@ def _packed(q, k, v, g, cu_seqlens, *, initial_state, return_state, key_padding_
         if normalize and (not isinstance(initial_state, (tuple, list)) or len(initial_state) != 2):
             raise TypeError("initial_state must be a tuple (kv (N, H, F, E), z (N, H, F)) with normalize and cu_seqlens")
         packed.check_state_count(initial_state, len(bounds))
+    out = _packed_fused(q, k, v, g, cu_seqlens, len(bounds), initial_state, key_padding_mask, **options)
+    if out is not None:
+        return out if return_state else out[0]
     b, h = q.shape[:2]
     feat = q.shape[3] if options["feature_map"] is None else options["feature_map"].feature_dim
     e, sdt = v.shape[-1], state_dtype(q.dtype)
@@ -140,6 +143,34 @@ def _packed(q, k, v, g, cu_seqlens, *, initial_state, return_state, key_padding_
 
     o, state = packed.run(one, bounds, initial_state, empty, lambda: q.new_zeros(b, h, 0, e))
     return (o, state) if return_state else o
+
+
+def _packed_fused(q, k, v, g, cu_seqlens, count: int, initial_state, key_padding_mask, *, feature_map, normalize, eps,
+                  scale, chunk_size):
+    """The packed call as one fused kernel call given cu_seqlens (linattn.ops.packed.IN_KERNELS) when the
+    fused kernels take it: (o, state) with the states of the N sequences; None otherwise, and when a NaN
+    or Inf reached a final state (the per-sequence path then runs the exact passes)."""
+    if not packed.IN_KERNELS or q.shape[2] == 0:
+        return None
+    h, e, sdt = q.shape[1], v.shape[-1], state_dtype(q.dtype)
+    feat = q.shape[3] if feature_map is None else feature_map.feature_dim
+    if initial_state is None:
+        kv0 = q.new_zeros(count, h, feat, e, dtype=sdt)
+        z0 = q.new_zeros(count, h, feat, dtype=sdt) if normalize else None
+    else:
+        check_gated_state(initial_state, normalize, count, h, feat, e, q.device, "initial_state")
+        kv0, z0 = (initial_state[0].to(sdt), initial_state[1].to(sdt)) if normalize else (initial_state.to(sdt), None)
+    phi = native.fused_phi(feature_map, scale, key_padding_mask, (kv0, kv0 if z0 is None else z0), q, k, v, bf16=True,
+                           train=True)
+    if phi is None or not fused.ready(q.dtype):
+        return None
+    check_gate_values(g)
+    refuse_forward_ad("gated_linear_attention", q, k, v, g, kv0, z0)
+    o, kv, z = fused.chunked(q, k, v, g, kv0, z0, phi=phi, eps=float(eps), chunk=min(chunk_size, q.shape[2]),
+                             cu_seqlens=cu_seqlens)
+    if not all_finite(kv, *(() if z is None else (z,))):
+        return None
+    return o, ((kv, z) if normalize else kv)
 
 
 def gated_linear_attention_step(

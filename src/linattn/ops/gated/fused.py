@@ -33,34 +33,35 @@ def ready(dtype: torch.dtype) -> bool:
     return native.chunked_ready(dtype)
 
 
-def chunked(q, k, v, g, kv0, z0, *, phi: int, eps: float, chunk: int):
-    """The gated chunked forward, through `FusedGatedChunked` when a gradient is wanted.
+def chunked(q, k, v, g, kv0, z0, *, phi: int, eps: float, chunk: int, cu_seqlens=None):
+    """The gated chunked forward, through `FusedGatedChunked` when a gradient is wanted; cu_seqlens
+    (checked by the caller): packed sequences in one call (batch 1, a state per sequence).
     Returns (o, kv, z) with z None when z0 is None."""
     wide = native.wide(q)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, g, kv0, z0)):
-        out = FusedGatedChunked.apply(q, k, v, g, kv0, z0, phi, eps, chunk, wide)
+        out = FusedGatedChunked.apply(q, k, v, g, kv0, z0, phi, eps, chunk, wide, cu_seqlens)
         return out if z0 is not None else (*out, None)
     o, kv, z, *_ = torch.ops.linattn_cpu.gated_chunked.default(q, k, v, g.to(kv0.dtype), kv0, z0, phi, eps, chunk,
-                                                              False, wide)
+                                                              False, wide, cu_seqlens)
     return o, kv, (z if z0 is not None else None)
 
 
 class FusedGatedChunked(torch.autograd.Function):
-    """apply(q, k, v, g, kv0, z0, phi, eps, chunk, wide) -> (o, kv[, z]), fused forward and backward
-    (wide: bf16 inputs on the fp32 path; the backward takes the forward's, and always the fp32 path for
-    bf16 with vector gates).
+    """apply(q, k, v, g, kv0, z0, phi, eps, chunk, wide, cu_seqlens) -> (o, kv[, z]), fused forward and
+    backward (wide: bf16 inputs on the fp32 path; the backward takes the forward's, and always the fp32
+    path for bf16 with vector gates; cu_seqlens: packed sequences, or None).
 
     Saved: q, k, v, g (in the state dtype), o, the final state, the denominators (B·H·N floats, with
     normalize) and the state entering every block of 512 tokens. Not twice differentiable."""
 
     @staticmethod
-    def forward(ctx, q, k, v, g, kv0, z0, phi, eps, chunk, wide):
+    def forward(ctx, q, k, v, g, kv0, z0, phi, eps, chunk, wide, cu_seqlens=None):
         gk = g.to(kv0.dtype)
         o, kv, z, den, S_blocks, z_blocks = torch.ops.linattn_cpu.gated_chunked.default(q, k, v, gk, kv0, z0, phi, eps,
-                                                                                       chunk, True, wide)
+                                                                                       chunk, True, wide, cu_seqlens)
         normalize = z0 is not None
         ctx.save_for_backward(q, k, v, gk, o, den, S_blocks, z_blocks, kv, z if normalize else None, kv0, z0)
-        ctx.phi, ctx.eps, ctx.chunk, ctx.wide = phi, eps, chunk, wide
+        ctx.phi, ctx.eps, ctx.chunk, ctx.wide, ctx.cu = phi, eps, chunk, wide, cu_seqlens
         ctx.dtypes = (g.dtype, kv0.dtype, None if z0 is None else z0.dtype)
         ctx.set_materialize_grads(False)
         return (o, kv, z) if normalize else (o, kv)
@@ -74,22 +75,26 @@ class FusedGatedChunked(torch.autograd.Function):
         wide = ctx.wide or (q.dtype == torch.bfloat16 and gk.dim() == 4)
         dq, dk, dv, dg, dkv0, dz0 = torch.ops.linattn_cpu.gated_chunked_backward.default(
             q, k, v, gk, o, torch.zeros_like(o) if do is None else do, den, S_blocks, z_blocks, kv, z, dkv, dz,
-            ctx.phi, ctx.chunk, wide)
+            ctx.phi, ctx.chunk, wide, ctx.cu)
         if not all_finite(dkv0, dz0):  # a NaN or Inf among the factors: the torch ops' exact pass
             dq, dk, dv, dg, dkv0, dz0 = _exact_backward(ctx, (q, k, v, gk, kv0, z0), (do, dkv, dz))
         g_dtype, kv_dtype, z_dtype = ctx.dtypes
         return (dq, dk, dv, dg.to(g_dtype), dkv0.to(kv_dtype), None if z is None else dz0.to(z_dtype), None, None,
-                None, None)
+                None, None, None)
 
 
 def _exact_backward(ctx, inputs, grads):
-    """Gradients of (q, k, v, g, kv0, z0) from the torch-op Function's exact pass (run again here), for a
-    backward whose products met a NaN or Inf (linattn.ops.gated.chunked)."""
+    """Gradients of (q, k, v, g, kv0, z0) from the torch-op Function's exact pass (run again here; sequence
+    by sequence when packed), for a backward whose products met a NaN or Inf (linattn.ops.gated.chunked)."""
     fz = kernel_featurizer(ctx.phi)
     normalize = inputs[-1] is not None
+
+    def exact(*xs):
+        return ChunkedGatedLinearAttention.apply(fz, ctx.chunk, normalize, ctx.eps, True, *xs)
+
     with torch.enable_grad():
         xs = [None if x is None else x.detach().requires_grad_() for x in inputs]
-        outs = ChunkedGatedLinearAttention.apply(fz, ctx.chunk, normalize, ctx.eps, True, *xs)
+        outs = exact(*xs) if ctx.cu is None else native.packed_exact(exact, ctx.cu, xs[:4], xs[4:])
         used = [(out, gr) for out, gr in zip(outs, grads) if gr is not None]
         wrt = [x for x in xs if x is not None]
         res = torch.autograd.grad([u[0] for u in used], wrt, [u[1] for u in used], allow_unused=True)

@@ -198,6 +198,9 @@ def _packed_linear_attention(q, k, v, cu_seqlens, *, causal, initial_state, retu
         packed.check_state_count(initial_state, len(bounds))
     b, h, _, d = q.shape
     feat, e, sdt = _feature_dim(options["feature_map"], d), v.shape[-1], state_dtype(q.dtype)
+    fused = _packed_fused(q, k, v, cu_seqlens, len(bounds), initial_state, key_padding_mask, positions, **options)
+    if fused is not None:
+        return fused if return_state else fused[0]
 
     def one(spans, state):
         return _linear_attention(
@@ -210,6 +213,34 @@ def _packed_linear_attention(q, k, v, cu_seqlens, *, causal, initial_state, retu
 
     o, state = packed.run(one, bounds, initial_state, empty, lambda: q.new_zeros(b, h, 0, e))
     return (o, state) if return_state else o
+
+
+def _packed_fused(q, k, v, cu_seqlens, count: int, initial_state, key_padding_mask, positions, *, feature_map,
+                  normalize, eps, scale, chunk_size, rope):
+    """The packed call as one fused kernel call given cu_seqlens (linattn.ops.packed.IN_KERNELS) when the
+    fused kernels take it: (o, (kv, z)) with the states of the N sequences; None otherwise, and when a
+    NaN or Inf reached a final state (the per-sequence path then runs the exact passes)."""
+    if not packed.IN_KERNELS or rope is not None or q.shape[2] == 0:
+        return None
+    check_positive_int("chunk_size", chunk_size)
+    check_bool("normalize", normalize, error=TypeError)
+    check_eps("eps", eps)
+    feat = check_arguments(q, k, v, feature_map=feature_map, scale=scale, key_padding_mask=key_padding_mask,
+                           initial_state=None, positions=positions, rope=None)
+    h, e, sdt = q.shape[1], v.shape[-1], state_dtype(q.dtype)
+    if initial_state is None:
+        state = (q.new_zeros(count, h, feat, e, dtype=sdt), q.new_zeros(count, h, feat, dtype=sdt))
+    else:
+        check_state(initial_state, count, h, feat, e, q.device)
+        check_state_dtype(initial_state, q.dtype, sdt)
+        state = tuple(initial_state)
+    phi = native.fused_phi(feature_map, scale, key_padding_mask, state, q, k, v, bf16=True, train=True)
+    if phi is None or not native.chunked_ready(q.dtype):
+        return None
+    refuse_forward_ad("linear_attention (causal)", q, k, v, *state)
+    o, (kv, z) = native.chunked(q, k, v, state, phi=phi, normalize=normalize, eps=float(eps),
+                                chunk=min(chunk_size, q.shape[2]), cu_seqlens=cu_seqlens)
+    return (o, (kv, z)) if all_finite(kv, z) else None
 
 
 def run_linear_attention(fz: Featurizer, state: State, q, k, v, *, causal: bool, normalize: bool, eps: float,

@@ -7,7 +7,8 @@
                   attention beyond it, one normalizer (Zhang et al. 2024)
     chunked.py    the chunked algorithm in torch ops, with its memory-bounded backward (block
                   layout, masks); the path of non-CPU devices
-    cpu.py        the CPU path: torch's fused flash-attention kernel on the same blocks and spans
+    cpu.py        the CPU paths: linattn's kernels (csrc/swa.cpp, fp32/fp64 without a key mask; design
+                  §21), else torch's fused flash-attention kernel on the same blocks and spans
     checks.py     argument checks (window, cu_seqlens, per-head factors)
     reference.py  the oracles: the definitions with the N×N band mask, float64
 """

@@ -20,18 +20,24 @@ import torch.nn.functional as F
 from ..autodiff import refuse_forward_ad
 from ..precision import without_autocast
 from . import chunked, cpu
-from .checks import check_common, check_cu_seqlens
+from .checks import DEFAULT_CHUNK_SIZE, check_common, check_cu_seqlens
 
 
-def sliding_window_chunked(q, k, v, *, window: int, scale: float | None, chunk: int, cu_seqlens=None,
+def sliding_window_chunked(q, k, v, *, window: int, scale: float | None, chunk: int | None, cu_seqlens=None,
                            key_padding_mask=None) -> torch.Tensor:
-    """The chunked operator on checked arguments: on the CPU (q, k, v of one head dim) through torch's
-    fused flash kernel (linattn.ops.swa.cpu), elsewhere the torch-op Function (linattn.ops.swa.chunked).
-    A window beyond the sequence is the sequence (every query sees its whole prefix): it is clamped to
-    N, so that the blocks' key spans are never wider than N. Reverse mode, first order only."""
+    """The chunked operator on checked arguments: on the CPU linattn's kernels (fp32/fp64, no key mask)
+    or torch's fused flash kernel (q, k, v of one head dim; linattn.ops.swa.cpu), elsewhere the torch-op
+    Function (linattn.ops.swa.chunked). A window beyond the sequence is the sequence (every query sees
+    its whole prefix): it is clamped to N, so that the blocks' key spans are never wider than N.
+    chunk None: the path's default block (linattn's kernels: `cpu.native_chunk`, else
+    DEFAULT_CHUNK_SIZE). Reverse mode, first order only."""
     refuse_forward_ad("sliding_window_attention", q, k, v)
     window = min(window, q.shape[2])
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    if chunked.FUSED_CPU and cpu.native_usable(q, k, v, key_padding_mask):
+        chunk = cpu.native_chunk(window) if chunk is None else chunk
+        return cpu.NativeSlidingWindowAttention.apply(q, k, v, window, scale, chunk, cu_seqlens)
+    chunk = DEFAULT_CHUNK_SIZE if chunk is None else chunk
     fused = cpu.available(q, v) and chunked.FUSED_CPU
     fn = cpu.FusedSlidingWindowAttention if fused else chunked.SlidingWindowAttentionFunction
     return fn.apply(q, k, v, window, scale, chunk, cu_seqlens, key_padding_mask)
@@ -48,13 +54,14 @@ def sliding_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     scale defaults to 1/√D. cu_seqlens: int tensor [S + 1] of cumulative lengths of S sequences
     packed in one row (batch 1): nothing attends across a boundary. key_padding_mask: (B, N) bool,
     True = real token; a padded key is seen by no real query (a padded query keeps its band, so its
-    output, padding anyway, is finite). chunk_size: rows per query block C (default 64); time and
-    memory O(N·(min(W, N) + C)·D), no N×N matrix (linattn.ops.swa.chunked). Gradients: first order,
+    output, padding anyway, is finite). chunk_size: rows per query block C; time and
+    memory O(N·(min(W, N) + C)·D), no N×N matrix (linattn.ops.swa.chunked; None: 64, or on linattn's
+    CPU kernels 16 for W ≤ 64 and 32 above, `cpu.native_chunk`). Gradients: first order,
     reverse mode (a gradient penalty or forward-mode AD is refused by name, linattn.ops.autodiff).
     """
-    chunk = check_common(q, k, v, window, scale, chunk_size, key_padding_mask)
+    check_common(q, k, v, window, scale, chunk_size, key_padding_mask)
     check_cu_seqlens(cu_seqlens, q.shape[0], q.shape[2], q.device)
-    return sliding_window_chunked(q, k, v, window=window, scale=scale, chunk=chunk, cu_seqlens=cu_seqlens,
+    return sliding_window_chunked(q, k, v, window=window, scale=scale, chunk=chunk_size, cu_seqlens=cu_seqlens,
                                   key_padding_mask=key_padding_mask)
 
 
@@ -141,7 +148,7 @@ def sliding_window_attention_step(state: WindowState | None, q: torch.Tensor, k:
     Several: the (up to W) buffered tokens in time order and the new ones run through the chunked operator,
     whose outputs for the new queries are kept. Returns (o (B, H, n, E), state).
     """
-    chunk = check_common(q, k, v, window, scale, chunk_size, key_padding_mask)
+    check_common(q, k, v, window, scale, chunk_size, key_padding_mask)
     if state is None:
         state = empty_window_state(q, v, window)
     elif not isinstance(state, WindowState):
@@ -164,5 +171,5 @@ def sliding_window_attention_step(state: WindowState | None, q: torch.Tensor, k:
     mask = None if key_padding_mask is None and state.valid is None else torch.cat((real, new), 1)
     qa = torch.cat((q.new_zeros(q.shape[0], q.shape[1], c, q.shape[-1]), q), 2)
     o = sliding_window_chunked(qa, torch.cat((kc, k), 2), torch.cat((vc, v), 2), window=window, scale=scale,
-                               chunk=chunk, key_padding_mask=mask)
+                               chunk=chunk_size, key_padding_mask=mask)
     return o[:, :, c:], write_window(state, k, v, key_padding_mask)

@@ -1,4 +1,15 @@
-"""The CPU path of sliding-window attention: torch's fused flash-attention kernel for the CPU
+"""The CPU paths of sliding-window attention.
+
+linattn's own kernels (`NativeSlidingWindowAttention`: csrc/swa.cpp, linattn_cpu::swa_forward and
+swa_backward, built with the other fused kernels by linattn.ops.native) take fp32 and fp64 inputs
+without a key-padding mask: per (batch, head) row — with cu_seqlens per (sequence, head) row — the
+query blocks of C rows walk once over their key span [i0 − W + 1, i0 + C) read in place from k and v
+(no padded copy, no span tensor, no mask tensor: each query's window is a range of the span), the
+forward with 2 gemms per block and the backward with 5, dK and dV accumulated over the overlapping
+spans of the row. Saved: o and lse. Where they do not apply (bf16/fp16, a key-padding mask, no
+compiler) torch's flash kernel runs as below.
+
+torch's fused flash-attention kernel for the CPU
 (`aten::_scaled_dot_product_flash_attention_for_cpu` and its backward) run on the query blocks and
 their key spans of linattn.ops.swa.chunked, one call per batch row.
 
@@ -17,8 +28,13 @@ from __future__ import annotations
 
 import torch
 
+from .. import native
 from ..autodiff import first_order
 from .chunked import Layout, MaskTable, compute_dtype
+
+#: Whether fp32/fp64 CPU calls without a key-padding mask take linattn's kernels (csrc/swa.cpp) rather
+#: than torch's flash kernel on padded spans (same numbers up to rounding; tests and benchmarks switch).
+NATIVE = True
 
 #: Query tokens per kernel call (per batch row, all heads).
 GROUP_TOKENS = 2048
@@ -47,6 +63,42 @@ def _blocks(x: torch.Tensor, lay: Layout, dtype: torch.dtype) -> torch.Tensor:
     out = x.new_zeros(lay.b, lay.h, lay.nb * lay.c, x.shape[-1], dtype=dtype)
     out[:, :, :lay.n] = x
     return out.view(lay.b, lay.h, lay.nb, lay.c, x.shape[-1])
+
+
+def native_chunk(window: int) -> int:
+    """linattn's kernels' query block when the caller does not choose: 16 rows for W ≤ 64, else 32. A
+    block of C reads C + W − 1 keys for C·W useful scores; fwd+bwd at N = 4096, W = 64 (fp32, 1 thread,
+    benchmarks/swa.py) took 0.87–0.91× linear attention's time with C = 16, 0.92–0.93× with 32, 1.07× with
+    64; at W = 256, 32 and 16 were alike and 7% under 64."""
+    return 16 if window <= 64 else 32
+
+
+def native_usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding_mask) -> bool:
+    """linattn's kernels take the call: NATIVE, CPU fp32 or fp64 q, k, v of one dtype, no key-padding
+    mask, the extension built (and not tracing)."""
+    return (NATIVE and key_padding_mask is None and q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64)
+            and k.dtype is q.dtype and v.dtype is q.dtype and native._ready())
+
+
+class NativeSlidingWindowAttention(torch.autograd.Function):
+    """forward(q, k, v, window, scale, chunk, cu_seqlens) -> o (B, H, N, E): linattn_cpu::swa_forward,
+    and swa_backward for the gradients of q, k, v (first order only)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, window: int, scale: float, chunk: int, cu_seqlens):
+        o, lse = torch.ops.linattn_cpu.swa_forward.default(q, k, v, window, scale, chunk, cu_seqlens)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.window, ctx.scale, ctx.chunk, ctx.cu = window, scale, chunk, cu_seqlens
+        return o
+
+    @staticmethod
+    @first_order("sliding_window_attention")
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, do):
+        q, k, v, o, lse = ctx.saved_tensors
+        dq, dk, dv = torch.ops.linattn_cpu.swa_backward.default(q, k, v, o, lse, do, ctx.window, ctx.scale, ctx.chunk,
+                                                                ctx.cu)
+        return dq, dk, dv, None, None, None, None
 
 
 class FusedSlidingWindowAttention(torch.autograd.Function):
