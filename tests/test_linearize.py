@@ -250,3 +250,4 @@ def test_the_experiment_preset_aggregates_seeds_and_resumes(tmp_path):
     again = run_experiment(tmp_path, **small)  # everything is read back, nothing trained again
     assert (tmp_path / "t2r-seed1" / "linearize.json").stat().st_mtime == mtime
     assert again["recipes"] == report["recipes"]
+    assert again["teacher"]["tokens"] == report["teacher"]["tokens"] == 6 * 4 * 96  # the run's, not this call's

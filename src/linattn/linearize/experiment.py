@@ -133,7 +133,9 @@ def run_experiment(out, *, seeds=None, recipes=None, console=None, progress: boo
         if dec is not None and s == seeds[0]:
             rep["decode"] = {"teacher": dec["teacher"], "stage 2": dec.get(r)}
     report = {"teacher": {"bpb": teacher_row["bpb"], "recall": teacher_row["recall"],
-                          "recall_gain": teacher_row.get("recall_gain"), "tokens": teacher.tokens,
+                          "recall_gain": teacher_row.get("recall_gain"),
+                          # the run's whole budget (teacher.tokens counts this process's only: 0 on a resume)
+                          "tokens": teacher_fields["steps"] * teacher_fields["batch_size"] * teacher_fields["seq_len"],
                           "config": teacher_fields,
                           "decode": None if dec is None else dec["teacher"]},
               "linearize": {**LINEARIZE, **(linearize_overrides or {})}, "seeds": list(seeds),
