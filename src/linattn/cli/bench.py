@@ -96,6 +96,21 @@ def _model_options(p) -> None:
                         f"{','.join(map(str, DEFAULT_MODEL_CONTEXTS))})")
     p.add_argument("--model-batches", type=int_list, default=[1, 8], metavar="B[,B...]",
                    help="batch sizes of the LM steps (default: 1,8)")
+    p.add_argument("--weights", type=_weight_formats, default=None, metavar="fp32|bf16|int8[,...]",
+                   help="weight formats of those LMs, comma-separated: fp32, bf16, int8 (weight-only, torchao's "
+                        "Int8WeightOnlyConfig; fp32 activations); each step beside the weight streaming of the same "
+                        "weights (default: --dtype's)")
+
+
+def _weight_formats(value: str) -> list[str]:
+    """argparse type: weight formats of the decode bench's LMs, comma-separated."""
+    from ..bench.decode_model import WEIGHT_FORMATS
+
+    formats = [v.strip() for v in value.split(",") if v.strip()]
+    bad = [f for f in formats if f not in WEIGHT_FORMATS]
+    if bad or not formats:
+        raise argparse.ArgumentTypeError(f"weight formats must be among {','.join(WEIGHT_FORMATS)}, got {value!r}")
+    return formats
 
 
 def _model_list(value: str) -> list[str]:
@@ -249,7 +264,7 @@ def run_decode_command(args) -> int:
             raise ValueError("--models: the fused decoding step runs on the CPU only; pass --models none")
         models = ModelDecodeConfig(models=args.models, kinds=args.model_kinds, contexts=args.model_contexts,
                                    batches=args.model_batches, dtype=torch_dtype(args.dtype), seed=args.seed,
-                                   min_run_time=args.min_run_time)
+                                   min_run_time=args.min_run_time, weights=args.weights)
         res["models"] = run_model_decode(models, console)
     return _finish("bench-decode", res, args, device, out, console, render_decode, plot_decode, check_decode)
 

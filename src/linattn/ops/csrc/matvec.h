@@ -1,8 +1,15 @@
 // Matrix-vector products for decoding (model_step.cpp): y = x Wᵀ for a few rows x (the batch), with
-// fp32 or bf16 weights and fp32 inputs, outputs and accumulation. Decoding one token reads every
+// fp32, bf16 or int8 weights and fp32 inputs, outputs and accumulation. Decoding one token reads every
 // weight once and does one multiply-add with it per batch row, so at small batches these products are
 // bound by the speed at which the weights stream from memory; the kernels keep that stream sequential
-// and widen bf16 weights to fp32 in registers (exact: a bf16 value is the upper half of a float).
+// and widen bf16 and int8 weights to fp32 in registers (exact: a bf16 value is the upper half of a
+// float, an int8 one a small integer; AVX-512: sign extensions, then vcvtdq2ps per 16 weights).
+//
+// int8 weights are weight-only quantized (torchao's Int8Tensor, linattn.models.weights): W[j, :] =
+// s_j · q[j, :] with one float scale s_j per output column j (per-row, or one for all). The kernels
+// multiply-add the integers q as floats, and `matvec` scales the finished sums: y_j = s_j · Σ_i x_i q_ji,
+// as torchao's weight-only F.linear computes (x · qᵀ) · s. The activations stay float (no int8 dot
+// products: VNNI would need quantized activations, a different model).
 //
 // Two layouts, both row-major in memory:
 //   kn: Wt (K × N), the layout of linattn.layers.column_major weights (y_j = Σ_i x_i Wt[i, j]);
@@ -26,6 +33,9 @@ namespace {
 typedef float v16f __attribute__((vector_size(64)));
 typedef uint16_t v16h __attribute__((vector_size(32)));
 typedef uint32_t v16u __attribute__((vector_size(64)));
+typedef int8_t v16c __attribute__((vector_size(16)));
+typedef int16_t v16s __attribute__((vector_size(32)));
+typedef int32_t v16i __attribute__((vector_size(64)));
 
 #define LINATTN_INLINE inline __attribute__((always_inline))
 
@@ -42,10 +52,19 @@ LINATTN_INLINE v16f load16(const at::BFloat16* p) {
   return reinterpret_cast<const v16f&>(u);
 }
 
+// int8 -> int16 -> int32 -> float, one width at a time: GCC 12 lowers these to vpmovsxbw, vpmovsxwd
+// and vcvtdq2ps (a direct int8 -> float conversion, or int8 -> int32, it scalarizes)
+LINATTN_INLINE v16f load16(const int8_t* p) {
+  v16c c;
+  std::memcpy(&c, p, sizeof(c));
+  return __builtin_convertvector(__builtin_convertvector(__builtin_convertvector(c, v16s), v16i), v16f);
+}
+
 LINATTN_INLINE void store16(float* p, v16f v) { std::memcpy(p, &v, sizeof(v)); }
 
 LINATTN_INLINE float widen(float x) { return x; }
 LINATTN_INLINE float widen(at::BFloat16 x) { return static_cast<float>(x); }
+LINATTN_INLINE float widen(int8_t x) { return static_cast<float>(x); }
 
 LINATTN_INLINE float lane_sum(v16f v) {
   float s = 0;
@@ -157,6 +176,70 @@ LINATTN_CLONES void matvec_nk(const W* __restrict__ Wr, int64_t ldw, int64_t K, 
   for (; b + 4 <= B; b += 4) dot_rows<W, 4>(Wr, ldw, K, x + b * ldx, ldx, y + b * ldy, ldy, j0, j1);
   for (; b + 2 <= B; b += 2) dot_rows<W, 2>(Wr, ldw, K, x + b * ldx, ldx, y + b * ldy, ldy, j0, j1);
   for (; b < B; ++b) dot_rows<W, 1>(Wr, ldw, K, x + b * ldx, ldx, y + b * ldy, ldy, j0, j1);
+}
+
+// A weight matrix read in place: fp32 or bf16 values, or int8 values q with a float scale per output
+// column (W[j, i] = s_j · q[j, i]; `scale` (N,) float32, already rounded to the model's dtype), in
+// the kn layout (Wt (K × N) row-major) or the nk one (W (N × K) row-major)
+struct Weights {
+  at::Tensor t, scale;
+  at::ScalarType type = at::kFloat;
+  bool kn = true;
+  int64_t K = 0, N = 0;
+  const void* p = nullptr;
+  const float* s = nullptr;
+
+  Weights() = default;
+  Weights(const at::Tensor& w, bool kn_layout, const at::Tensor& scales) : t(w), type(w.scalar_type()), kn(kn_layout) {
+    TORCH_CHECK(w.dim() == 2, "linattn_cpu::DecodePlan: a weight must be a matrix");
+    TORCH_CHECK(w.device().is_cpu() && w.is_contiguous() && (type == at::kFloat || type == at::kBFloat16 || type == at::kChar),
+                "linattn_cpu::DecodePlan: weights must be contiguous float32, bfloat16 or int8 CPU matrices");
+    K = kn ? w.size(0) : w.size(1);
+    N = kn ? w.size(1) : w.size(0);
+    p = w.data_ptr();
+    TORCH_CHECK((type == at::kChar) == scales.defined(), "linattn_cpu::DecodePlan: int8 weights (and only they) take a scale");
+    if (scales.defined()) {
+      TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == N,
+                  "linattn_cpu::DecodePlan: the scale of an int8 weight must be a contiguous float32 (N=", N, ") vector");
+      scale = scales;
+      s = scales.data_ptr<float>();
+    }
+  }
+  // bytes a product reads: the matrix and its scales
+  int64_t bytes() const {
+    return t.numel() * static_cast<int64_t>(t.element_size()) + (scale.defined() ? scale.numel() * 4 : 0);
+  }
+};
+
+template <typename W>
+LINATTN_INLINE void matvec_layout(const Weights& w, const float* x, int64_t B, float* y, int64_t ldy, int64_t j0, int64_t j1) {
+  const W* p = static_cast<const W*>(w.p);
+  if (w.kn) {
+    matvec_kn(p, w.N, w.K, x, w.K, B, y, ldy, j0, j1);
+  } else {
+    matvec_nk(p, w.K, w.K, x, w.K, B, y, ldy, j0, j1);
+  }
+}
+
+// y[b·ldy + j − j0] = (x_b · Wᵀ)_j for b < B, j in [j0, j1), x (B × K) row-major: the kernel of the
+// weights' dtype and layout; int8 sums are then scaled, y_j ← s_j · y_j, or with a bf16 model (where
+// torchao's F.linear holds bf16 tensors) y_j ← bf16(s_j · bf16(y_j))
+inline void matvec(const Weights& w, const float* x, int64_t B, float* y, int64_t ldy, int64_t j0, int64_t j1, bool bf16) {
+  if (w.type == at::kFloat) {
+    matvec_layout<float>(w, x, B, y, ldy, j0, j1);
+  } else if (w.type == at::kBFloat16) {
+    matvec_layout<at::BFloat16>(w, x, B, y, ldy, j0, j1);
+  } else {
+    matvec_layout<int8_t>(w, x, B, y, ldy, j0, j1);
+    for (int64_t b = 0; b < B; ++b) {
+      float* yb = y + b * ldy - j0;
+      if (bf16) {
+        for (int64_t j = j0; j < j1; ++j) yb[j] = round_bf16(round_bf16(yb[j]) * w.s[j]);
+      } else {
+        for (int64_t j = j0; j < j1; ++j) yb[j] *= w.s[j];
+      }
+    }
+  }
 }
 
 }  // namespace
