@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 from linattn.models.decoding import FusedDecoder, fused_decoding_obstacle
@@ -115,6 +117,37 @@ def test_int8_fused_step_equals_eager_step(kind, threads):
     torch.set_num_threads(threads)
     try:
         out, eager, fused = run_both(model, ids, mask, 6)
+    finally:
+        torch.set_num_threads(before)
+    assert_close_steps(out)
+    for a, b in zip(states(eager), states(fused)):
+        torch.testing.assert_close(b, a, atol=2e-6, rtol=1e-5)
+
+
+@settings(max_examples=8, deadline=None)
+@given(kinds=st.lists(st.sampled_from(["linear", "softmax", "gated_deltanet", "simple_gla", "deltanet", "retnet"]),
+                      min_size=1, max_size=2),
+       batch=st.integers(1, 4), prompt=st.integers(1, 7), norm=st.sampled_from(["rmsnorm", "layernorm"]),
+       activation=st.sampled_from(["swiglu", "gelu"]), bias=st.booleans(), tie=st.booleans(),
+       short_conv=st.sampled_from([None, 0, 3]), gate=st.sampled_from([None, True, False]),
+       threads=st.sampled_from([1, 2]), block=st.sampled_from(["transformer", "conv_mixer"]))
+def test_int8_fused_step_equals_eager_step_over_configs(kinds, batch, prompt, norm, activation, bias, tie, short_conv,
+                                                        gate, threads, block):
+    model = make_model(attention=kinds, n_layers=2 * len(kinds), norm=norm, activation=activation, bias=bias,
+                       tie_embeddings=tie, short_conv=short_conv, output_gate=gate, block=block, positions="rope")
+    if bias:  # nonzero biases (the model starts them at zero)
+        with torch.no_grad():
+            g = torch.Generator().manual_seed(5)
+            for name, p in model.named_parameters():
+                if name.endswith("bias"):
+                    p.add_(torch.randn(p.shape, generator=g) * 0.1)
+    quantize_(model, Int8WeightOnlyConfig())
+    assert fused_decoding_obstacle(model) is None
+    ids, mask = prompts(batch, prompt, padded=True)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out, eager, fused = run_both(model, ids, mask, 4)
     finally:
         torch.set_num_threads(before)
     assert_close_steps(out)
