@@ -7,6 +7,11 @@ dequantised matrix product in float64, within the float32 rounding bound of a K-
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -70,6 +75,18 @@ def test_int8_matvec_equals_dequantised_matmul_in_float64(batch, k, n, threads, 
     bound = (k + 1) * 2.0 ** -24 * (x.double().abs() @ w.abs().t())
     assert torch.all((y.double() - ref).abs() <= bound), (y.double() - ref).abs().max()
     assert torch.count_nonzero(y) > 0
+
+
+@pytest.mark.skipif(os.environ.get("LINATTN_INT8_KERNEL") == "portable", reason="this is the portable run")
+def test_int8_portable_kernels_too():
+    """The generic int8 kernels (every ISA clone; AVX-512 machines take vpmovsxbd ones, matvec.h) pass
+    the float64 test as well: the same tests in a process with LINATTN_INT8_KERNEL=portable."""
+    env = {**os.environ, "LINATTN_INT8_KERNEL": "portable"}
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:xdist", "-p", "no:cacheprovider", __file__,
+                          "-k", "matvec_equals or int8_fused_step_equals_eager_step["], env=env,
+                         cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
+    assert " passed" in run.stdout and "failed" not in run.stdout
 
 
 def test_int8_matvec_equals_torchao_linear():
