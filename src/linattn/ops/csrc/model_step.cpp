@@ -12,9 +12,8 @@
 // place (fp32, bf16, or int8 with per-column scales; widened in registers: model_ops.h, matvec.h).
 // All ops run inside one parallel region with a barrier after each (about five per layer), each
 // thread taking its share of every op: columns of the products, (batch row, head) pairs of the
-// attention. The same ops run by
-// `stream()` without their norms, epilogues and attention give the time to read every weight once,
-// the bound a decoding step at small batch cannot beat.
+// attention. The same ops run by `stream()` without their norms, epilogues and attention give the
+// time to read every weight once, the bound a decoding step at small batch cannot beat.
 #include <ATen/Parallel.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
