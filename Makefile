@@ -44,9 +44,11 @@ test-latest:
 
 # Re-resolve the lock from pyproject.toml (run after changing a dependency, or to move to newer peers
 # once `make test-latest` passes). pip-tools is pinned here so that the lock's format does not drift.
+# `make lock UPGRADE=` keeps every pin the lock has and only adds what pyproject.toml newly asks for.
+UPGRADE ?= --upgrade
 lock:
 	test -x .venv-lock/bin/pip-compile || { $(PYTHON) -m venv .venv-lock && .venv-lock/bin/pip install -q pip-tools==7.7.0; }
-	.venv-lock/bin/pip-compile -q --upgrade --strip-extras --no-emit-index-url --no-emit-find-links \
+	.venv-lock/bin/pip-compile -q $(UPGRADE) --strip-extras --no-emit-index-url --no-emit-find-links \
 	  --extra test --extra hf -c $(TORCH) -o $(LOCK) pyproject.toml
 
 bench: $(STAMP)

@@ -1,7 +1,7 @@
 """`linattn bench decode`, whole models: the time of one decoding step of an LM beside the time to
 read its weights once, the bound a step at small batch cannot beat.
 
-For each model size (d_model × layers), attention kind, context and batch:
+For each model size (d_model × layers), attention kind, weight format, context and batch:
 
     eager step        model(tok (B, 1), cache=cache): the layers' torch ops, one fused op per attention
     fused step        linattn.models.decoding.FusedDecoder.step: the whole step in one C++ call
@@ -14,6 +14,11 @@ the ratios step ÷ weight streaming. The context is the position of the decoded 
 then the caches' position counters moved on to the context. The state of these kinds has the same
 size and the step the same work at every context (only RoPE's angles change), so this measures what a
 real prefill of the whole context would, without its minutes of prefill on a small machine.
+
+Weight formats (`weights`): fp32 and bf16 (the model in that dtype), int8 (the fp32 model quantized by
+torchao's Int8WeightOnlyConfig: int8 weights with a float scale per output row, fp32 activations;
+linattn.models.weights). The weight streaming runs the products of the same weights, so each row's
+step stands beside the floor of its own format.
 """
 
 from __future__ import annotations
@@ -37,6 +42,8 @@ MODEL_KINDS = tuple(k.name for k in KINDS.values() if k.rnn)
 DEFAULT_MODELS = ["d256x4"]
 DEFAULT_MODEL_KINDS = ["linear", "gated_deltanet"]
 DEFAULT_MODEL_CONTEXTS = [256, 65536]
+#: the weight formats of the LMs: their dtype, or int8 weight-only quantization of the fp32 model
+WEIGHT_FORMATS = ("fp32", "bf16", "int8")
 
 
 def parse_model(spec: str) -> tuple[int, int]:
@@ -59,6 +66,8 @@ class ModelDecodeConfig:
     min_run_time: float = 0.5
     prefill: int = 64
     rounds: int = 5
+    #: weight formats (WEIGHT_FORMATS); None: the format of `dtype`
+    weights: list[str] | None = None
 
     def __post_init__(self):
         for spec in self.models:
@@ -68,14 +77,33 @@ class ModelDecodeConfig:
             raise ValueError(f"model kinds must be among {MODEL_KINDS}, got {self.kinds!r}")
         if self.dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"model decoding runs float32 or bfloat16, got {self.dtype}")
+        if self.weights is None:
+            self.weights = [short_dtype(self.dtype)]
+        bad = [w for w in self.weights if w not in WEIGHT_FORMATS]
+        if bad or not self.weights:
+            raise ValueError(f"weights must be among {WEIGHT_FORMATS}, got {self.weights!r}")
 
 
-def build_model(spec: str, kind: str, cfg: ModelDecodeConfig) -> LinearTransformerLM:
+def build_model(spec: str, kind: str, cfg: ModelDecodeConfig, weights: str | None = None) -> LinearTransformerLM:
     """The LM of `spec` (8 heads, byte vocabulary, RoPE, SwiGLU, RMSNorm: ModelConfig's defaults) in every
-    layer `kind`, in cfg.dtype, untrained (the step's time does not depend on the weights)."""
+    layer `kind`, untrained (the step's time does not depend on the weights), its weights in the format
+    `weights` (default: cfg.dtype's)."""
     d, layers = parse_model(spec)
     config = ModelConfig(d_model=d, n_layers=layers, n_heads=8, attention=[kind], positions="rope", seed=cfg.seed)
-    return LinearTransformerLM(config).to(cfg.dtype).eval()
+    weights = weights or short_dtype(cfg.dtype)
+    model = LinearTransformerLM(config).to(torch.bfloat16 if weights == "bf16" else torch.float32).eval()
+    if weights == "int8":
+        quantize_int8(model)
+    return model
+
+
+def quantize_int8(model) -> None:
+    """Quantizes every nn.Linear of `model` to int8 weight-only (torchao's Int8WeightOnlyConfig), in place."""
+    try:
+        from torchao.quantization import Int8WeightOnlyConfig, quantize_
+    except ImportError as exc:
+        raise ValueError("int8 weights need torchao: pip install 'linattn[quant]'") from exc
+    quantize_(model, Int8WeightOnlyConfig())
 
 
 def cache_at_context(model, batch: int, ctx: int, prefill: int, seed: int):
@@ -129,19 +157,20 @@ def run_model_decode(cfg: ModelDecodeConfig, console: Console | None = None) -> 
     """Per-token step times of whole models (eager, fused) and their weight-streaming time."""
     console = console or Console()
     rows = []
-    points = [(m, k, c, b) for m in cfg.models for k in cfg.kinds for c in cfg.contexts for b in cfg.batches]
+    points = [(m, k, w, c, b) for m in cfg.models for k in cfg.kinds for w in cfg.weights for c in cfg.contexts
+              for b in cfg.batches]
     with progress(console) as bar:
         task = bar.add_task("bench decode (models)", total=len(points))
         built: dict = {}
-        for spec, kind, ctx, batch in points:
-            bar.update(task, description=f"{spec} {kind} ctx={ctx} B={batch}")
-            if (spec, kind) not in built:
-                built = {(spec, kind): build_model(spec, kind, cfg)}
-            model = built[(spec, kind)]
+        for spec, kind, weights, ctx, batch in points:
+            bar.update(task, description=f"{spec} {kind} {weights} ctx={ctx} B={batch}")
+            if (spec, kind, weights) not in built:
+                built = {(spec, kind, weights): build_model(spec, kind, cfg, weights)}
+            model = built[(spec, kind, weights)]
             obstacle = fused_decoding_obstacle(model)
             if obstacle is not None:
                 raise ValueError(f"bench decode --models: {obstacle}")
-            rows.append({"model": spec, "kind": kind, "ctx": ctx, "batch": batch,
+            rows.append({"model": spec, "kind": kind, "weights": weights, "ctx": ctx, "batch": batch,
                          **_point(model, batch, ctx, cfg)})
             bar.advance(task)
     config = asdict(cfg)
@@ -154,7 +183,7 @@ def check_model_decode(res: dict) -> list[str]:
     its weights (impossible unless the weights sit in cache, which a larger model avoids)."""
     out = []
     for r in res["results"]:
-        where = f"{r['model']} {r['kind']} ctx={r['ctx']} B={r['batch']}"
+        where = f"{r['model']} {r['kind']} {r.get('weights', '')} ctx={r['ctx']} B={r['batch']}"
         for key in ("eager", "fused", "stream"):
             out += unstable(f"model {key}", where, r[key]["median_s"], r[key]["iqr_s"])
         if r["fused_over_stream"] < 0.9:
@@ -164,14 +193,15 @@ def check_model_decode(res: dict) -> list[str]:
 
 
 def render_model_decode(res: dict, console: Console) -> None:
-    cols = ["model", "kind", "ctx", "B", "eager", "fused", "weights", "fused÷w", "eager÷w", "eager÷fused", "MB",
-            "GB/s", "tokens/s"]
+    cols = ["model", "kind", "format", "ctx", "B", "eager", "fused", "weights", "fused÷w", "eager÷w", "eager÷fused",
+            "MB", "GB/s", "tokens/s"]
     rows = []
     for r in res["results"]:
-        rows.append([r["model"], r["kind"], str(r["ctx"]), str(r["batch"]),
+        rows.append([r["model"], r["kind"], r.get("weights", res["config"]["dtype"]), str(r["ctx"]), str(r["batch"]),
                      *(fmt_time(r[k]["median_s"], r[k]["iqr_s"]) for k in ("eager", "fused", "stream")),
                      *(f"{r[k]:.2f}×" for k in ("fused_over_stream", "eager_over_stream", "eager_over_fused")),
                      f"{r['weight_bytes'] / 1e6:.1f}", f"{r['stream_gb_s']:.1f}", f"{r['fused_tokens_s']:.0f}"])
-    console.print(make_table(f"per-token decode step of whole LMs, {res['config']['dtype']} (ms, median ±IQR; ratios: "
-                             "median over alternating rounds); weights = every matrix-vector product of the step once, "
-                             "alone; tokens/s of the fused step", cols, rows))
+    console.print(make_table("per-token decode step of whole LMs (ms, median ±IQR; ratios: median over alternating "
+                             "rounds); format: the weights' (int8: weight-only, fp32 activations); weights = every "
+                             "matrix-vector product of the step once, alone, same weights; tokens/s of the fused step",
+                             cols, rows))

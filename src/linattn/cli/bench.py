@@ -1,4 +1,4 @@
-"""`linattn bench ops|decode|generate`: benchmarks. Thin: options -> linattn.bench -> report folder."""
+"""`linattn bench ops|decode|generate|hf`: benchmarks. Thin: options -> linattn.bench -> report folder."""
 
 from __future__ import annotations
 
@@ -80,6 +80,41 @@ def add_parser(subparsers) -> None:
     dec.set_defaults(func=run_decode_command)
 
     _add_generate_parser(sub)
+    _add_hf_parser(sub)
+
+
+def _add_hf_parser(sub) -> None:
+    from ..bench.hf import SHAPES
+
+    hf = sub.add_parser(
+        "hf", help="transformers' Qwen3.5: its torch path vs use_linattn_kernels() vs linattn.hf.accelerate()",
+        description="Random Qwen3.5-shaped transformers models (nothing downloaded), fp32, batch 1: prefill "
+                    "tokens/s, decode ms/token beside the fp32 gemv floor measured in the same run (every Linear "
+                    "weight read once by the fused decoder's kernels) and one training step, on transformers' own "
+                    "torch path, under linattn.hf.use_linattn_kernels() and converted by linattn.hf.accelerate() "
+                    "(n/a where this linattn lacks it). Needs the hf extra.")
+    hf.add_argument("--shapes", type=lambda v: _choices(v, SHAPES, "shapes"), default=["small"],
+                    metavar="SHAPE[,...]", help=f"model shapes, from {','.join(SHAPES)} (default: small)")
+    hf.add_argument("--threads", type=int_list, default=[1], metavar="T[,T...]",
+                    help="torch thread counts, comma-separated (default: 1)")
+    hf.add_argument("--lengths", type=int_list, default=[2048], metavar="T[,T...]",
+                    help="prefill lengths (default: 2048)")
+    hf.add_argument("--decode-prompt", type=positive_int, default=256, metavar="N",
+                    help="prompt length before decoding (default: %(default)s)")
+    hf.add_argument("--train-len", type=positive_int, default=1024, metavar="T",
+                    help="tokens of the training step (default: %(default)s)")
+    hf.add_argument("--min-run-time", type=positive_float, default=0.5, metavar="SECONDS",
+                    help="minimum measuring time per point (default: %(default)s)")
+    add_common_options(hf)
+    hf.set_defaults(func=run_hf_command)
+
+
+def _choices(value: str, allowed, what: str) -> list[str]:
+    """argparse type: comma-separated names from `allowed`."""
+    names = [v.strip() for v in value.split(",") if v.strip()]
+    if not names or any(n not in allowed for n in names):
+        raise argparse.ArgumentTypeError(f"{what} must be among {','.join(allowed)}, got {value!r}")
+    return names
 
 
 def _model_options(p) -> None:
@@ -96,6 +131,21 @@ def _model_options(p) -> None:
                         f"{','.join(map(str, DEFAULT_MODEL_CONTEXTS))})")
     p.add_argument("--model-batches", type=int_list, default=[1, 8], metavar="B[,B...]",
                    help="batch sizes of the LM steps (default: 1,8)")
+    p.add_argument("--weights", type=_weight_formats, default=None, metavar="fp32|bf16|int8[,...]",
+                   help="weight formats of those LMs, comma-separated: fp32, bf16, int8 (weight-only, torchao's "
+                        "Int8WeightOnlyConfig; fp32 activations); each step beside the weight streaming of the same "
+                        "weights (default: --dtype's)")
+
+
+def _weight_formats(value: str) -> list[str]:
+    """argparse type: weight formats of the decode bench's LMs, comma-separated."""
+    from ..bench.decode_model import WEIGHT_FORMATS
+
+    formats = [v.strip() for v in value.split(",") if v.strip()]
+    bad = [f for f in formats if f not in WEIGHT_FORMATS]
+    if bad or not formats:
+        raise argparse.ArgumentTypeError(f"weight formats must be among {','.join(WEIGHT_FORMATS)}, got {value!r}")
+    return formats
 
 
 def _model_list(value: str) -> list[str]:
@@ -249,7 +299,7 @@ def run_decode_command(args) -> int:
             raise ValueError("--models: the fused decoding step runs on the CPU only; pass --models none")
         models = ModelDecodeConfig(models=args.models, kinds=args.model_kinds, contexts=args.model_contexts,
                                    batches=args.model_batches, dtype=torch_dtype(args.dtype), seed=args.seed,
-                                   min_run_time=args.min_run_time)
+                                   min_run_time=args.min_run_time, weights=args.weights)
         res["models"] = run_model_decode(models, console)
     return _finish("bench-decode", res, args, device, out, console, render_decode, plot_decode, check_decode)
 
@@ -325,3 +375,16 @@ def run_generate_command(args) -> int:
                          min_run_time=args.min_run_time, probes=args.probes, full_no_cache_max=args.full_no_cache_max)
     return _finish("bench-generate", run_generate(cfg, console), args, device, out, console, render_generate,
                    plot_generate, check_generate)
+
+
+def run_hf_command(args) -> int:
+    from ..bench.hf import HfBenchConfig, check_hf, plot_hf, render_hf, run_hf
+
+    args.threads_how = "--threads"
+    device, out, console = resolve_device(args.device), output_dir("bench-hf", args.out), make_console()
+    if device.type != "cpu":
+        raise ValueError("bench hf runs on the CPU (the fused decoder and its gemv floor)")
+    cfg = HfBenchConfig(shapes=args.shapes, threads=args.threads, lengths=args.lengths,
+                        decode_prompt=args.decode_prompt, train_len=args.train_len, min_run_time=args.min_run_time,
+                        seed=args.seed)
+    return _finish("bench-hf", run_hf(cfg, console), args, device, out, console, render_hf, plot_hf, check_hf)

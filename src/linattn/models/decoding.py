@@ -28,14 +28,16 @@ linattn.models.session.DecodingSession.
 
 What the fused step takes (`fused_decoding_obstacle` says why a model is refused; generation then
 runs the eager step): CPU LinearTransformerLM models in float32 or bfloat16 with transformer or
-conv_mixer blocks; every attention kind of linattn.models.KINDS with a fused mixer (Kind.fused: linear
-with every φ that has a native code, softmax with its KV cache, the gated and delta-rule kinds);
-RoPE, learned or no positions; short convolutions on q, k, v; the output gate; RMSNorm or LayerNorm;
-SwiGLU or GELU; biases; left-padded batches.
+conv_mixer blocks, their nn.Linear weights float or 8-bit weight-only quantized by torchao
+(Int8WeightOnlyConfig, per-row or per-tensor scales: read in place, linattn.models.weights); every
+attention kind of linattn.models.KINDS with a fused mixer (Kind.fused: linear with every φ that has
+a native code, softmax with its KV cache, the gated and delta-rule kinds); RoPE, learned or no
+positions; short convolutions on q, k, v; the output gate; RMSNorm or LayerNorm; SwiGLU or GELU;
+biases; left-padded batches.
 
 `weight_streaming()` runs every matrix-vector product of a step and nothing else (same kernels,
-threads and column shares): the time to read every weight once, the bound a step at small batch cannot
-beat (linattn bench decode reports the step's time beside it).
+threads and column shares; int8 weights: the int8 kernels): the time to read every weight once, the
+bound a step at small batch cannot beat (linattn bench decode reports the step's time beside it).
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from ..nn.caches import KVCache
 from ..nn.norms import native_norm_code
 from ..ops import native
 from .kinds import kind_of
+from .weights import float_weight, plan_weight, quantization_obstacle
 
 #: the epilogues of a product (csrc/model_ops.h): store, add to x, SwiGLU, GELU, Zoology's gated convolution
 _EPILOGUES = {"store": 0, "residual": 1, "swiglu": 2, "gelu": 3, "gated_conv": 4}
@@ -63,6 +66,9 @@ def fused_decoding_obstacle(model) -> str | None:
     dtypes = {p.dtype for p in params}
     if len(dtypes) != 1 or next(iter(dtypes)) not in _DTYPES:
         return f"fused decoding takes float32 or bfloat16 models, got {sorted(str(d) for d in dtypes)}"
+    quantized = quantization_obstacle(model)
+    if quantized is not None:
+        return quantized
     if not (native.enabled() and native.load() and hasattr(torch.classes.linattn_cpu, "DecodePlan")):
         return "the fused CPU kernels are not available (linattn.ops.native)"
     for i, block in enumerate(model.blocks):
@@ -82,17 +88,6 @@ def fused_decoding_obstacle(model) -> str | None:
     if native_norm_code(model.norm) is None:
         return f"final norm {type(model.norm).__name__} takes the eager path"
     return None
-
-
-def _weight(linear: nn.Linear) -> dict:
-    """A Linear's weight as the plan reads it: 'kn' (Wt (in, out) contiguous: linattn.nn.base.column_major)
-    or 'nk' (W (out, in) contiguous), and its bias."""
-    w = linear.weight.detach()
-    t = {"weight": w.t()} if w.t().is_contiguous() else {"weight": w.contiguous()}
-    kn = int(w.t().is_contiguous())
-    if linear.bias is not None:
-        t["bias"] = linear.bias.detach()
-    return t, kn
 
 
 def _norm(prefix: str, norm: nn.Module | None):
@@ -216,7 +211,7 @@ class FusedDecoder:
 
     def product(self, linear: nn.Linear, out: torch.Tensor, epilogue: str = "store", **tensors) -> None:
         """out ← (or +=, or an activation of) linear(the group's input); `tensors`: the epilogue's own."""
-        t, kn = _weight(linear)
+        t, kn = plan_weight(linear, self.dtype)
         self._add("product", {**t, "out": out, **tensors}, {"kn": kn, "epilogue": _EPILOGUES[epilogue]})
 
     def project(self, linear: nn.Linear) -> torch.Tensor:
@@ -226,8 +221,9 @@ class FusedDecoder:
         return out
 
     def mixer(self, name: str, tensors: dict, ints: dict, floats: dict) -> None:
-        """The call of a family's mixer (Kind.fused, csrc/model_mixers.h) on a layer's cached state."""
-        self._add(name, tensors, ints, floats)
+        """The call of a family's mixer (Kind.fused, csrc/model_mixers.h) on a layer's cached state
+        (a quantized matrix it reads itself is handed over dequantized: linattn.models.weights.float_weight)."""
+        self._add(name, {k: float_weight(v, self.dtype) for k, v in tensors.items()}, ints, floats)
 
     def state(self, lc):
         """The layer cache's state (a tensor, or a tuple of them), float32 and contiguous, put back

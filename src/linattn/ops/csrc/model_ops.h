@@ -299,7 +299,7 @@ enum Epilogue {
 };
 
 struct Product {
-  Held w;
+  Weights w;            // fp32, bf16 or int8 with scales (matvec.h)
   bool kn = true;       // w is Wt (K × N); else W (N × K)
   int64_t K = 0, N = 0;  // N: the product's columns (both halves for SwiGLU)
   at::Tensor bias;      // float (N) or undefined
@@ -325,11 +325,10 @@ class MatvecGroupOp : public Op {
 
   void add(const Args& a) {
     Product p;
-    p.w = Held(a.tensor("weight"));
     p.kn = a.integer("kn") != 0;
-    TORCH_CHECK(p.w.t.dim() == 2, "linattn_cpu::DecodePlan: a weight must be a matrix");
-    p.K = p.kn ? p.w.t.size(0) : p.w.t.size(1);
-    p.N = p.kn ? p.w.t.size(1) : p.w.t.size(0);
+    p.w = Weights(a.tensor("weight"), p.kn, a.has("scale") ? a.tensor("scale") : at::Tensor());
+    p.K = p.w.K;
+    p.N = p.w.N;
     TORCH_CHECK(p.K == in_.ld, "linattn_cpu::DecodePlan: a weight takes ", p.K, " inputs, the buffer has ", in_.ld);
     if (a.has("bias")) {
       p.bias = a.tensor("bias").to(at::kFloat).contiguous();
@@ -416,18 +415,8 @@ class MatvecGroupOp : public Op {
   const std::vector<Product>& products() const { return products_; }
 
  private:
-  static void product(const Product& p, const float* x, int64_t B, float* y, int64_t ldy, int64_t j0, int64_t j1) {
-    if (p.kn) {
-      if (p.w.bf16) {
-        matvec_kn(p.w.t.data_ptr<at::BFloat16>() + 0, p.N, p.K, x, p.K, B, y, ldy, j0, j1);
-      } else {
-        matvec_kn(p.w.t.data_ptr<float>() + 0, p.N, p.K, x, p.K, B, y, ldy, j0, j1);
-      }
-    } else if (p.w.bf16) {
-      matvec_nk(p.w.t.data_ptr<at::BFloat16>() + 0, p.K, p.K, x, p.K, B, y, ldy, j0, j1);
-    } else {
-      matvec_nk(p.w.t.data_ptr<float>() + 0, p.K, p.K, x, p.K, B, y, ldy, j0, j1);
-    }
+  void product(const Product& p, const float* x, int64_t B, float* y, int64_t ldy, int64_t j0, int64_t j1) const {
+    matvec(p.w, x, B, y, ldy, j0, j1, R_.bf16);
   }
 
   float biased(const Product& p, float y, int64_t j) const { return R_(p.bias_p != nullptr ? y + p.bias_p[j] : y); }

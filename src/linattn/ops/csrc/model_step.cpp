@@ -9,11 +9,11 @@
 //
 // No tensor is allocated per token: the activations live in buffers made once, the states, convolution
 // tails and KV caches of the model's cache are updated in place, and the products read the weights in
-// place (fp32 or bf16, widened in registers: model_ops.h, matvec.h). All ops run inside one parallel
-// region with a barrier after each (about five per layer), each thread taking its share of every op:
-// columns of the products, (batch row, head) pairs of the attention. The same ops run by
-// `stream()` without their norms, epilogues and attention give the time to read every weight once,
-// the bound a decoding step at small batch cannot beat.
+// place (fp32, bf16, or int8 with per-column scales; widened in registers: model_ops.h, matvec.h).
+// All ops run inside one parallel region with a barrier after each (about five per layer), each
+// thread taking its share of every op: columns of the products, (batch row, head) pairs of the
+// attention. The same ops run by `stream()` without their norms, epilogues and attention give the
+// time to read every weight once, the bound a decoding step at small batch cannot beat.
 #include <ATen/Parallel.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
@@ -91,12 +91,12 @@ class DecodePlan : public torch::CustomClassHolder {
   // Every product of the plan once (same threads and column shares as a step), nothing else
   void stream() { execute(StepInfo{batch_, nullptr, nullptr, 0}, true); }
 
-  // Bytes of the weights the products read
+  // Bytes of the weights the products read (int8 weights: and their scales)
   int64_t weight_bytes() const {
     int64_t total = 0;
     for (const auto& op : ops_) {
       if (const auto* g = dynamic_cast<const MatvecGroupOp*>(op.get())) {
-        for (const Product& p : g->products()) total += p.w.t.numel() * static_cast<int64_t>(p.w.t.element_size());
+        for (const Product& p : g->products()) total += p.w.bytes();
       }
     }
     return total;

@@ -1,0 +1,287 @@
+"""`linattn bench hf`: transformers' Qwen3.5 three ways, measured side by side in one run.
+
+For each model shape (random weights, nothing downloaded; fp32, batch 1) and each thread count:
+
+    transformers   transformers' own torch path (its undecorated gated delta rule and convolution)
+    kernels        the same model under linattn.hf.use_linattn_kernels("qwen3_5")
+    accelerate     linattn.hf.accelerate(model): the model converted to a linattn LM (fused decoding);
+                   "n/a" where this linattn has no linattn.hf.accelerate, or it refuses the model
+
+and the metrics
+
+    prefill T      tokens/s of a forward over T tokens (no cache; the last token's logits only)
+    decode         ms per token of a one-token forward on the cache of a `decode_prompt`-token prompt
+                   (the cache grows by a token a call; linattn's models take their fused step there),
+                   beside the fp32 gemv floor measured in the same run: every nn.Linear weight of the
+                   model read once by the fused decoder's matrix-vector kernels (csrc/matvec.h), the
+                   bound a decoding step at B = 1 cannot beat
+    train T        seconds of one training step (forward with labels = inputs, backward) over T tokens
+
+Times are medians of torch.utils.benchmark blocked runs (bench.timing.measure, `min_run_time` each).
+Shapes (SHAPES): "small", the 4-layer shape of the first measurements (3 Gated DeltaNet + 1 attention,
+hidden 1024); "qwen3.5-0.8b", the published Qwen3.5-0.8B text model (24 layers, full attention every
+4th, hidden 1024, FFN 3584, 8 × 256 attention heads with 2 KV heads, vocabulary 248,320, tied
+embeddings; linear heads 16 × 128 for keys and values, transformers' Qwen3_5TextConfig defaults
+for the rest) — about 2.6 GB of fp32 weights; "tiny", for tests.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+from dataclasses import asdict, dataclass, field
+
+import torch
+from rich.console import Console
+from torch import nn
+
+from ..report import make_table, progress
+from .timing import measure
+
+_LINEAR_HEADS = dict(linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=16,
+                     linear_num_value_heads=16, linear_conv_kernel_dim=4)
+#: Qwen3_5TextConfig arguments of each shape
+SHAPES = {
+    "tiny": dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=2,
+                 num_key_value_heads=1, head_dim=32, linear_key_head_dim=16, linear_value_head_dim=16,
+                 linear_num_key_heads=2, linear_num_value_heads=2, linear_conv_kernel_dim=4,
+                 tie_word_embeddings=False),
+    "small": dict(vocab_size=4096, hidden_size=1024, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8,
+                  num_key_value_heads=2, head_dim=128, tie_word_embeddings=False, **_LINEAR_HEADS),
+    "qwen3.5-0.8b": dict(vocab_size=248320, hidden_size=1024, intermediate_size=3584, num_hidden_layers=24,
+                         num_attention_heads=8, num_key_value_heads=2, head_dim=256, tie_word_embeddings=True,
+                         **_LINEAR_HEADS),
+}
+COLUMNS = ("transformers", "kernels", "accelerate")
+
+
+@dataclass
+class HfBenchConfig:
+    shapes: list[str] = field(default_factory=lambda: ["small"])
+    threads: list[int] = field(default_factory=lambda: [1])
+    lengths: list[int] = field(default_factory=lambda: [2048])
+    decode_prompt: int = 256
+    train_len: int = 1024
+    min_run_time: float = 0.5
+    seed: int = 0
+
+    def __post_init__(self):
+        bad = [s for s in self.shapes if s not in SHAPES]
+        if bad or not self.shapes:
+            raise ValueError(f"shapes must be among {','.join(SHAPES)}, got {self.shapes!r}")
+        for name in ("decode_prompt", "train_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not self.threads or min(self.threads) < 1 or not self.lengths or min(self.lengths) < 1:
+            raise ValueError(f"threads and lengths must be positive, got {self.threads!r}, {self.lengths!r}")
+
+
+def qwen_model(shape: str, seed: int) -> nn.Module:
+    """A random Qwen3.5 causal LM of `shape` (SHAPES): 3 Gated DeltaNet layers to 1 full attention, fp32, eval."""
+    import transformers
+
+    kw = dict(SHAPES[shape])
+    layers = kw["num_hidden_layers"]
+    kw["layer_types"] = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(layers)]
+    torch.manual_seed(seed)
+    config = transformers.Qwen3_5TextConfig(**kw)
+    return transformers.AutoModelForCausalLM.from_config(config).float().eval()
+
+
+@contextlib.contextmanager
+def torch_path():
+    """transformers' undecorated torch functions (its wrapper may point at FLA's Triton kernels)."""
+    from ..hf import kernels
+
+    path, names = kernels.MODEL_TYPES["qwen3_5"]
+    module = importlib.import_module(path)
+    saved = {n: getattr(module, n) for n in names if hasattr(module, n)}
+    for n, f in saved.items():
+        setattr(module, n, getattr(f, "__wrapped__", f))
+    try:
+        yield
+    finally:
+        for n, f in saved.items():
+            setattr(module, n, f)
+
+
+def gemv_floor(model: nn.Module, min_run_time: float) -> tuple[float, int]:
+    """(seconds, bytes) to read every nn.Linear weight of `model` once with the fused decoder's
+    matrix-vector kernels at B = 1 (one product per weight, as a fused step runs them)."""
+    from ..models.weights import plan_weight
+    from ..ops import native
+
+    if not (native.enabled() and native.load()):
+        raise ValueError("bench hf: the gemv floor needs the fused CPU kernels (linattn.ops.native), which did not load")
+    plan = torch.classes.linattn_cpu.DecodePlan(1, False)
+    keep = []
+    for lin in (m for m in model.modules() if isinstance(m, nn.Linear)):
+        t, kn = plan_weight(lin, torch.float32)
+        t.pop("bias", None)
+        x, out = torch.zeros(1, lin.in_features), torch.zeros(1, lin.out_features)
+        plan.add("group", {"input": x}, {"_": 0}, {"_": 0.0})
+        plan.add("product", {**t, "out": out}, {"kn": kn, "epilogue": 0}, {"_": 0.0})
+        keep.append((t, x, out))
+    total = int(plan.weight_bytes())
+    return measure(plan.stream, min_run_time=min_run_time).median, total
+
+
+def _metrics(model, cfg: HfBenchConfig, vocab: int) -> dict:
+    """{metric: seconds} of `model` as it is now (prefill per length, decode per token, train step)."""
+    g = torch.Generator().manual_seed(cfg.seed)
+    out = {}
+    for t in cfg.lengths:
+        x = torch.randint(0, vocab, (1, t), generator=g)
+
+        def prefill(x=x):
+            with torch.no_grad():
+                model(x, use_cache=False, logits_to_keep=1)
+        out[f"prefill {t}"] = measure(prefill, min_run_time=cfg.min_run_time).median
+    prompt = torch.randint(0, vocab, (1, cfg.decode_prompt), generator=g)
+    with torch.no_grad():
+        cache = model(prompt, use_cache=True, logits_to_keep=1).past_key_values
+    tok = prompt[:, -1:]
+
+    def step():  # one token on the cache (which grows by one token a call)
+        with torch.no_grad():
+            model(tok, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    out["decode"] = measure(step, min_run_time=cfg.min_run_time).median
+    del cache
+    x = torch.randint(0, vocab, (1, cfg.train_len), generator=g)
+    model.train()
+
+    def train_step():
+        model.zero_grad(set_to_none=True)
+        model(x, labels=x, use_cache=False).loss.backward()
+    try:
+        out[f"train {cfg.train_len}"] = measure(train_step, min_run_time=cfg.min_run_time).median
+    finally:
+        model.zero_grad(set_to_none=True)
+        model.eval()
+    return out
+
+
+def _accelerated(model):
+    """(linattn.hf.accelerate(model), None), or (None, why not)."""
+    from .. import hf
+
+    if not hasattr(hf, "accelerate"):
+        return None, "this linattn has no linattn.hf.accelerate"
+    try:
+        return hf.accelerate(model).float().eval(), None
+    except (ValueError, NotImplementedError, KeyError) as exc:  # a model it does not convert
+        return None, f"{type(exc).__name__}: {exc}"
+
+
+def _point(shape: str, model, threads: int, cfg: HfBenchConfig) -> list[dict]:
+    from ..hf import use_linattn_kernels
+
+    vocab = SHAPES[shape]["vocab_size"]
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        floor, weight_bytes = gemv_floor(model, cfg.min_run_time)
+        cols: dict = {}
+        with torch_path():
+            cols["transformers"] = _metrics(model, cfg, vocab)
+        with use_linattn_kernels("qwen3_5"):
+            cols["kernels"] = _metrics(model, cfg, vocab)
+        acc, why = _accelerated(model)
+        cols["accelerate"] = None
+        if acc is not None:
+            try:  # linattn.hf.accelerate is young: a failure is the column's note, not the run's end
+                cols["accelerate"] = _metrics(acc, cfg, vocab)
+            except Exception as exc:  # noqa: BLE001
+                why = f"accelerate(model) ran into {type(exc).__name__}: {exc}"[:300]
+    finally:
+        torch.set_num_threads(before)
+    rows = []
+    for metric in cols["transformers"]:
+        row = {"shape": shape, "threads": threads, "metric": metric}
+        for c in COLUMNS:
+            row[c] = None if cols[c] is None else cols[c][metric]
+        row["floor_s"] = floor if metric == "decode" else None
+        row["weight_bytes"] = weight_bytes
+        row["accelerate_note"] = why
+        rows.append(row)
+    return rows
+
+
+def run_hf(cfg: HfBenchConfig, console: Console | None = None) -> dict:
+    """Every shape × threads point: the three columns' metrics and the decode floor (seconds)."""
+    console = console or Console()
+    rows: list[dict] = []
+    with progress(console) as bar:
+        task = bar.add_task("bench hf", total=len(cfg.shapes) * len(cfg.threads))
+        for shape in cfg.shapes:
+            model = qwen_model(shape, cfg.seed)
+            for threads in cfg.threads:
+                bar.update(task, description=f"{shape}, {threads} thread(s)")
+                rows += _point(shape, model, threads, cfg)
+                bar.advance(task)
+            del model
+    return {"config": asdict(cfg), "results": rows}
+
+
+def _shown(metric: str, seconds: float | None) -> str:
+    """tokens/s of a prefill, ms/token of decoding, s of a training step."""
+    if seconds is None:
+        return "n/a"
+    if metric.startswith("prefill"):
+        return f"{int(metric.split()[1]) / seconds:.0f} tok/s"
+    return f"{seconds * 1e3:.2f} ms/tok" if metric == "decode" else f"{seconds:.3f} s"
+
+
+def render_hf(res: dict, console: Console) -> None:
+    cols = ["shape", "threads", "metric", "transformers", "kernels", "accelerate", "kernels ×", "accelerate ×",
+            "fp32 gemv floor"]
+    rows = []
+    for r in res["results"]:
+        base = r["transformers"]
+        ups = [f"{base / r[c]:.2f}×" if r[c] else "n/a" for c in ("kernels", "accelerate")]
+        floor = "" if r["floor_s"] is None else f"{r['floor_s'] * 1e3:.2f} ms ({r['weight_bytes'] / 1e6:.0f} MB)"
+        rows.append([r["shape"], str(r["threads"]), r["metric"], *(_shown(r["metric"], r[c]) for c in COLUMNS),
+                     *ups, floor])
+    console.print(make_table("transformers' Qwen3.5 (random weights, fp32, B = 1): transformers' torch path, "
+                             "use_linattn_kernels(), linattn.hf.accelerate(); speed-ups over transformers; decode "
+                             "beside the time to read every Linear weight once", cols, rows))
+    notes = sorted({r["accelerate_note"] for r in res["results"] if r["accelerate_note"]})
+    for note in notes:
+        console.print(f"accelerate n/a: {note}", highlight=False)
+
+
+def check_hf(res: dict) -> list[str]:
+    """Warnings: a decode faster than its own floor (the weights then sat in cache)."""
+    out = []
+    for r in res["results"]:
+        if r["metric"] == "decode":
+            for c in COLUMNS:
+                if r[c] is not None and r[c] < 0.9 * r["floor_s"]:
+                    out.append(f"{r['shape']} {r['threads']} thread(s): {c} decoded faster than the gemv floor; "
+                               "the weights sat in the CPU cache")
+    return out
+
+
+def plot_hf(res: dict, path) -> None:
+    """Speed-up over transformers per metric, one panel per shape × threads."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    groups = sorted({(r["shape"], r["threads"]) for r in res["results"]})
+    fig = Figure(figsize=(5.0 * len(groups), 4.0), layout="constrained")
+    FigureCanvasAgg(fig)
+    for ax, (shape, threads) in zip(fig.subplots(1, len(groups), squeeze=False)[0], groups):
+        rows = [r for r in res["results"] if (r["shape"], r["threads"]) == (shape, threads)]
+        for i, c in enumerate(("kernels", "accelerate")):
+            ups = [r["transformers"] / r[c] if r[c] else 0.0 for r in rows]
+            ax.bar([j + 0.4 * i for j in range(len(rows))], ups, width=0.4, label=c)
+        ax.set_xticks([j + 0.2 for j in range(len(rows))], [r["metric"] for r in rows], rotation=30)
+        ax.axhline(1.0, color="gray", linewidth=1)
+        ax.set_title(f"{shape}, {threads} thread(s)")
+        ax.set_ylabel("speed-up over transformers")
+        ax.legend(fontsize=8)
+    fig.savefig(path, dpi=100)
+
+
+__all__ = ["COLUMNS", "HfBenchConfig", "SHAPES", "check_hf", "gemv_floor", "plot_hf", "qwen_model", "render_hf",
+           "run_hf"]

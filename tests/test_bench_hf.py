@@ -1,0 +1,55 @@
+"""`linattn bench hf` on the tiny shape: the table's structure (rows, columns, n/a), the gemv floor's
+bytes, the option checks. Not times."""
+
+import pytest
+from torch import nn
+
+from linattn.cli import main
+
+from .test_bench import _load_report
+
+pytest.importorskip("transformers", reason="the hf extra is not installed")
+hf = pytest.importorskip("linattn.hf")
+
+
+def run_tiny(tmp_path, capsys):
+    out = tmp_path / "hf"
+    argv = ["bench", "hf", "--shapes", "tiny", "--threads", "1,2", "--lengths", "16",
+            "--decode-prompt", "8", "--train-len", "16", "--min-run-time", "0.01", "--out", str(out)]
+    assert main(argv) == 0
+    return _load_report(out, "bench-hf"), capsys.readouterr().out
+
+
+def test_bench_hf_tiny_table(tmp_path, capsys):
+    from linattn.bench.hf import qwen_model
+
+    data, printed = run_tiny(tmp_path, capsys)
+    rows = data["results"]
+    assert [(r["shape"], r["threads"], r["metric"]) for r in rows] == [
+        ("tiny", t, m) for t in (1, 2) for m in ("prefill 16", "decode", "train 16")]
+    weights = 4 * sum(m.weight.numel() for m in qwen_model("tiny", 0).modules() if isinstance(m, nn.Linear))
+    for r in rows:
+        assert r["transformers"] > 0 and r["kernels"] > 0
+        assert (r["floor_s"] is not None and r["floor_s"] > 0) == (r["metric"] == "decode")
+        assert r["weight_bytes"] == weights
+        # accelerate: a time, or n/a with the reason
+        assert (r["accelerate"] is None) == (r["accelerate_note"] is not None)
+        assert r["accelerate"] is None or r["accelerate"] > 0
+    assert "transformers' Qwen3.5" in printed and "fp32 gemv floor" in printed
+    if not hasattr(hf, "accelerate"):
+        assert all(r["accelerate"] is None for r in rows) and "n/a" in printed
+        assert "accelerate n/a: this linattn has no linattn.hf.accelerate" in printed
+
+
+def test_bench_hf_without_accelerate_prints_na(tmp_path, capsys, monkeypatch):
+    if hasattr(hf, "accelerate"):
+        monkeypatch.delattr(hf, "accelerate")
+    data, printed = run_tiny(tmp_path, capsys)
+    assert all(r["accelerate"] is None for r in data["results"])
+    assert "accelerate n/a: this linattn has no linattn.hf.accelerate" in printed
+
+
+def test_bench_hf_options_are_checked(capsys):
+    with pytest.raises(SystemExit):
+        main(["bench", "hf", "--shapes", "qwen9"])
+    assert "shapes must be among tiny,small,qwen3.5-0.8b" in capsys.readouterr().err
