@@ -40,7 +40,8 @@ def kda_step(state, q, k, v, beta, g, *, scale: float | None = None, qk_l2norm: 
     """The recurrent form, `delta_rule_step(state, q, k, v, beta, g=g, ...)` with g (B, H, T, D):
     S_α = Diag(α) S, u = S_αᵀ k̂, S' = S_α + k̂ (β (v − u))ᵀ, o = S'ᵀ q̂. Returns (o, new_state);
     inplace: S' written into `state` (delta_rule_step's)."""
-    _channel_gate(q, g)
+    if not (isinstance(g, torch.Tensor) and g.dim() == 4):  # a 4-D g's shape: delta_rule_step's checks
+        _channel_gate(q, g)
     return delta_rule_step(state, q, k, v, beta, g=g, scale=scale, qk_l2norm=qk_l2norm, inplace=inplace)
 
 
