@@ -88,14 +88,20 @@ class _Transformer(nn.Module):
 
     def _block(self, i: int, kind: str) -> nn.Module:
         c = self.config
-        common = dict(rope=c.positions == "rope", rope_base=c.rope_base, qk_dim=c.qk_dim, dropout=c.dropout,
-                      bias=c.bias, short_conv=c.short_conv_for(kind), output_gate=c.output_gate_for(kind),
+        own = c.layer_options_for(kind)
+        common = dict(rope=c.positions == "rope", rope_base=c.rope_base, qk_dim=own["qk_dim"], dropout=c.dropout,
+                      bias=c.bias, short_conv=c.short_conv_for(kind), output_gate=own["output_gate"],
                       norm_eps=c.norm_eps)
+        if own["v_dim"] is not None:
+            common["v_dim"] = own["v_dim"]
         row = KINDS[kind]
-        attn = row.layer(c.d_model, c.n_heads, **row.build(c, i, self.causal), **common, **c.kind_options_for(kind))
+        attn = row.layer(c.d_model, own["n_heads"], **row.build(c, i, self.causal), **common,
+                         **c.kind_options_for(kind))
+        if own["rope_dim"] is not None and c.positions == "rope":
+            attn.set_rope_dim(own["rope_dim"])
         if c.qkv_bias is not None:
             attn.set_qkv_bias(c.qkv_bias)
-        if c.qk_norm:
+        if own["qk_norm"]:
             attn.set_qk_norm(c.norm_eps)
         if c.block == "conv_mixer":
             return ConvMixerBlock(attn, c.conv_mixer_kernel, norm=c.norm, norm_eps=c.norm_eps)

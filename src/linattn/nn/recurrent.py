@@ -50,11 +50,11 @@ class RecurrentAttention(Attention):
     recurrent state as cache (RecurrentCache), the output norm and gate on by default. Subclasses set
     `kind` and `family` and implement `mix` (linattn.nn.base.Attention)."""
 
-    def __init__(self, d_model: int, n_heads: int, *, qk_dim: int | None = None, rope: bool = False,
-                 rope_base: float = 10_000.0, short_conv: int = 0, output_gate: bool = True, dropout: float = 0.0,
-                 bias: bool = False, chunk_size: int = DEFAULT_CHUNK_SIZE, norm_eps: float = 1e-5):
+    def __init__(self, d_model: int, n_heads: int, *, qk_dim: int | None = None, v_dim: int | None = None,
+                 rope: bool = False, rope_base: float = 10_000.0, short_conv: int = 0, output_gate: bool | str = True,
+                 dropout: float = 0.0, bias: bool = False, chunk_size: int = DEFAULT_CHUNK_SIZE, norm_eps: float = 1e-5):
         super().__init__(d_model, n_heads, qk_dim, True, dropout, bias, short_conv=short_conv,
-                         output_gate=output_gate, norm_eps=norm_eps)
+                         output_gate=output_gate, norm_eps=norm_eps, v_dim=v_dim)
         check_positive_int("chunk_size", chunk_size)
         self.chunk_size = chunk_size
         self.scale = self.qk_dim ** -0.5

@@ -1,0 +1,201 @@
+"""transformers' hybrid causal LMs (Gated DeltaNet + gated softmax attention) as linattn models,
+losslessly (docs/design.md §21). Supported: Qwen3.5's text model (model_type qwen3_5_text,
+Qwen3_5ForCausalLM; the language model of a qwen3_5 Qwen3_5ForConditionalGeneration).
+
+What maps to what (a layer of `config.layer_types`):
+
+    linear_attention  → kind gated_deltanet: in_proj_qkv → attn.qkv ([q | k | v] rows, as linattn's),
+                        conv1d (C, 1, K) → attn.conv.weight (C, K) (the same causal sum; SiLU after it
+                        is the delta kinds' own SiLU on q, k, v), in_proj_b → attn.beta_proj (β =
+                        sigmoid), in_proj_a, A_log, dt_bias → attn.decay (g = −e^{A_log}·softplus(a +
+                        dt_bias)), norm + in_proj_z → attn.output_gate (RMSNorm(o)·w ⊙ silu(z)),
+                        out_proj → attn.out; q, k L2-normalized (ε = 1e-6 inside the norm, as
+                        transformers' l2norm), scale linear_key_head_dim^{−1/2}, no RoPE (rope_dim 0)
+    full_attention    → kind softmax: q_proj's per-head [q_h | gate_h] rows split into attn.qkv's q
+                        and attn.output_gate.proj (output_gate "sigmoid": o ⊙ sigmoid(W_g x)),
+                        q_norm / k_norm → attn.q_norm / k_norm (qk_norm), RoPE on the first
+                        head_dim·partial_rotary_factor features (rope_dim), rotate-half pairing
+    mlp               → ffn (SwiGLU; gate_proj and up_proj stacked as linattn's `up`)
+
+Grouped heads are expanded to one per value head: the softmax layers' k and v (num_key_value_heads
+< num_attention_heads) and the delta layers' q and k (linear_num_key_heads < linear_num_value_heads),
+each group's rows (and, for the delta layers, their convolution taps) repeated for its consecutive
+heads — transformers' repeat_kv and repeat_interleave(dim=heads) order. The convolution is per
+channel, the L2 norm per head, so repeating before them computes the same values.
+
+Qwen3.5's RMSNorms (decoder norms, final norm, q_norm, k_norm) are zero-centred: the stored weight
+w is applied as (1 + w), computed in float32. The linattn model stores 1 + w: for float32 (or float64)
+weights that is the same float32 (float64) number transformers multiplies by, so the logits agree
+to float rounding; for bfloat16 weights 1 + w is rounded to bfloat16 (transformers keeps it in
+float32), a rounding of the gain's last bit. The gated norm of the delta layers is a plain one (w).
+
+Weights: the tensors whose layout linattn shares — embeddings, lm_head, o_proj, out_proj, down_proj,
+in_proj_b, in_proj_a, A_log, dt_bias, in_proj_z, the gated norm — are the same Parameters in both
+models when share=True (training one trains the other); the others (the stacked or split
+projections, the expanded heads, the convolution's (C, K) view and the 1 + w gains) are copies.
+
+Positions: text-only, so the three mrope sections see the same position ids and the rotation is
+plain RoPE whatever mrope_section says. Refused by name: rope types other than default,
+attention_bias, an odd rotary dim, hidden_act other than silu, layer types other than the two,
+num_*_heads that do not divide.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..models.config import ModelConfig
+from ..models.lm import LinearTransformerLM
+from .teacher import _expand, _refuse, _rope_base
+
+__all__ = ["HYBRID_SUPPORTED", "from_transformers_hybrid", "hybrid_config"]
+
+#: the model_types converted here (qwen3_5: its language model)
+HYBRID_SUPPORTED = ("qwen3_5_text", "qwen3_5")
+_KINDS = {"linear_attention": "gated_deltanet", "full_attention": "softmax"}
+
+
+def text_config(c):
+    """The text model's config of `c` (a qwen3_5 config holds it as text_config)."""
+    return c.get_text_config() if getattr(c, "model_type", None) == "qwen3_5" else c
+
+
+def _divides(mt: str, a_name: str, a: int, b_name: str, b: int) -> None:
+    if a % b:
+        raise _refuse(mt, f"{a_name}={a} not a multiple of {b_name}={b}")
+
+
+def _rope_dim(c, mt: str) -> int:
+    params = getattr(c, "rope_parameters", None) or {}
+    factor = float(params.get("partial_rotary_factor", getattr(c, "partial_rotary_factor", 1.0)))
+    dim = int(c.head_dim * factor)
+    if dim % 2 or dim <= 0:
+        raise _refuse(mt, f"partial_rotary_factor={factor} (a rotary dim of {dim}; linattn rotates an even number "
+                          "of features)")
+    return dim
+
+
+def hybrid_config(c) -> ModelConfig:
+    """The ModelConfig of a Qwen3.5 config `c` (qwen3_5_text, or qwen3_5's text_config)."""
+    mt = getattr(c, "model_type", None)
+    if mt not in HYBRID_SUPPORTED:
+        raise ValueError(f"model_type {mt!r}: linattn.hf.hybrid converts {', '.join(HYBRID_SUPPORTED)}")
+    c = text_config(c)
+    if c.hidden_act != "silu":
+        raise _refuse(mt, f"hidden_act {c.hidden_act!r} (SwiGLU and the SiLU of the short convolution)")
+    if getattr(c, "attention_bias", False):
+        raise _refuse(mt, "attention_bias=True")
+    if getattr(c, "attention_dropout", 0.0):
+        raise _refuse(mt, f"attention_dropout={c.attention_dropout}")
+    unknown = sorted(set(c.layer_types) - set(_KINDS))
+    if unknown:
+        raise _refuse(mt, f"layer_types {unknown} (only {', '.join(_KINDS)})")
+    _divides(mt, "num_attention_heads", c.num_attention_heads, "num_key_value_heads", c.num_key_value_heads)
+    _divides(mt, "linear_num_value_heads", c.linear_num_value_heads, "linear_num_key_heads", c.linear_num_key_heads)
+    softmax = dict(n_heads=c.num_attention_heads, qk_dim=c.head_dim, v_dim=c.head_dim, qk_norm=True,
+                   output_gate="sigmoid", rope_dim=_rope_dim(c, mt), short_conv=0)
+    delta = dict(n_heads=c.linear_num_value_heads, qk_dim=c.linear_key_head_dim, v_dim=c.linear_value_head_dim,
+                 qk_norm=False, output_gate=True, rope_dim=0, short_conv=c.linear_conv_kernel_dim)
+    kinds = [_KINDS[t] for t in c.layer_types[:c.num_hidden_layers]]
+    return ModelConfig(vocab_size=c.vocab_size, d_model=c.hidden_size, n_layers=c.num_hidden_layers,
+                       n_heads=c.num_attention_heads, qk_dim=c.head_dim, v_dim=c.head_dim, d_ff=c.intermediate_size,
+                       attention=kinds, positions="rope", rope_base=_rope_base(c, mt),
+                       max_len=c.max_position_embeddings, norm="rmsnorm", norm_eps=c.rms_norm_eps, activation="swiglu",
+                       bias=False, tie_embeddings=bool(c.tie_word_embeddings), dropout=0.0,
+                       kind_options={"softmax": softmax, "gated_deltanet": delta})
+
+
+def _gain(norm: nn.Module) -> torch.Tensor:
+    """1 + w of a zero-centred RMSNorm, in its weight's dtype (module docstring)."""
+    return 1.0 + norm.weight.detach()
+
+
+def _softmax_state(a, c, p: str, shared: dict, copied: dict) -> None:
+    h, kv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+    qg = a.q_proj.weight.detach().view(h, 2, d, -1)  # per head [q_h | gate_h] (transformers' chunk of 2·head_dim)
+    copied[p + "qkv.weight"] = torch.cat([qg[:, 0].reshape(h * d, -1), _expand(a.k_proj.weight.detach(), h, kv),
+                                          _expand(a.v_proj.weight.detach(), h, kv)])
+    copied[p + "output_gate.proj.weight"] = qg[:, 1].reshape(h * d, -1)
+    copied[p + "q_norm.weight"], copied[p + "k_norm.weight"] = _gain(a.q_norm), _gain(a.k_norm)
+    shared[p + "out.weight"] = a.o_proj.weight
+
+
+def _delta_state(a, c, p: str, shared: dict, copied: dict) -> None:
+    nk, nv, dk = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim
+    key = nk * dk
+
+    def heads(w):  # [q | k | v] rows (or channels) with q and k expanded to one head per value head
+        q, k, v = w.split((key, key, w.shape[0] - 2 * key))
+        return torch.cat([_expand(q, nv, nk), _expand(k, nv, nk), v])
+
+    copied[p + "qkv.weight"] = heads(a.in_proj_qkv.weight.detach())
+    copied[p + "conv.weight"] = heads(a.conv1d.weight.detach()[:, 0])
+    shared.update({p + "beta_proj.weight": a.in_proj_b.weight, p + "decay.proj.weight": a.in_proj_a.weight,
+                   p + "decay.A_log": a.A_log, p + "decay.dt_bias": a.dt_bias,
+                   p + "output_gate.norm.weight": a.norm.weight, p + "output_gate.proj.weight": a.in_proj_z.weight,
+                   p + "out.weight": a.out_proj.weight})
+
+
+def _parts(model):
+    """(text config, text model (embed_tokens, layers, norm), lm_head) of a Qwen3.5 causal LM."""
+    c = text_config(model.config)
+    base = model.model
+    base = getattr(base, "language_model", base)
+    return c, base, model.lm_head
+
+
+def _state(model, cfg: ModelConfig) -> tuple[dict, dict]:
+    """({name: Parameter} shared as they are, {name: tensor} copied) of the linattn model."""
+    c, base, head = _parts(model)
+    shared = {"tok_emb.weight": base.embed_tokens.weight}
+    copied = {"norm.weight": _gain(base.norm)}
+    if not cfg.tie_embeddings:
+        shared["lm_head.weight"] = head.weight
+    for i, layer in enumerate(base.layers):
+        p = f"blocks.{i}."
+        copied[p + "norm1.weight"] = _gain(layer.input_layernorm)
+        copied[p + "norm2.weight"] = _gain(layer.post_attention_layernorm)
+        m = layer.mlp
+        copied[p + "ffn.up.weight"] = torch.cat([m.gate_proj.weight.detach(), m.up_proj.weight.detach()])
+        shared[p + "ffn.down.weight"] = m.down_proj.weight
+        if hasattr(layer, "linear_attn"):  # a linear_attention layer
+            _delta_state(layer.linear_attn, c, p + "attn.", shared, copied)
+        else:
+            _softmax_state(layer.self_attn, c, p + "attn.", shared, copied)
+    return shared, copied
+
+
+def _put(lm: nn.Module, name: str, param: nn.Parameter) -> None:
+    owner, _, attr = name.rpartition(".")
+    setattr(lm.get_submodule(owner), attr, param)
+
+
+def from_transformers_hybrid(model: nn.Module, *, share: bool = True) -> LinearTransformerLM:
+    """The linattn LM equal to transformers' Qwen3.5 causal LM `model` (module docstring), in its dtype;
+    share: the Parameters whose layout agrees are the model's own (else copies)."""
+    cfg = hybrid_config(model.config)
+    mt = model.config.model_type
+    lm = LinearTransformerLM(cfg)
+    shared, copied = _state(model, cfg)
+    mine = lm.state_dict()
+    missing = sorted(set(mine) - set(shared) - set(copied) - ({"lm_head.weight"} if cfg.tie_embeddings else set()))
+    extra = sorted((set(shared) | set(copied)) - set(mine))
+    if missing or extra:
+        raise ValueError(f"transformers {mt} model: tensors not mapped {missing}, unexpected {extra}")
+    lm = lm.to(dtype=next(model.parameters()).dtype)
+    for k, v in {**shared, **copied}.items():
+        if mine[k].shape != v.shape:
+            raise ValueError(f"transformers {mt} model: {k} has shape {tuple(v.shape)}, linattn expects "
+                             f"{tuple(mine[k].shape)}")
+    with torch.no_grad():
+        for k, v in copied.items():
+            lm.get_parameter(k).copy_(v)
+        for k, v in shared.items():
+            if share:
+                _put(lm, k, v)
+            else:
+                lm.get_parameter(k).copy_(v)
+    if cfg.tie_embeddings:
+        lm.lm_head.weight = lm.tok_emb.weight
+    return lm.eval()

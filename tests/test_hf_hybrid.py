@@ -1,0 +1,283 @@
+"""linattn.hf.hybrid: transformers' Qwen3.5 as a linattn model, against transformers' eager forward."""
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+qwen3_5 = pytest.importorskip("transformers.models.qwen3_5")
+
+import linattn.hf as H  # noqa: E402
+from linattn.hf.hybrid import from_transformers_hybrid, hybrid_config  # noqa: E402
+from linattn.models import LinearTransformerLM, ModelConfig  # noqa: E402
+
+LAYERS = ["linear_attention", "full_attention", "linear_attention", "full_attention"]
+
+
+def qwen35_config(**over):
+    kw = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16, linear_key_head_dim=8, linear_value_head_dim=16,
+              linear_num_key_heads=2, linear_num_value_heads=4, linear_conv_kernel_dim=4, layer_types=LAYERS,
+              tie_word_embeddings=False, rms_norm_eps=1e-6, pad_token_id=0, eos_token_id=1, bos_token_id=2)
+    kw.update(over)
+    c = qwen3_5.Qwen3_5TextConfig(**kw)
+    c._attn_implementation = "eager"
+    return c
+
+
+def qwen35(dtype=torch.float32, seed=0, **over):
+    """A tiny random Qwen3.5 whose zero-initialized parameters (the zero-centred norms' w) are drawn too."""
+    torch.manual_seed(seed)
+    m = qwen3_5.Qwen3_5ForCausalLM(qwen35_config(**over)).eval()
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if "norm" in name or "A_log" in name or "dt_bias" in name:
+                p.add_(torch.randn_like(p) * 0.2)
+    return m.to(dtype)
+
+
+def ids(b=2, n=13, seed=0):
+    return torch.randint(3, 97, (b, n), generator=torch.Generator().manual_seed(seed))
+
+
+def logits(lm, x, mask=None):
+    out = lm(x, mask)
+    return out[0] if isinstance(out, tuple) else out
+
+
+@pytest.mark.parametrize("over", [{}, dict(linear_num_value_heads=2), dict(tie_word_embeddings=True),
+                                  dict(num_key_value_heads=4, partial_rotary_factor=0.5)],
+                         ids=["gva2", "gva1", "tied", "mha_half_rope"])
+def test_logits_equal_transformers_eager_float32(over):
+    m = qwen35(**over)
+    lm = from_transformers_hybrid(m)
+    x = ids()
+    with torch.no_grad():
+        ref, mine = m(x).logits, logits(lm, x)
+    assert ref.abs().max() > 0.1  # not a degenerate model
+    torch.testing.assert_close(mine, ref, atol=2e-5 * ref.abs().max().item(), rtol=0)
+
+
+def test_logits_equal_float64():
+    """transformers' Qwen3.5 runs its RMSNorms, gated norm, delta rule and RoPE angles in float32 even for a
+    float64 model (x.float(), .to(torch.float32)): the reference itself carries float32 rounding (~1e-7)."""
+    m = qwen35(torch.float64)
+    lm = from_transformers_hybrid(m)
+    assert lm.tok_emb.weight.dtype == torch.float64
+    x = ids(n=21)
+    with torch.no_grad():
+        ref = m(x).logits
+        torch.testing.assert_close(logits(lm, x), ref, atol=1e-6 * ref.abs().max().item(), rtol=0)
+
+
+def test_left_padding_gives_each_row_alone():
+    m = qwen35()
+    lm = from_transformers_hybrid(m)
+    x = ids(b=2, n=9)
+    mask = torch.ones_like(x, dtype=torch.bool)
+    mask[0, :3] = False
+    with torch.no_grad():
+        ref = m(x, attention_mask=mask.long()).logits
+        mine = logits(lm, x, mask)
+        alone = logits(lm, x[:1, 3:])
+    torch.testing.assert_close(mine[mask], ref[mask], atol=2e-5 * ref.abs().max().item(), rtol=0)
+    torch.testing.assert_close(mine[0, 3:], alone[0], atol=1e-5, rtol=0)
+
+
+def test_gradients_equal_transformers():
+    m = qwen35()
+    m.train()  # dropout is 0: train mode only turns on autograd-friendly paths
+    lm = from_transformers_hybrid(m).train()
+    x, y = ids(), ids(seed=1)
+
+    def grads(out):
+        m.zero_grad(set_to_none=True)
+        lm.zero_grad(set_to_none=True)
+        torch.nn.functional.cross_entropy(out.flatten(0, 1), y.flatten()).backward()
+
+    grads(m(x).logits)
+    base = m.model
+    ref = {n: p.grad.clone() for n, p in m.named_parameters()}
+    grads(logits(lm, x))
+    got = {n: p.grad.clone() for n, p in lm.named_parameters()}
+    # shared Parameters: one tensor, the gradient of each model's loss in turn
+    shared = [("model.embed_tokens.weight", "tok_emb.weight"), ("lm_head.weight", "lm_head.weight"),
+              ("model.layers.0.linear_attn.A_log", "blocks.0.attn.decay.A_log"),
+              ("model.layers.0.linear_attn.in_proj_z.weight", "blocks.0.attn.output_gate.proj.weight"),
+              ("model.layers.1.self_attn.o_proj.weight", "blocks.1.attn.out.weight"),
+              ("model.layers.3.mlp.down_proj.weight", "blocks.3.ffn.down.weight")]
+    assert lm.blocks[0].attn.decay.A_log is base.layers[0].linear_attn.A_log
+    for theirs, mine in shared:
+        torch.testing.assert_close(got[mine], ref[theirs], atol=1e-6, rtol=1e-4)
+    # copies: the gradient of the stacked / gained tensor is the stack of theirs
+    mlp = "model.layers.2.mlp."
+    torch.testing.assert_close(got["blocks.2.ffn.up.weight"],
+                               torch.cat([ref[mlp + "gate_proj.weight"], ref[mlp + "up_proj.weight"]]),
+                               atol=1e-6, rtol=1e-4)
+    torch.testing.assert_close(got["blocks.1.norm1.weight"], ref["model.layers.1.input_layernorm.weight"],
+                               atol=1e-6, rtol=1e-4)
+    torch.testing.assert_close(got["blocks.1.attn.q_norm.weight"], ref["model.layers.1.self_attn.q_norm.weight"],
+                               atol=1e-6, rtol=1e-4)
+
+
+def test_share_false_copies_and_config_round_trips(tmp_path):
+    m = qwen35()
+    lm = from_transformers_hybrid(m, share=False)
+    assert lm.tok_emb.weight is not m.model.embed_tokens.weight
+    cfg = lm.config
+    assert ModelConfig.from_json(cfg.to_json()) == cfg
+    assert cfg.kind_options["softmax"]["output_gate"] == "sigmoid" and cfg.kind_options["softmax"]["rope_dim"] == 4
+    lm.save_pretrained(tmp_path)
+    back = LinearTransformerLM.from_pretrained(tmp_path)
+    x = ids()
+    with torch.no_grad():
+        torch.testing.assert_close(logits(back, x), logits(lm, x), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("over, option", [
+    (dict(attention_bias=True), "attention_bias"),
+    (dict(hidden_act="gelu"), "hidden_act"),
+    (dict(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0,
+                           "partial_rotary_factor": 0.25}), "rope_type"),
+    (dict(partial_rotary_factor=0.1875), "partial_rotary_factor"),
+    (dict(linear_num_value_heads=3), "linear_num_value_heads"),
+])
+def test_refusals_name_the_option(over, option):
+    with pytest.raises(ValueError, match=option):
+        hybrid_config(qwen35_config(**over))
+
+
+def test_refuses_other_model_types():
+    with pytest.raises(ValueError, match="model_type 'llama'"):
+        hybrid_config(transformers.LlamaConfig())
+
+
+# ---- linattn.hf.accelerate: transformers' generate and pipelines on the converted model
+
+def accelerated(**over):
+    m = qwen35(**over)
+    return m, H.accelerate(m)
+
+
+def test_accelerate_carries_generation_config_and_ids():
+    m, fast = accelerated()
+    assert isinstance(fast, H.LinattnForCausalLM)
+    assert (fast.config.pad_token_id, fast.config.bos_token_id, fast.config.eos_token_id) == (0, 2, 1)
+    assert fast.generation_config.eos_token_id == m.generation_config.eos_token_id == 1
+    assert fast.generation_config.pad_token_id == 0
+
+
+def test_greedy_tokens_and_logits_equal_transformers():
+    m, fast = accelerated()
+    x = ids(b=1, n=7)
+    kw = dict(max_new_tokens=12, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    a, b = m.generate(x, **kw), fast.generate(x, **kw)
+    assert b.sequences.tolist() == a.sequences.tolist()
+    assert len(b.logits) == len(a.logits) == 12
+    for ref, mine in zip(a.logits, b.logits):
+        torch.testing.assert_close(mine, ref, atol=2e-5 * ref.abs().max().item(), rtol=0)
+
+
+def test_seeded_sampling_and_beam_search_equal_transformers():
+    m, fast = accelerated()
+    x = ids(b=1, n=7, seed=2)
+    out = []
+    for model in (m, fast):
+        torch.manual_seed(3)
+        out.append(model.generate(x, max_new_tokens=12, do_sample=True, top_k=0, temperature=1.3).tolist())
+    assert out[0] == out[1]
+    beams = [model.generate(x, max_new_tokens=8, num_beams=3, do_sample=False, num_return_sequences=2).tolist()
+             for model in (m, fast)]
+    assert beams[0] == beams[1] and len(beams[0]) == 2
+
+
+def test_left_padded_batch_equals_transformers():
+    m, fast = accelerated()
+    x = ids(b=2, n=8, seed=4)
+    mask = torch.ones_like(x)
+    mask[0, :3] = 0
+    x[0, :3] = 0
+    a = m.generate(x, attention_mask=mask, max_new_tokens=8, do_sample=False)
+    b = fast.generate(x, attention_mask=mask, max_new_tokens=8, do_sample=False)
+    assert b.tolist() == a.tolist()
+    alone = fast.generate(x[:1, 3:], max_new_tokens=8, do_sample=False)
+    assert b[0, 3:3 + alone.shape[1]].tolist() == alone[0].tolist()
+
+
+class Collect(transformers.generation.streamers.BaseStreamer):
+    def __init__(self):
+        self.tokens = []
+
+    def put(self, value):
+        self.tokens.extend(value.reshape(-1).tolist())
+
+    def end(self):
+        self.tokens.append("end")
+
+
+def test_streamer_sees_the_generated_tokens():
+    m, fast = accelerated()
+    x = ids(b=1, n=5)
+    s = Collect()
+    out = fast.generate(x, max_new_tokens=6, do_sample=False, streamer=s)
+    assert s.tokens == [*out[0].tolist(), "end"]  # the prompt first, then each new token
+    assert out.tolist() == m.generate(x, max_new_tokens=6, do_sample=False).tolist()
+
+
+def test_text_generation_pipeline_equals_transformers():
+    m, fast = accelerated(vocab_size=256, pad_token_id=0, eos_token_id=None, bos_token_id=None)
+    tok = H.ByteTokenizer()
+    kw = dict(max_new_tokens=10, do_sample=False, return_full_text=False)
+    texts = [transformers.pipeline("text-generation", model=model, tokenizer=tok, device="cpu")("Once upon", **kw)
+             for model in (m, fast)]
+    assert texts[0] == texts[1] and texts[0][0]["generated_text"]
+
+
+@pytest.mark.parametrize("model_type", ["kimi_linear", "qwen3_next", "olmo_hybrid"])
+def test_accelerate_refuses_what_is_not_converted_yet(model_type):
+    fake = torch.nn.Linear(1, 1)
+    fake.config = type("C", (), {"model_type": model_type})()
+    with pytest.raises(ValueError, match=f"{model_type} is not converted yet"):
+        H.accelerate(fake)
+
+
+# ---- the ModelConfig layer options the conversion uses
+
+@pytest.mark.parametrize("options, message", [
+    ({"softmax": {"output_gate": "tanh"}}, r"kind_options\['softmax'\]\['output_gate'\]"),
+    ({"softmax": {"rope_dim": 3}}, r"\['rope_dim'\] must be even"),
+    ({"linear": {"rope_dim": 4}}, r"linear kind's RoPE rotates φ's features"),
+    ({"swa": {"v_dim": 8}}, r"the swa layer takes no v_dim"),
+    ({"softmax": {"n_heads": 0}}, r"\['n_heads'\]"),
+    ({"softmax": {"qk_norm": 1}}, r"\['qk_norm'\]"),
+    ({"softmax": {"windw": 1}}, r"unknown option 'windw'"),
+])
+def test_layer_options_are_checked_by_name(options, message):
+    with pytest.raises(ValueError, match=message):
+        ModelConfig(d_model=32, n_heads=2, attention=list(options), kind_options=options)
+
+
+def test_rope_dim_larger_than_qk_dim_is_refused():
+    cfg = ModelConfig(d_model=32, n_heads=2, attention=["softmax"], kind_options={"softmax": {"rope_dim": 18}})
+    with pytest.raises(ValueError, match="rope_dim=18"):
+        LinearTransformerLM(cfg)
+
+
+def test_layer_options_shape_the_layers():
+    cfg = ModelConfig(vocab_size=50, d_model=32, n_layers=2, n_heads=2, attention=["gated_deltanet", "softmax"],
+                      kind_options={"softmax": {"n_heads": 3, "qk_dim": 8, "v_dim": 12, "qk_norm": True,
+                                                "output_gate": "sigmoid", "rope_dim": 4},
+                                    "gated_deltanet": {"n_heads": 4, "v_dim": 6, "short_conv": 2, "rope_dim": 0}})
+    lm = LinearTransformerLM(cfg)
+    soft, delta = lm.blocks[1].attn, lm.blocks[0].attn
+    assert (soft.n_heads, soft.qk_dim, soft.head_dim, soft.rope.dim) == (3, 8, 12, 4)
+    assert soft.q_norm is not None and type(soft.output_gate).__name__ == "SigmoidGate"
+    assert soft.out.in_features == 36 and soft.output_gate.proj.out_features == 36
+    # qk_dim: the value head dim by default
+    assert (delta.n_heads, delta.qk_dim, delta.head_dim, delta.conv.kernel_size, delta.rope) == (4, 6, 6, 2, None)
+    assert "qk_norm" in soft.step_obstacle()
+    soft.q_norm = soft.k_norm = None
+    assert "output_gate='sigmoid'" in soft.step_obstacle()
+    soft.output_gate = None
+    assert "rope_dim=4 < qk_dim=8 (partial RoPE)" in soft.step_obstacle()
+    with torch.no_grad():
+        assert lm(torch.randint(0, 50, (2, 5)))[0].shape == (2, 5, 50)
