@@ -337,14 +337,10 @@ class Attention(nn.Module):
         kind runs fused at all is its kinds-table row's word)."""
         if type(self).plan_mixer is Attention.plan_mixer:
             return f"{type(self).__name__} has no fused step"
-        if self.q_norm is not None:
-            return "q/k norms (qk_norm) take the eager path"
-        if isinstance(self.output_gate, SigmoidGate):
-            return "output_gate='sigmoid' (gated attention) takes the eager path"
-        if self.output_gate is not None and type(self.output_gate.norm) is not RMSNorm:
+        if self.q_norm is not None and not (type(self.q_norm) is type(self.k_norm) is RMSNorm):
+            return "q/k norms (qk_norm) other than RMSNorm take the eager path"
+        if isinstance(self.output_gate, OutputGate) and type(self.output_gate.norm) is not RMSNorm:
             return "output gate norm takes the eager path"
-        if self.partial_rope:
-            return f"rope_dim={self.rope.dim} < qk_dim={self.qk_dim} (partial RoPE) takes the eager path"
         return None
 
     def plan_step(self, plan, norm: nn.Module, cache: LayerCache) -> None:
@@ -357,9 +353,16 @@ class Attention(nn.Module):
         f: dict = {}
         plan.group(plan.x, norm)
         plan.product(self.qkv, t["qkv"])
-        if self.output_gate is not None:
+        if isinstance(self.output_gate, SigmoidGate):
+            t["gate"], i["sigmoid_gate"] = plan.project(self.output_gate.proj), 1
+        elif self.output_gate is not None:
             t.update(gate=plan.project(self.output_gate.proj), gate_norm_weight=self.output_gate.norm.weight.detach())
             f["gate_norm_eps"] = float(self.output_gate.norm.eps)
+        if self.q_norm is not None:
+            t.update(q_norm_weight=self.q_norm.weight.detach(), k_norm_weight=self.k_norm.weight.detach())
+            f["qk_norm_eps"] = self.q_norm.eps
+        if self.partial_rope:
+            i["rope_dim"] = self.rope.dim
         if self.conv is not None:
             if cache.conv is None or not cache.conv.is_contiguous():
                 raise ValueError("fused decoding: the short convolution's cache is missing; run the prefill first")
