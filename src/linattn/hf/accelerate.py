@@ -6,7 +6,7 @@ on linattn's model (docs/design.md §21).
     fast.generate(ids, max_new_tokens=64)            # greedy, sampling, beam search, streamers, left padding
     pipeline("text-generation", model=fast, tokenizer=tokenizer)
 
-The model is converted by linattn.hf.hybrid (Qwen3.5) or linattn.hf.teacher (Llama, Mistral, Qwen2,
+The model is converted by linattn.hf.hybrid (Qwen3.5, Qwen3.5-MoE, Qwen3-Next) or linattn.hf.teacher (Llama, Mistral, Qwen2,
 Qwen3, GPT-2): the same logits up to float rounding, so generation gives the same tokens as
 transformers' own path wherever no two logits tie within that rounding. Its generation_config
 (eos, pad, bos ids, sampling defaults) and its config's special token ids are carried over. Model
@@ -26,7 +26,7 @@ from .teacher import SUPPORTED as SOFTMAX_SUPPORTED, from_transformers
 __all__ = ["NOT_YET", "accelerate"]
 
 #: transformers' linear-attention hybrids linattn does not convert yet (design §21)
-NOT_YET = ("qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text", "olmo_hybrid", "kimi_linear")
+NOT_YET = ("olmo_hybrid", "kimi_linear")
 
 
 def accelerate(model: nn.Module, *, share: bool = True) -> LinattnForCausalLM:

@@ -1,6 +1,7 @@
 """transformers' hybrid causal LMs (Gated DeltaNet + gated softmax attention) as linattn models,
 losslessly (docs/design.md §21). Supported: Qwen3.5's text model (model_type qwen3_5_text,
-Qwen3_5ForCausalLM; the language model of a qwen3_5 Qwen3_5ForConditionalGeneration).
+Qwen3_5ForCausalLM; the language model of a qwen3_5 Qwen3_5ForConditionalGeneration), Qwen3.5-MoE's
+(qwen3_5_moe_text, qwen3_5_moe) and Qwen3-Next (qwen3_next).
 
 What maps to what (a layer of `config.layer_types`):
 
@@ -16,6 +17,16 @@ What maps to what (a layer of `config.layer_types`):
                         q_norm / k_norm → attn.q_norm / k_norm (qk_norm), RoPE on the first
                         head_dim·partial_rotary_factor features (rope_dim), rotate-half pairing
     mlp               → ffn (SwiGLU; gate_proj and up_proj stacked as linattn's `up`)
+    sparse MoE mlp    → ffn, a linattn.nn.moe.MoEFeedForward (ModelConfig.moe): gate → router,
+                        experts.gate_up_proj / down_proj → gate_up / down (transformers' stacked
+                        layout, shared), shared_expert → shared (a SwiGLU FFN), shared_expert_gate →
+                        shared_gate; Qwen3.5-MoE renormalizes the top-k weights, Qwen3-Next as its
+                        norm_topk_prob says; Qwen3-Next's dense layers (mlp_only_layers,
+                        decoder_sparse_step) keep the dense FFN (moe["layers"])
+
+Qwen3-Next fuses the delta layers' projections: in_proj_qkvz's rows are grouped per key head,
+[q_g | k_g | v_g (r heads) | z_g (r heads)], in_proj_ba's [b_g (r) | a_g (r)] (r value heads per
+key head); they are regrouped into Qwen3.5's [q; k; v], z, b, a (copies) before the mapping above.
 
 Grouped heads are expanded to one per value head: the softmax layers' k and v (num_key_value_heads
 < num_attention_heads) and the delta layers' q and k (linear_num_key_heads < linear_num_value_heads),
@@ -30,7 +41,8 @@ to float rounding; for bfloat16 weights 1 + w is rounded to bfloat16 (transforme
 float32), a rounding of the gain's last bit. The gated norm of the delta layers is a plain one (w).
 
 Weights: the tensors whose layout linattn shares — embeddings, lm_head, o_proj, out_proj, down_proj,
-in_proj_b, in_proj_a, A_log, dt_bias, in_proj_z, the gated norm — are the same Parameters in both
+in_proj_b, in_proj_a, A_log, dt_bias, in_proj_z, the gated norm, the router, the experts and the
+shared expert's gate and down_proj — are the same Parameters in both
 models when share=True (training one trains the other); the others (the stacked or split
 projections, the expanded heads, the convolution's (C, K) view and the 1 + w gains) are copies.
 
@@ -51,14 +63,35 @@ from .teacher import _expand, _refuse, _rope_base
 
 __all__ = ["HYBRID_SUPPORTED", "from_transformers_hybrid", "hybrid_config"]
 
-#: the model_types converted here (qwen3_5: its language model)
-HYBRID_SUPPORTED = ("qwen3_5_text", "qwen3_5")
+#: the model_types converted here (qwen3_5, qwen3_5_moe: their language model)
+HYBRID_SUPPORTED = ("qwen3_5_text", "qwen3_5", "qwen3_5_moe_text", "qwen3_5_moe", "qwen3_next")
+_MULTIMODAL = ("qwen3_5", "qwen3_5_moe")
 _KINDS = {"linear_attention": "gated_deltanet", "full_attention": "softmax"}
 
 
 def text_config(c):
-    """The text model's config of `c` (a qwen3_5 config holds it as text_config)."""
-    return c.get_text_config() if getattr(c, "model_type", None) == "qwen3_5" else c
+    """The text model's config of `c` (a qwen3_5 or qwen3_5_moe config holds it as text_config)."""
+    return c.get_text_config() if getattr(c, "model_type", None) in _MULTIMODAL else c
+
+
+def _moe(c, mt: str) -> dict:
+    """ModelConfig.moe of a Qwen3.5-MoE (every layer, top-k weights renormalized) or Qwen3-Next
+    (the layers not in mlp_only_layers whose index + 1 is a multiple of decoder_sparse_step;
+    norm_topk_prob as configured) config; {} for dense Qwen3.5."""
+    if not mt.startswith(("qwen3_5_moe", "qwen3_next")):
+        return {}
+    n = c.num_hidden_layers
+    if mt == "qwen3_next":
+        layers = [i for i in range(n) if i not in c.mlp_only_layers and c.num_experts > 0
+                  and (i + 1) % c.decoder_sparse_step == 0]
+        if not layers:
+            return {}
+        norm = bool(c.norm_topk_prob)
+    else:
+        layers, norm = list(range(n)), True  # Qwen3_5MoeTopKRouter always renormalizes
+    return dict(num_experts=c.num_experts, top_k=c.num_experts_per_tok, d_expert=c.moe_intermediate_size,
+                shared_d_ff=c.shared_expert_intermediate_size, norm_topk_prob=norm,
+                layers=None if len(layers) == n else layers)
 
 
 def _divides(mt: str, a_name: str, a: int, b_name: str, b: int) -> None:
@@ -98,8 +131,10 @@ def hybrid_config(c) -> ModelConfig:
     delta = dict(n_heads=c.linear_num_value_heads, qk_dim=c.linear_key_head_dim, v_dim=c.linear_value_head_dim,
                  qk_norm=False, output_gate=True, rope_dim=0, short_conv=c.linear_conv_kernel_dim)
     kinds = [_KINDS[t] for t in c.layer_types[:c.num_hidden_layers]]
+    moe = _moe(c, mt)
+    d_ff = getattr(c, "intermediate_size", None) if not moe or moe["layers"] is not None else None
     return ModelConfig(vocab_size=c.vocab_size, d_model=c.hidden_size, n_layers=c.num_hidden_layers,
-                       n_heads=c.num_attention_heads, qk_dim=c.head_dim, v_dim=c.head_dim, d_ff=c.intermediate_size,
+                       n_heads=c.num_attention_heads, qk_dim=c.head_dim, v_dim=c.head_dim, d_ff=d_ff, moe=moe,
                        attention=kinds, positions="rope", rope_base=_rope_base(c, mt),
                        max_len=c.max_position_embeddings, norm="rmsnorm", norm_eps=c.rms_norm_eps, activation="swiglu",
                        bias=False, tie_embeddings=bool(c.tie_word_embeddings), dropout=0.0,
@@ -121,6 +156,19 @@ def _softmax_state(a, c, p: str, shared: dict, copied: dict) -> None:
     shared[p + "out.weight"] = a.o_proj.weight
 
 
+def _next_projections(a, c) -> tuple[torch.Tensor, ...]:
+    """Qwen3-Next's fused in_proj_qkvz / in_proj_ba as Qwen3.5's separate ones ([q; k; v], z, b, a rows):
+    their rows are grouped per key head g, [q_g (dk) | k_g (dk) | v_g (r·dv) | z_g (r·dv)] and
+    [b_g (r) | a_g (r)] with r = value heads per key head (transformers' fix_query_key_value_ordering)."""
+    nk, nv, dk, dv = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
+    r = nv // nk
+    w = a.in_proj_qkvz.weight.detach()
+    q, k, v, z = w.view(nk, 2 * dk + 2 * r * dv, -1).split((dk, dk, r * dv, r * dv), dim=1)
+    b, a_ = a.in_proj_ba.weight.detach().view(nk, 2 * r, -1).split((r, r), dim=1)
+    flat = [t.reshape(-1, w.shape[1]) for t in (q, k, v, z, b, a_)]
+    return torch.cat(flat[:3]), flat[3], flat[4], flat[5]
+
+
 def _delta_state(a, c, p: str, shared: dict, copied: dict) -> None:
     nk, nv, dk = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim
     key = nk * dk
@@ -129,12 +177,27 @@ def _delta_state(a, c, p: str, shared: dict, copied: dict) -> None:
         q, k, v = w.split((key, key, w.shape[0] - 2 * key))
         return torch.cat([_expand(q, nv, nk), _expand(k, nv, nk), v])
 
-    copied[p + "qkv.weight"] = heads(a.in_proj_qkv.weight.detach())
+    if hasattr(a, "in_proj_qkvz"):  # Qwen3-Next: the fused projections, regrouped (copies)
+        qkv, z, b, a_ = _next_projections(a, c)
+        copied.update({p + "beta_proj.weight": b, p + "decay.proj.weight": a_, p + "output_gate.proj.weight": z})
+    else:
+        qkv = a.in_proj_qkv.weight.detach()
+        shared.update({p + "beta_proj.weight": a.in_proj_b.weight, p + "decay.proj.weight": a.in_proj_a.weight,
+                       p + "output_gate.proj.weight": a.in_proj_z.weight})
+    copied[p + "qkv.weight"] = heads(qkv)
     copied[p + "conv.weight"] = heads(a.conv1d.weight.detach()[:, 0])
-    shared.update({p + "beta_proj.weight": a.in_proj_b.weight, p + "decay.proj.weight": a.in_proj_a.weight,
-                   p + "decay.A_log": a.A_log, p + "decay.dt_bias": a.dt_bias,
-                   p + "output_gate.norm.weight": a.norm.weight, p + "output_gate.proj.weight": a.in_proj_z.weight,
-                   p + "out.weight": a.out_proj.weight})
+    shared.update({p + "decay.A_log": a.A_log, p + "decay.dt_bias": a.dt_bias,
+                   p + "output_gate.norm.weight": a.norm.weight, p + "out.weight": a.out_proj.weight})
+
+
+def _mlp_state(m, p: str, shared: dict, copied: dict) -> None:
+    """A dense SwiGLU MLP, or a sparse MoE block (router, stacked experts, gated shared expert)."""
+    if hasattr(m, "experts"):
+        shared.update({p + "router.weight": m.gate.weight, p + "gate_up": m.experts.gate_up_proj,
+                       p + "down": m.experts.down_proj, p + "shared_gate.weight": m.shared_expert_gate.weight})
+        p, m = p + "shared.", m.shared_expert
+    copied[p + "up.weight"] = torch.cat([m.gate_proj.weight.detach(), m.up_proj.weight.detach()])
+    shared[p + "down.weight"] = m.down_proj.weight
 
 
 def _parts(model):
@@ -156,9 +219,7 @@ def _state(model, cfg: ModelConfig) -> tuple[dict, dict]:
         p = f"blocks.{i}."
         copied[p + "norm1.weight"] = _gain(layer.input_layernorm)
         copied[p + "norm2.weight"] = _gain(layer.post_attention_layernorm)
-        m = layer.mlp
-        copied[p + "ffn.up.weight"] = torch.cat([m.gate_proj.weight.detach(), m.up_proj.weight.detach()])
-        shared[p + "ffn.down.weight"] = m.down_proj.weight
+        _mlp_state(layer.mlp, p + "ffn.", shared, copied)
         if hasattr(layer, "linear_attn"):  # a linear_attention layer
             _delta_state(layer.linear_attn, c, p + "attn.", shared, copied)
         else:

@@ -24,6 +24,7 @@ from ..nn.base import OUTPUT_GATES, check_output_gate
 from ..nn.blocks import ACTIVATIONS
 from ..nn.norms import NORMS
 from ..nn.feature_maps import FEATURE_MAPS, make_feature_map
+from ..nn.moe import check_moe
 from ..nn.positional import RotaryEmbedding
 from ..ops.linear.chunked import DEFAULT_CHUNK_SIZE
 from .kinds import KINDS
@@ -115,6 +116,10 @@ class ModelConfig:
         layers; None: all; not for the linear kind, whose RoPE turns φ's features).
     v_dim: per-head value dim (default d_model / n_heads, which must then divide d_model); the
         heads' outputs, n_heads·v_dim wide, are projected back to d_model.
+    moe: {} (dense FFNs) or a mixture-of-experts FFN in the layers it names (linattn.nn.moe, Qwen3-Next's
+        and Qwen3.5-MoE's): {"num_experts", "top_k", "d_expert", "shared_d_ff" (0: no shared expert),
+        "norm_topk_prob", "layers" (None: every layer; else the MoE layers' indices)}; SwiGLU
+        experts; eager decoding.
     qkv_bias: a bias on the fused q/k/v projection (None: as `bias`; Qwen2 has it with bias off).
     qk_norm: a per-head RMSNorm on q and k after the projection, before RoPE, with a gain of the head
         dim shared by the heads (Qwen3); eager decoding.
@@ -151,6 +156,7 @@ class ModelConfig:
     qkv_bias: bool | None = None
     qk_norm: bool = False
     v_dim: int | None = None
+    moe: dict = field(default_factory=dict)
 
     def __post_init__(self):
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "max_len", "chunk_size", "conv_mixer_kernel"):
@@ -193,6 +199,9 @@ class ModelConfig:
             check_bool("qkv_bias", self.qkv_bias)
         check_seed("seed", self.seed)
         self._check_kind_options()
+        check_moe(self.moe, self.n_layers)
+        if self.moe and self.activation != "swiglu":
+            raise ValueError(f"moe: the experts are SwiGLU; activation={self.activation!r} is not")
         if self.v_dim is not None:
             for kind in set(self.attention):
                 if "v_dim" not in self.kind_options.get(kind, {}) and not _takes(KINDS[kind].layer, "v_dim"):
@@ -271,6 +280,12 @@ class ModelConfig:
         if "output_gate" in own:
             return own["output_gate"]
         return KINDS[kind].output_gate if self.output_gate is None else self.output_gate
+
+    def moe_for(self, layer: int) -> dict | None:
+        """The MoE options of layer `layer` (moe less "layers"), None when its FFN is dense."""
+        if not self.moe or (self.moe["layers"] is not None and layer not in self.moe["layers"]):
+            return None
+        return {k: v for k, v in self.moe.items() if k != "layers"}
 
     def kind_options_for(self, kind: str) -> dict:
         """The options of the layers of `kind` its record lists: the defaults, updated by kind_options

@@ -106,7 +106,7 @@ class _Transformer(nn.Module):
         if c.block == "conv_mixer":
             return ConvMixerBlock(attn, c.conv_mixer_kernel, norm=c.norm, norm_eps=c.norm_eps)
         return Block(attn, c.ffn_dim, activation=c.activation, norm=c.norm, norm_eps=c.norm_eps, dropout=c.dropout,
-                     bias=c.bias)
+                     bias=c.bias, moe=c.moe_for(i))
 
     @torch.no_grad()
     def _init_weights(self) -> None:

@@ -20,6 +20,7 @@ from .._checks import check_positive_int
 from .base import Attention, check_dropout, column_major, shard_halo
 from .caches import PositionCounter, nbytes
 from .convolution import ShortConvolution
+from .moe import MoEFeedForward
 from .norms import make_norm, native_norm_code
 
 ACTIVATIONS = ("gelu", "swiglu", "gelu_tanh")
@@ -70,13 +71,20 @@ class Block(nn.Module):
     """
 
     def __init__(self, attn: Attention, d_ff: int, *, activation: str = "swiglu", norm: str = "rmsnorm",
-                 norm_eps: float = 1e-5, dropout: float = 0.0, bias: bool = False):
+                 norm_eps: float = 1e-5, dropout: float = 0.0, bias: bool = False, moe: dict | None = None):
+        """moe: the options of a mixture-of-experts FFN (ModelConfig.moe, less `layers`) in place of
+        the dense one (linattn.nn.moe; SwiGLU experts)."""
         super().__init__()
         d = attn.d_model
         self.norm1 = make_norm(norm, d, norm_eps)
         self.attn = attn
         self.norm2 = make_norm(norm, d, norm_eps)
-        self.ffn = FeedForward(d, d_ff, activation, dropout, bias)
+        if moe:
+            shared = FeedForward(d, moe["shared_d_ff"], "swiglu", dropout, bias) if moe["shared_d_ff"] else None
+            self.ffn = MoEFeedForward(d, moe["num_experts"], moe["top_k"], moe["d_expert"], shared,
+                                      moe["norm_topk_prob"])
+        else:
+            self.ffn = FeedForward(d, d_ff, activation, dropout, bias)
 
     def new_cache(self):
         """The attention layer's empty cache."""
@@ -84,6 +92,8 @@ class Block(nn.Module):
 
     def step_obstacle(self) -> str | None:
         """Why the fused decoder cannot plan this block's one-token step (None: it can)."""
+        if isinstance(self.ffn, MoEFeedForward):
+            return "moe (a mixture-of-experts FFN) takes the eager path"
         return _norms_obstacle(self.norm1, self.norm2) or (
             None if self.ffn.activation in FUSED_ACTIVATIONS else f"activation {self.ffn.activation} takes the eager path")
 
