@@ -232,11 +232,12 @@ def test_text_generation_pipeline_equals_transformers():
     assert texts[0] == texts[1] and texts[0][0]["generated_text"]
 
 
-@pytest.mark.parametrize("model_type", ["kimi_linear", "olmo_hybrid"])
-def test_accelerate_refuses_what_is_not_converted_yet(model_type):
+@pytest.mark.parametrize("model_type, message", [("kimi_linear", "kimi_linear is not converted yet: its MLA"),
+                                                  ("mamba", "accelerate converts qwen3_5_text")])
+def test_accelerate_refuses_what_is_not_converted_yet(model_type, message):
     fake = torch.nn.Linear(1, 1)
     fake.config = type("C", (), {"model_type": model_type})()
-    with pytest.raises(ValueError, match=f"{model_type} is not converted yet"):
+    with pytest.raises(ValueError, match=message):
         H.accelerate(fake)
 
 
@@ -250,10 +251,22 @@ def test_accelerate_refuses_what_is_not_converted_yet(model_type):
     ({"softmax": {"n_heads": 0}}, r"\['n_heads'\]"),
     ({"softmax": {"qk_norm": 1}}, r"\['qk_norm'\]"),
     ({"softmax": {"windw": 1}}, r"unknown option 'windw'"),
+    ({"softmax": {"allow_neg_eigval": True}}, r"the softmax layer takes no allow_neg_eigval"),
+    ({"softmax": {"qk_norm": "heads"}}, r"\['qk_norm'\]"),
+    ({"softmax": {"output_gate_eps": 0}}, r"\['output_gate_eps'\]"),
 ])
 def test_layer_options_are_checked_by_name(options, message):
     with pytest.raises(ValueError, match=message):
         ModelConfig(d_model=32, n_heads=2, attention=list(options), kind_options=options)
+
+
+def test_layer_options_refused_where_the_layer_has_no_use_for_them():
+    with pytest.raises(ValueError, match=r"\['output_gate_eps'\]: its layers have no normalizing output gate"):
+        LinearTransformerLM(ModelConfig(d_model=32, n_heads=2, attention=["softmax"],
+                                        kind_options={"softmax": {"output_gate_eps": 1e-5}}))
+    with pytest.raises(ValueError, match=r"\['post_norm'\]: conv_mixer blocks are pre-norm"):
+        LinearTransformerLM(ModelConfig(d_model=32, n_heads=2, attention=["softmax"], block="conv_mixer",
+                                        kind_options={"softmax": {"post_norm": True}}))
 
 
 def test_rope_dim_larger_than_qk_dim_is_refused():
@@ -420,3 +433,71 @@ def test_moe_config_round_trips_and_refuses_by_name(tmp_path):
             ModelConfig(d_model=32, n_heads=2, moe=bad)
     with pytest.raises(ValueError, match="moe: the experts are SwiGLU"):
         ModelConfig(d_model=32, n_heads=2, moe=good, activation="gelu")
+
+
+# ---- OLMo-Hybrid: post-norm softmax layers, q/k norm across heads, β ∈ (0, 2), NoPE
+
+def olmo_model(nope=False, seed=0, **over):
+    kw = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+              num_key_value_heads=2, linear_key_head_dim=8, linear_value_head_dim=16, linear_num_key_heads=2,
+              linear_num_value_heads=4, layer_types=LAYERS, tie_word_embeddings=False, pad_token_id=0,
+              eos_token_id=1, bos_token_id=2)
+    kw.update(over)
+    c = transformers.OlmoHybridConfig(**kw)
+    if nope:  # the released checkpoints' NoPE: no rotary embedding at all
+        c.rope_parameters = None
+    c._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    m = transformers.OlmoHybridForCausalLM(c).eval()
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if any(s in name for s in ("norm", "A_log", "dt_bias")):
+                p.add_(torch.randn_like(p) * 0.2)
+    return m
+
+
+@pytest.mark.parametrize("nope, over", [(False, {}), (True, {}), (False, dict(linear_allow_neg_eigval=False)),
+                                        (False, dict(num_key_value_heads=4, rms_norm_eps=1e-5))],
+                         ids=["rope", "nope", "beta_le_1", "mha_eps"])
+def test_olmo_hybrid_logits_equal_transformers(nope, over):
+    m = olmo_model(nope, **over)
+    assert (m.model.rotary_emb is None) == nope
+    lm = from_transformers_hybrid(m)
+    cfg = lm.config
+    assert cfg.positions == ("none" if nope else "rope")
+    assert cfg.kind_options["gated_deltanet"]["allow_neg_eigval"] == over.get("linear_allow_neg_eigval", True)
+    assert lm.blocks[1].post_norm and not lm.blocks[0].post_norm
+    x = ids(n=15)
+    mask = torch.ones_like(x, dtype=torch.bool)
+    mask[1, :4] = False
+    with torch.no_grad():
+        ref = m(x, attention_mask=mask.long()).logits
+        mine = logits(lm, x, mask)
+    torch.testing.assert_close(mine[mask], ref[mask], atol=2e-5 * ref.abs().max().item(), rtol=0)
+
+
+def test_olmo_hybrid_gradients_and_generate_equal_transformers():
+    m = olmo_model().train()
+    lm = from_transformers_hybrid(m).train()
+    x, y = ids(), ids(seed=1)
+    grads = []
+    for model, out in ((m, lambda: m(x).logits), (lm, lambda: logits(lm, x))):
+        m.zero_grad(set_to_none=True)
+        lm.zero_grad(set_to_none=True)
+        torch.nn.functional.cross_entropy(out().flatten(0, 1), y.flatten()).backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    ref, got = grads
+    for theirs, mine in (("model.layers.1.post_feedforward_layernorm.weight", "blocks.1.norm2.weight"),
+                         ("model.layers.1.self_attn.q_norm.weight", "blocks.1.attn.q_norm.weight"),
+                         ("model.layers.0.linear_attn.b_proj.weight", "blocks.0.attn.beta_proj.weight"),
+                         ("model.layers.2.linear_attn.o_norm.weight", "blocks.2.attn.output_gate.norm.weight")):
+        torch.testing.assert_close(got[mine], ref[theirs], atol=1e-6, rtol=1e-4)
+    m.eval()
+    fast = H.accelerate(m)
+    assert "post_norm" in (fast.model.blocks[1].step_obstacle() or "")
+    p = ids(b=1, n=6)
+    kw = dict(max_new_tokens=8, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    a, b = m.generate(p, **kw), fast.generate(p, **kw)
+    assert b.sequences.tolist() == a.sequences.tolist()
+    for r, mine in zip(a.logits, b.logits):
+        torch.testing.assert_close(mine, r, atol=2e-5 * r.abs().max().item(), rtol=0)

@@ -6,8 +6,8 @@ on linattn's model (docs/design.md §21).
     fast.generate(ids, max_new_tokens=64)            # greedy, sampling, beam search, streamers, left padding
     pipeline("text-generation", model=fast, tokenizer=tokenizer)
 
-The model is converted by linattn.hf.hybrid (Qwen3.5, Qwen3.5-MoE, Qwen3-Next) or linattn.hf.teacher (Llama, Mistral, Qwen2,
-Qwen3, GPT-2): the same logits up to float rounding, so generation gives the same tokens as
+The model is converted by linattn.hf.hybrid (Qwen3.5, Qwen3.5-MoE, Qwen3-Next, OLMo-Hybrid) or
+linattn.hf.teacher (Llama, Mistral, Qwen2, Qwen3, GPT-2): the same logits up to float rounding, so generation gives the same tokens as
 transformers' own path wherever no two logits tie within that rounding. Its generation_config
 (eos, pad, bos ids, sampling defaults) and its config's special token ids are carried over. Model
 types not converted yet are refused by name.
@@ -25,8 +25,10 @@ from .teacher import SUPPORTED as SOFTMAX_SUPPORTED, from_transformers
 
 __all__ = ["NOT_YET", "accelerate"]
 
-#: transformers' linear-attention hybrids linattn does not convert yet (design §21)
-NOT_YET = ("olmo_hybrid", "kimi_linear")
+#: transformers' linear-attention hybrids linattn does not convert yet, and what they lack (design §21)
+NOT_YET = {"kimi_linear": "its MLA attention (q and kv through low-rank projections with RMSNorms between them), "
+                          "its KDA forget gate's layout and its grouped sigmoid router with a score-correction "
+                          "bias have no linattn equivalent yet"}
 
 
 def accelerate(model: nn.Module, *, share: bool = True) -> LinattnForCausalLM:
@@ -40,8 +42,8 @@ def accelerate(model: nn.Module, *, share: bool = True) -> LinattnForCausalLM:
     elif mt in SOFTMAX_SUPPORTED:
         lm = from_transformers(model)
     elif mt in NOT_YET:
-        raise ValueError(f"model_type {mt!r}: {mt} is not converted yet (linattn.hf.accelerate converts "
-                         f"{', '.join((*HYBRID_SUPPORTED, *SOFTMAX_SUPPORTED))})")
+        raise ValueError(f"model_type {mt!r}: {mt} is not converted yet: {NOT_YET[mt]} (linattn.hf.accelerate "
+                         f"converts {', '.join((*HYBRID_SUPPORTED, *SOFTMAX_SUPPORTED))})")
     else:
         raise ValueError(f"model_type {mt!r}: linattn.hf.accelerate converts "
                          f"{', '.join((*HYBRID_SUPPORTED, *SOFTMAX_SUPPORTED))} causal LMs")

@@ -1,7 +1,7 @@
 """transformers' hybrid causal LMs (Gated DeltaNet + gated softmax attention) as linattn models,
 losslessly (docs/design.md §21). Supported: Qwen3.5's text model (model_type qwen3_5_text,
 Qwen3_5ForCausalLM; the language model of a qwen3_5 Qwen3_5ForConditionalGeneration), Qwen3.5-MoE's
-(qwen3_5_moe_text, qwen3_5_moe) and Qwen3-Next (qwen3_next).
+(qwen3_5_moe_text, qwen3_5_moe), Qwen3-Next (qwen3_next) and OLMo-Hybrid (olmo_hybrid).
 
 What maps to what (a layer of `config.layer_types`):
 
@@ -23,6 +23,15 @@ What maps to what (a layer of `config.layer_types`):
                         shared_gate; Qwen3.5-MoE renormalizes the top-k weights, Qwen3-Next as its
                         norm_topk_prob says; Qwen3-Next's dense layers (mlp_only_layers,
                         decoder_sparse_step) keep the dense FFN (moe["layers"])
+
+OLMo-Hybrid differs from Qwen3.5 in: its softmax layers are post-norm (OLMo2's x ← x + Norm(Attn(x)),
+x ← x + Norm(FFN(x)): post_norm, post_attention_layernorm → norm1, post_feedforward_layernorm →
+norm2), their q_norm / k_norm run over all heads' features at once (qk_norm "all"; k_norm's gain
+expanded with k's heads — the mean square over repeated groups is the groups'), no output gate, RoPE
+only when rope_parameters names a rope_theta (the released checkpoints: none, positions "none");
+its delta layers have separate q/k/v/a/b/g projections, β = 2·sigmoid(b) with
+linear_allow_neg_eigval (allow_neg_eigval), and a gated output norm with eps 1e-5 whatever
+rms_norm_eps is (output_gate_eps); its RMSNorms are plain (w, shared).
 
 Qwen3-Next fuses the delta layers' projections: in_proj_qkvz's rows are grouped per key head,
 [q_g | k_g | v_g (r heads) | z_g (r heads)], in_proj_ba's [b_g (r) | a_g (r)] (r value heads per
@@ -64,9 +73,11 @@ from .teacher import _expand, _refuse, _rope_base
 __all__ = ["HYBRID_SUPPORTED", "from_transformers_hybrid", "hybrid_config"]
 
 #: the model_types converted here (qwen3_5, qwen3_5_moe: their language model)
-HYBRID_SUPPORTED = ("qwen3_5_text", "qwen3_5", "qwen3_5_moe_text", "qwen3_5_moe", "qwen3_next")
+HYBRID_SUPPORTED = ("qwen3_5_text", "qwen3_5", "qwen3_5_moe_text", "qwen3_5_moe", "qwen3_next", "olmo_hybrid")
 _MULTIMODAL = ("qwen3_5", "qwen3_5_moe")
 _KINDS = {"linear_attention": "gated_deltanet", "full_attention": "softmax"}
+#: the eps of OLMo-Hybrid's gated output norm (FLA's FusedRMSNormGated default), whatever rms_norm_eps is
+OLMO_GATE_EPS = 1e-5
 
 
 def text_config(c):
@@ -99,10 +110,14 @@ def _divides(mt: str, a_name: str, a: int, b_name: str, b: int) -> None:
         raise _refuse(mt, f"{a_name}={a} not a multiple of {b_name}={b}")
 
 
+def _head_dim(c) -> int:
+    return getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+
+
 def _rope_dim(c, mt: str) -> int:
     params = getattr(c, "rope_parameters", None) or {}
     factor = float(params.get("partial_rotary_factor", getattr(c, "partial_rotary_factor", 1.0)))
-    dim = int(c.head_dim * factor)
+    dim = int(_head_dim(c) * factor)
     if dim % 2 or dim <= 0:
         raise _refuse(mt, f"partial_rotary_factor={factor} (a rotary dim of {dim}; linattn rotates an even number "
                           "of features)")
@@ -126,16 +141,24 @@ def hybrid_config(c) -> ModelConfig:
         raise _refuse(mt, f"layer_types {unknown} (only {', '.join(_KINDS)})")
     _divides(mt, "num_attention_heads", c.num_attention_heads, "num_key_value_heads", c.num_key_value_heads)
     _divides(mt, "linear_num_value_heads", c.linear_num_value_heads, "linear_num_key_heads", c.linear_num_key_heads)
-    softmax = dict(n_heads=c.num_attention_heads, qk_dim=c.head_dim, v_dim=c.head_dim, qk_norm=True,
-                   output_gate="sigmoid", rope_dim=_rope_dim(c, mt), short_conv=0)
+    hd = _head_dim(c)
+    softmax = dict(n_heads=c.num_attention_heads, qk_dim=hd, v_dim=hd, qk_norm=True, output_gate="sigmoid",
+                   short_conv=0)
     delta = dict(n_heads=c.linear_num_value_heads, qk_dim=c.linear_key_head_dim, v_dim=c.linear_value_head_dim,
                  qk_norm=False, output_gate=True, rope_dim=0, short_conv=c.linear_conv_kernel_dim)
+    rope = mt != "olmo_hybrid" or (getattr(c, "rope_parameters", None) or {}).get("rope_theta") is not None
+    if rope:
+        softmax["rope_dim"] = _rope_dim(c, mt)
+    if mt == "olmo_hybrid":  # post-norm softmax layers with one q/k norm across the heads, no gate; β ≤ 2
+        softmax.update(qk_norm="all", output_gate=False, post_norm=True)
+        delta.update(output_gate_eps=OLMO_GATE_EPS, allow_neg_eigval=bool(c.linear_allow_neg_eigval))
     kinds = [_KINDS[t] for t in c.layer_types[:c.num_hidden_layers]]
     moe = _moe(c, mt)
     d_ff = getattr(c, "intermediate_size", None) if not moe or moe["layers"] is not None else None
     return ModelConfig(vocab_size=c.vocab_size, d_model=c.hidden_size, n_layers=c.num_hidden_layers,
-                       n_heads=c.num_attention_heads, qk_dim=c.head_dim, v_dim=c.head_dim, d_ff=d_ff, moe=moe,
-                       attention=kinds, positions="rope", rope_base=_rope_base(c, mt),
+                       n_heads=c.num_attention_heads, qk_dim=hd, v_dim=hd, d_ff=d_ff, moe=moe,
+                       attention=kinds, positions="rope" if rope else "none",
+                       rope_base=_rope_base(c, mt) if rope else 10_000.0,
                        max_len=c.max_position_embeddings, norm="rmsnorm", norm_eps=c.rms_norm_eps, activation="swiglu",
                        bias=False, tie_embeddings=bool(c.tie_word_embeddings), dropout=0.0,
                        kind_options={"softmax": softmax, "gated_deltanet": delta})
@@ -146,7 +169,20 @@ def _gain(norm: nn.Module) -> torch.Tensor:
     return 1.0 + norm.weight.detach()
 
 
+def _olmo_softmax_state(a, c, p: str, shared: dict, copied: dict) -> None:
+    """OLMo-Hybrid's attention: plain q_proj, q_norm / k_norm over all heads' features (k's expanded with
+    its heads: the mean square over repeated groups is the group's), no gate."""
+    h, kv = c.num_attention_heads, c.num_key_value_heads
+    copied[p + "qkv.weight"] = torch.cat([a.q_proj.weight.detach(), _expand(a.k_proj.weight.detach(), h, kv),
+                                          _expand(a.v_proj.weight.detach(), h, kv)])
+    shared[p + "q_norm.weight"] = a.q_norm.weight
+    copied[p + "k_norm.weight"] = _expand(a.k_norm.weight.detach(), h, kv)
+    shared[p + "out.weight"] = a.o_proj.weight
+
+
 def _softmax_state(a, c, p: str, shared: dict, copied: dict) -> None:
+    if c.model_type == "olmo_hybrid":
+        return _olmo_softmax_state(a, c, p, shared, copied)
     h, kv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
     qg = a.q_proj.weight.detach().view(h, 2, d, -1)  # per head [q_h | gate_h] (transformers' chunk of 2·head_dim)
     copied[p + "qkv.weight"] = torch.cat([qg[:, 0].reshape(h * d, -1), _expand(a.k_proj.weight.detach(), h, kv),
@@ -180,6 +216,15 @@ def _delta_state(a, c, p: str, shared: dict, copied: dict) -> None:
     if hasattr(a, "in_proj_qkvz"):  # Qwen3-Next: the fused projections, regrouped (copies)
         qkv, z, b, a_ = _next_projections(a, c)
         copied.update({p + "beta_proj.weight": b, p + "decay.proj.weight": a_, p + "output_gate.proj.weight": z})
+    elif hasattr(a, "g_proj"):  # OLMo-Hybrid: separate q, k, v, a, b, g projections, o_norm, o_proj
+        qkv = torch.cat([a.q_proj.weight.detach(), a.k_proj.weight.detach(), a.v_proj.weight.detach()])
+        shared.update({p + "beta_proj.weight": a.b_proj.weight, p + "decay.proj.weight": a.a_proj.weight,
+                       p + "output_gate.proj.weight": a.g_proj.weight, p + "decay.A_log": a.A_log,
+                       p + "decay.dt_bias": a.dt_bias, p + "output_gate.norm.weight": a.o_norm.weight,
+                       p + "out.weight": a.o_proj.weight})
+        copied[p + "qkv.weight"] = heads(qkv)
+        copied[p + "conv.weight"] = heads(a.conv1d.weight.detach()[:, 0])
+        return
     else:
         qkv = a.in_proj_qkv.weight.detach()
         shared.update({p + "beta_proj.weight": a.in_proj_b.weight, p + "decay.proj.weight": a.in_proj_a.weight,
@@ -212,13 +257,23 @@ def _state(model, cfg: ModelConfig) -> tuple[dict, dict]:
     """({name: Parameter} shared as they are, {name: tensor} copied) of the linattn model."""
     c, base, head = _parts(model)
     shared = {"tok_emb.weight": base.embed_tokens.weight}
-    copied = {"norm.weight": _gain(base.norm)}
+    olmo = c.model_type == "olmo_hybrid"  # plain RMSNorms (w), shared; Qwen's are zero-centred (1 + w), copied
+
+    def norm(name: str, module: nn.Module) -> None:
+        (shared if olmo else copied)[name] = module.weight if olmo else _gain(module)
+
+    copied: dict = {}
+    norm("norm.weight", base.norm)
     if not cfg.tie_embeddings:
         shared["lm_head.weight"] = head.weight
     for i, layer in enumerate(base.layers):
         p = f"blocks.{i}."
-        copied[p + "norm1.weight"] = _gain(layer.input_layernorm)
-        copied[p + "norm2.weight"] = _gain(layer.post_attention_layernorm)
+        if hasattr(layer, "post_feedforward_layernorm"):  # OLMo's post-norm attention layer
+            norm(p + "norm1.weight", layer.post_attention_layernorm)
+            norm(p + "norm2.weight", layer.post_feedforward_layernorm)
+        else:
+            norm(p + "norm1.weight", layer.input_layernorm)
+            norm(p + "norm2.weight", layer.post_attention_layernorm)
         _mlp_state(layer.mlp, p + "ffn.", shared, copied)
         if hasattr(layer, "linear_attn"):  # a linear_attention layer
             _delta_state(layer.linear_attn, c, p + "attn.", shared, copied)

@@ -30,7 +30,8 @@ from ..ops.linear.chunked import DEFAULT_CHUNK_SIZE
 from .kinds import KINDS
 
 #: the layer settings every kind takes in ModelConfig.kind_options, overriding the config's for its layers
-LAYER_OPTIONS = ("n_heads", "qk_dim", "v_dim", "qk_norm", "output_gate", "rope_dim", "short_conv")
+LAYER_OPTIONS = ("n_heads", "qk_dim", "v_dim", "qk_norm", "output_gate", "rope_dim", "short_conv", "post_norm",
+                 "output_gate_eps", "allow_neg_eigval")
 
 
 def _takes(layer: type, name: str) -> bool:
@@ -48,7 +49,16 @@ def _takes(layer: type, name: str) -> bool:
 def _check_layer_option(kind: str, name: str, value) -> None:
     where = f"kind_options[{kind!r}][{name!r}]"
     if name == "qk_norm":
+        if value != "all":
+            check_bool(where, value)
+    elif name == "post_norm":
         check_bool(where, value)
+    elif name == "allow_neg_eigval":
+        check_bool(where, value)
+        if not _takes(KINDS[kind].layer, name):
+            raise ValueError(f"{where}: the {kind} layer takes no allow_neg_eigval (the delta-rule kinds do)")
+    elif name == "output_gate_eps":
+        check_number(where, value, minimum=0, low_open=True)
     elif name == "output_gate":
         try:
             check_output_gate(value)
@@ -110,14 +120,18 @@ class ModelConfig:
         lists (`Kind.options`, with their defaults), e.g. a window size; JSON values. Besides, every
         kind takes the layer settings of LAYER_OPTIONS, which override the config's for its layers
         (a hybrid whose softmax and delta-rule layers differ, as Qwen3.5's): n_heads, qk_dim, v_dim,
-        qk_norm, short_conv, output_gate (True, False or "sigmoid": gated attention's o ⊙ sigmoid(W_g x), no
-        norm; eager decoding) and rope_dim (with positions="rope": rotate only the first rope_dim
-        q/k features, partial RoPE as transformers' partial_rotary_factor; 0: no RoPE in that kind's
-        layers; None: all; not for the linear kind, whose RoPE turns φ's features).
+        qk_norm (True: per head; "all": one RMSNorm across the heads, OLMo2's; eager decoding),
+        short_conv, post_norm (OLMo2's block x ← x + Norm₁(Attn(x)), x ← x + Norm₂(FFN(x)); eager
+        decoding), output_gate_eps (the output gate's RMSNorm eps; default norm_eps),
+        allow_neg_eigval (delta-rule kinds: β = 2·sigmoid(·); eager decoding), output_gate (True,
+        False or "sigmoid": gated attention's o ⊙ sigmoid(W_g x), no norm) and rope_dim (with
+        positions="rope": rotate only the first rope_dim q/k features, partial RoPE as transformers'
+        partial_rotary_factor; 0: no RoPE in that kind's layers; None: all; not for the linear
+        kind, whose RoPE turns φ's features).
     v_dim: per-head value dim (default d_model / n_heads, which must then divide d_model); the
         heads' outputs, n_heads·v_dim wide, are projected back to d_model.
-    moe: {} (dense FFNs) or a mixture-of-experts FFN in the layers it names (linattn.nn.moe, Qwen3-Next's
-        and Qwen3.5-MoE's): {"num_experts", "top_k", "d_expert", "shared_d_ff" (0: no shared expert),
+    moe: {} (dense FFNs) or a mixture-of-experts FFN in the layers it names (linattn.nn.moe,
+        Qwen3-Next's and Qwen3.5-MoE's): {"num_experts", "top_k", "d_expert", "shared_d_ff" (0: no shared expert),
         "norm_topk_prob", "layers" (None: every layer; else the MoE layers' indices)}; SwiGLU
         experts; eager decoding.
     qkv_bias: a bias on the fused q/k/v projection (None: as `bias`; Qwen2 has it with bias off).
@@ -298,7 +312,8 @@ class ModelConfig:
         (rope_dim None: every q/k feature rotated)."""
         own = self.kind_options.get(kind, {})
         default = dict(n_heads=self.n_heads, qk_dim=self.qk_dim, v_dim=self.v_dim, qk_norm=self.qk_norm,
-                       output_gate=self.output_gate_for(kind), rope_dim=None)
+                       output_gate=self.output_gate_for(kind), rope_dim=None, post_norm=False,
+                       output_gate_eps=None, allow_neg_eigval=None)
         return {name: own.get(name, value) for name, value in default.items()}
 
     def feature_map_options_for(self, layer: int) -> dict:

@@ -174,17 +174,21 @@ class Attention(nn.Module):
         self.dropout = nn.Dropout(self.dropout_p)
         #: set by LinearTransformerLM.set_sequence_parallel_group; used when no cache is given.
         self.sequence_parallel_group = None
-        #: per-head RMSNorms of q and k (Qwen3's), set by `set_qk_norm`; None: none
+        #: RMSNorms of q and k (Qwen3's per head, OLMo2's across heads), set by `set_qk_norm`; None: none
         self.q_norm = self.k_norm = None
+        self.qk_norm_across_heads = False
         #: RoPE (a linattn.nn.positional.RotaryEmbedding), set by the kind; None: none
         self.rope = None
         #: RoPE turns only the first rope.dim < qk_dim features of q and k (set_rope_dim)
         self.partial_rope = False
 
-    def set_qk_norm(self, eps: float = 1e-6) -> None:
-        """Normalizes q and k per head (RMSNorm over the q/k head dim, one gain shared by the heads)
-        right after the projection: Qwen3's q_norm / k_norm."""
-        self.q_norm, self.k_norm = RMSNorm(self.qk_dim, eps), RMSNorm(self.qk_dim, eps)
+    def set_qk_norm(self, eps: float = 1e-6, *, across_heads: bool = False) -> None:
+        """Normalizes q and k right after the projection: per head (RMSNorm over the q/k head dim, one
+        gain shared by the heads; Qwen3's q_norm / k_norm), or across_heads (one RMSNorm over all
+        H·qk_dim features of the token, a gain per feature; OLMo2's and OLMo-Hybrid's)."""
+        width = self.qk_dim * (self.n_heads if across_heads else 1)
+        self.q_norm, self.k_norm = RMSNorm(width, eps), RMSNorm(width, eps)
+        self.qk_norm_across_heads = bool(across_heads)
 
     def set_qkv_bias(self, bias: bool) -> None:
         """Gives the fused q/k/v projection a bias (zeros) or takes it away, whatever `bias` the
@@ -316,7 +320,10 @@ class Attention(nn.Module):
             q = q.view(b, n, self.n_heads, self.qk_dim).transpose(1, 2)
             k = k.view(b, n, self.n_heads, self.qk_dim).transpose(1, 2)
             v = v.view(b, n, self.n_heads, self.head_dim).transpose(1, 2)
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.qk_norm_across_heads:  # (B, H, N, D) -> (B, N, H·D) and back
+            q, k = (norm(t.transpose(1, 2).flatten(2)).unflatten(-1, (self.n_heads, self.qk_dim)).transpose(1, 2)
+                    for norm, t in ((self.q_norm, q), (self.k_norm, k)))
+        elif self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         return q, k, v
 
@@ -339,6 +346,8 @@ class Attention(nn.Module):
             return f"{type(self).__name__} has no fused step"
         if self.q_norm is not None and not (type(self.q_norm) is type(self.k_norm) is RMSNorm):
             return "q/k norms (qk_norm) other than RMSNorm take the eager path"
+        if self.qk_norm_across_heads:
+            return "qk_norm='all' (one RMSNorm across the heads) takes the eager path"
         if isinstance(self.output_gate, OutputGate) and type(self.output_gate.norm) is not RMSNorm:
             return "output gate norm takes the eager path"
         return None

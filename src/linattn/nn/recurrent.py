@@ -129,9 +129,12 @@ class DeltaNetAttention(RecurrentAttention):
     kind = "deltanet"
     family = DELTA
 
-    def __init__(self, d_model: int, n_heads: int, **kw):
+    def __init__(self, d_model: int, n_heads: int, *, allow_neg_eigval: bool = False, **kw):
+        """allow_neg_eigval: β = 2·sigmoid(W_β x) ∈ (0, 2), so I − β k̂k̂ᵀ may have the eigenvalue
+        1 − β < 0 (Grazzi et al. 2024; OLMo-Hybrid's linear_allow_neg_eigval); eager decoding."""
         super().__init__(d_model, n_heads, **kw)
         self.beta_proj = nn.Linear(d_model, n_heads, bias=False)
+        self.allow_neg_eigval = bool(allow_neg_eigval)
 
     def mix(self, x, q, k, v, positions) -> DeltaMix:
         # SiLU on q, k and v after the projection and convolution: Gated DeltaNet's block (Yang et al. 2024b, Fig. 1)
@@ -139,10 +142,14 @@ class DeltaNetAttention(RecurrentAttention):
         sdt = state_dtype(x.dtype)
         # β in the state dtype, kept above the smallest normal number (a β that small writes nothing either way)
         beta = torch.sigmoid(self.beta_proj(x).to(sdt)).clamp_min(torch.finfo(sdt).tiny).transpose(1, 2)
+        if self.allow_neg_eigval:
+            beta = 2.0 * beta
         g = None if self.decay is None else self.decay(x)
         return DeltaMix(q, k, F.silu(v), beta, g, scale=self.scale, chunk_size=self.chunk_size)
 
     def step_obstacle(self) -> str | None:
+        if self.allow_neg_eigval:
+            return "allow_neg_eigval (β ∈ (0, 2)) takes the eager path"
         if self.decay is not None and self.decay.native_code != ScalarDecay.native_code:
             return f"decay {type(self.decay).__name__} takes the eager path"
         return super().step_obstacle()
