@@ -501,3 +501,31 @@ def test_olmo_hybrid_gradients_and_generate_equal_transformers():
     assert b.sequences.tolist() == a.sequences.tolist()
     for r, mine in zip(a.logits, b.logits):
         torch.testing.assert_close(mine, r, atol=2e-5 * r.abs().max().item(), rtol=0)
+
+
+def test_fused_step_takes_beta_up_to_two_and_the_gate_eps():
+    """allow_neg_eigval (β = 2·sigmoid) and output_gate_eps in the fused delta mixer: its logits equal the
+    eager step's; the β projection is scaled so that β > 1 occurs."""
+    from linattn.models.decoding import FusedDecoder, fused_decoding_obstacle
+
+    cfg = ModelConfig(vocab_size=50, d_model=32, n_layers=2, n_heads=2, attention=["gated_deltanet"], seed=1,
+                      kind_options={"gated_deltanet": {"allow_neg_eigval": True, "output_gate_eps": 1e-2,
+                                                       "n_heads": 4, "v_dim": 12, "qk_dim": 8}})
+    lm = LinearTransformerLM(cfg).eval()
+    with torch.no_grad():
+        for block in lm.blocks:
+            block.attn.beta_proj.weight.mul_(40)
+    assert fused_decoding_obstacle(lm) is None
+    x = torch.randint(0, 50, (2, 6), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        beta = torch.sigmoid(lm.blocks[0].attn.beta_proj(lm.blocks[0].norm1(lm.tok_emb(x)))) * 2
+        assert beta.max() > 1.5 and beta.min() < 0.5
+        first, eager = lm(x, cache=lm.new_cache(), last_only=True)
+        _, fused = lm(x, cache=lm.new_cache(), last_only=True)
+        decoder = FusedDecoder(lm, fused, reserve=5)
+        tok = first[:, -1].argmax(-1)
+        for _ in range(5):
+            le, eager = lm(tok[:, None], cache=eager, last_only=True)
+            lf = decoder.step(tok).clone()
+            torch.testing.assert_close(lf, le[:, -1], atol=2e-6, rtol=1e-5)
+            tok = le[:, -1].argmax(-1)

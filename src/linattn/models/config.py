@@ -123,7 +123,7 @@ class ModelConfig:
         qk_norm (True: per head; "all": one RMSNorm across the heads, OLMo2's; eager decoding),
         short_conv, post_norm (OLMo2's block x ← x + Norm₁(Attn(x)), x ← x + Norm₂(FFN(x)); eager
         decoding), output_gate_eps (the output gate's RMSNorm eps; default norm_eps),
-        allow_neg_eigval (delta-rule kinds: β = 2·sigmoid(·); eager decoding), output_gate (True,
+        allow_neg_eigval (delta-rule kinds: β = 2·sigmoid(·)), output_gate (True,
         False or "sigmoid": gated attention's o ⊙ sigmoid(W_g x), no norm) and rope_dim (with
         positions="rope": rotate only the first rope_dim q/k features, partial RoPE as transformers'
         partial_rotary_factor; 0: no RoPE in that kind's layers; None: all; not for the linear

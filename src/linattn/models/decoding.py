@@ -32,7 +32,8 @@ conv_mixer blocks; every attention kind of linattn.models.KINDS with a fused mix
 with every φ that has a native code, softmax with its KV cache, the gated and delta-rule kinds);
 RoPE (whole or partial, rope_dim), learned or no positions; short convolutions on q, k, v; q/k
 RMSNorms (qk_norm); the output gate (RMSNorm and swish, or gated attention's sigmoid); value heads
-of any width (v_dim); RMSNorm or LayerNorm; SwiGLU or GELU; biases; left-padded batches.
+of any width (v_dim); β ∈ (0, 2) (allow_neg_eigval); RMSNorm or LayerNorm; SwiGLU or GELU; biases;
+left-padded batches.
 
 `weight_streaming()` runs every matrix-vector product of a step and nothing else (same kernels,
 threads and column shares): the time to read every weight once, the bound a step at small batch cannot

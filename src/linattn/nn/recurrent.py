@@ -131,7 +131,7 @@ class DeltaNetAttention(RecurrentAttention):
 
     def __init__(self, d_model: int, n_heads: int, *, allow_neg_eigval: bool = False, **kw):
         """allow_neg_eigval: β = 2·sigmoid(W_β x) ∈ (0, 2), so I − β k̂k̂ᵀ may have the eigenvalue
-        1 − β < 0 (Grazzi et al. 2024; OLMo-Hybrid's linear_allow_neg_eigval); eager decoding."""
+        1 − β < 0 (Grazzi et al. 2024; OLMo-Hybrid's linear_allow_neg_eigval)."""
         super().__init__(d_model, n_heads, **kw)
         self.beta_proj = nn.Linear(d_model, n_heads, bias=False)
         self.allow_neg_eigval = bool(allow_neg_eigval)
@@ -148,16 +148,17 @@ class DeltaNetAttention(RecurrentAttention):
         return DeltaMix(q, k, F.silu(v), beta, g, scale=self.scale, chunk_size=self.chunk_size)
 
     def step_obstacle(self) -> str | None:
-        if self.allow_neg_eigval:
-            return "allow_neg_eigval (β ∈ (0, 2)) takes the eager path"
         if self.decay is not None and self.decay.native_code != ScalarDecay.native_code:
             return f"decay {type(self.decay).__name__} takes the eager path"
         return super().step_obstacle()
 
     def plan_mixer(self, plan, cache, tensors: dict, ints: dict, floats: dict) -> None:
-        """The gated mixer's arguments (`plan_state`) and β's product."""
+        """The gated mixer's arguments (`plan_state`) and β's product (and its factor 2 with
+        allow_neg_eigval)."""
         self.plan_state(plan, cache, tensors, ints, floats)
         tensors["beta"] = plan.project(self.beta_proj)
+        if self.allow_neg_eigval:
+            floats["beta_scale"] = 2.0
 
 
 class GatedDeltaNetAttention(DeltaNetAttention):

@@ -439,7 +439,7 @@ class DeltaMixOp : public AttentionMixOp {
  public:
   DeltaMixOp(const Args& a, bool bf16)
       : AttentionMixOp(a, bf16), beta_(buffer(a, "beta")), decay_(Decay::from(a)),
-        scale_(static_cast<float>(a.real("scale"))) {
+        scale_(static_cast<float>(a.real("scale"))), beta_scale_(static_cast<float>(a.real("beta_scale", 1.0))) {
     state_t_ = a.tensor("state");
     S_ = state_ptr(a, "state", a.integer("batch") * heads_ * dq_ * dv_);
   }
@@ -468,7 +468,8 @@ class DeltaMixOp : public AttentionMixOp {
       const float r = inverse_norm(x, dq_, ss);
       for (int64_t i = 0; i < dq_; ++i) qk[part * dq_ + i] = x[i] * r;
     }
-    const float beta = std::max(sigmoid(beta_.p[b * beta_.ld + h]), FLT_MIN);
+    // β = sigmoid(W_β x), times 2 with allow_neg_eigval (β ∈ (0, 2))
+    const float beta = std::max(sigmoid(beta_.p[b * beta_.ld + h]), FLT_MIN) * beta_scale_;
     float g = 0;
     if (decay_.kind != kNoDecay) decay_.log_decay(b, h, 1, R_, &g);
     float* S = S_ + (b * heads_ + h) * dq_ * dv_;
@@ -480,7 +481,7 @@ class DeltaMixOp : public AttentionMixOp {
  private:
   Buffer beta_;
   Decay decay_;
-  float scale_;
+  float scale_, beta_scale_;
   at::Tensor state_t_;
   float* S_;
 };
