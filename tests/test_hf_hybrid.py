@@ -529,3 +529,26 @@ def test_fused_step_takes_beta_up_to_two_and_the_gate_eps():
             lf = decoder.step(tok).clone()
             torch.testing.assert_close(lf, le[:, -1], atol=2e-6, rtol=1e-5)
             tok = le[:, -1].argmax(-1)
+
+
+def test_qwen35_conditional_generation_language_model():
+    """A qwen3_5 checkpoint (Qwen3_5ForConditionalGeneration): its language model converts, text-only logits equal."""
+    from transformers.models.qwen3_5 import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    text = qwen35_config().to_dict()
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4,
+                  temporal_patch_size=2, spatial_merge_size=2, num_position_embeddings=16)
+    c = Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=False)
+    c._attn_implementation = "eager"
+    c.get_text_config()._attn_implementation = "eager"
+    torch.manual_seed(0)
+    m = Qwen3_5ForConditionalGeneration(c).eval()
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if "norm" in name or "A_log" in name or "dt_bias" in name:
+                p.add_(torch.randn_like(p) * 0.2)
+    lm = from_transformers_hybrid(m)
+    x = ids()
+    with torch.no_grad():
+        ref = m(input_ids=x).logits
+        torch.testing.assert_close(logits(lm, x), ref, atol=2e-5 * ref.abs().max().item(), rtol=0)
