@@ -125,7 +125,8 @@ def _rope_dim(c, mt: str) -> int:
 
 
 def hybrid_config(c) -> ModelConfig:
-    """The ModelConfig of a Qwen3.5 config `c` (qwen3_5_text, or qwen3_5's text_config)."""
+    """The ModelConfig of a config `c` of HYBRID_SUPPORTED (for qwen3_5 / qwen3_5_moe, of its text_config);
+    what it cannot express is refused by name (module docstring)."""
     mt = getattr(c, "model_type", None)
     if mt not in HYBRID_SUPPORTED:
         raise ValueError(f"model_type {mt!r}: linattn.hf.hybrid converts {', '.join(HYBRID_SUPPORTED)}")
