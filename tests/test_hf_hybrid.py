@@ -552,3 +552,18 @@ def test_qwen35_conditional_generation_language_model():
     with torch.no_grad():
         ref = m(input_ids=x).logits
         torch.testing.assert_close(logits(lm, x), ref, atol=2e-5 * ref.abs().max().item(), rtol=0)
+
+
+def test_accelerate_takes_the_softmax_teachers_too():
+    """A Qwen3 (linattn.hf.teacher's route): same greedy tokens as transformers' generate."""
+    c = transformers.Qwen3Config(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, head_dim=8, pad_token_id=0,
+                                 eos_token_id=1, bos_token_id=2, tie_word_embeddings=False)
+    c._attn_implementation = "eager"
+    torch.manual_seed(0)
+    m = transformers.Qwen3ForCausalLM(c).eval()
+    fast = H.accelerate(m)
+    assert fast.config.eos_token_id == 1 and fast.model.config.qk_norm
+    x = ids(b=1, n=6)
+    assert fast.generate(x, max_new_tokens=8, do_sample=False).tolist() == \
+        m.generate(x, max_new_tokens=8, do_sample=False).tolist()
