@@ -10,12 +10,19 @@ and ships the byte-level tokenizer of `linattn train`'s byte LM (ByteTokenizer).
 direction, transformers' Qwen3.5 / Qwen3-Next / OLMo-Hybrid / Kimi Linear on linattn's kernels:
 
     patch = linattn.hf.use_linattn_kernels()   # ... patch.undo() (linattn.hf.kernels)
+
+or a transformers causal LM (Qwen3.5, Qwen3.5-MoE, Qwen3-Next, OLMo-Hybrid; Llama, Mistral, Qwen2,
+Qwen3, GPT-2) converted into linattn's model, the same logits, driven by generate and pipelines as
+before (linattn.hf.accelerate):
+
+    fast = linattn.hf.accelerate(model)
 """
 
 from __future__ import annotations
 
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+from .accelerate import accelerate
 from .cache import LinattnCache
 from .config import LinattnConfig
 from .kernels import KernelPatch, KernelPatchError, undo_linattn_kernels, use_linattn_kernels
@@ -39,6 +46,7 @@ __all__ = [
     "LinattnConfig",
     "LinattnForCausalLM",
     "LinattnPreTrainedModel",
+    "accelerate",
     "undo_linattn_kernels",
     "use_linattn_kernels",
 ]

@@ -7,6 +7,7 @@ record gives the layer class and the defaults of short convolutions and output g
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 from dataclasses import dataclass, field
 
@@ -19,12 +20,63 @@ from .._checks import (
     check_seed,
     dataclass_from_dict,
 )
+from ..nn.base import OUTPUT_GATES, check_output_gate
 from ..nn.blocks import ACTIVATIONS
 from ..nn.norms import NORMS
 from ..nn.feature_maps import FEATURE_MAPS, make_feature_map
+from ..nn.moe import check_moe
 from ..nn.positional import RotaryEmbedding
 from ..ops.linear.chunked import DEFAULT_CHUNK_SIZE
 from .kinds import KINDS
+
+#: the layer settings every kind takes in ModelConfig.kind_options, overriding the config's for its layers
+LAYER_OPTIONS = ("n_heads", "qk_dim", "v_dim", "qk_norm", "output_gate", "rope_dim", "short_conv", "post_norm",
+                 "output_gate_eps", "allow_neg_eigval")
+
+
+def _takes(layer: type, name: str) -> bool:
+    """Whether layer(...) accepts the keyword `name` (its __init__ or, through **kwargs, a parent's)."""
+    for klass in layer.__mro__:
+        if "__init__" in vars(klass):
+            params = inspect.signature(klass.__init__).parameters
+            if name in params:
+                return True
+            if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+                return False
+    return False
+
+
+def _check_layer_option(kind: str, name: str, value) -> None:
+    where = f"kind_options[{kind!r}][{name!r}]"
+    if name == "qk_norm":
+        if value != "all":
+            check_bool(where, value)
+    elif name == "post_norm":
+        check_bool(where, value)
+    elif name == "allow_neg_eigval":
+        check_bool(where, value)
+        if not _takes(KINDS[kind].layer, name):
+            raise ValueError(f"{where}: the {kind} layer takes no allow_neg_eigval (the delta-rule kinds do)")
+    elif name == "output_gate_eps":
+        check_number(where, value, minimum=0, low_open=True)
+    elif name == "output_gate":
+        try:
+            check_output_gate(value)
+        except ValueError:
+            raise ValueError(f"{where} must be one of {OUTPUT_GATES}, got {value!r}") from None
+    elif name == "short_conv":
+        check_int(where, value, minimum=0)
+    elif name == "rope_dim":
+        check_int(where, value, minimum=0, allow_none=True)
+        if kind == "linear" and value is not None:
+            raise ValueError(f"{where}: the linear kind's RoPE rotates φ's features, not q and k; leave it unset")
+        if value is not None and value % 2:
+            raise ValueError(f"{where} must be even (RoPE rotates pairs of features), got {value}")
+    else:
+        check_positive_int(where, value, allow_none=name != "n_heads")
+        if name == "v_dim" and value is not None and not _takes(KINDS[kind].layer, "v_dim"):
+            raise ValueError(f"{where}: the {kind} layer takes no v_dim (its values have d_model / n_heads features)")
+
 
 #: the attention kinds (names of KINDS)
 ATTENTION_KINDS = tuple(KINDS)
@@ -46,7 +98,7 @@ class ModelConfig:
     feature_map / feature_map_options: φ of the linear layers and its options (JSON values), see
         linattn.nn.feature_maps. A "seed" option (FAVOR+, trig, Hedgehog) is offset per layer so layers
         draw different projections; cosFormer's max_len defaults to `max_len`.
-    qk_dim: per-head q/k dim (default d_model / n_heads); values always have d_model / n_heads.
+    qk_dim: per-head q/k dim (default the value head dim, v_dim or d_model / n_heads).
     positions: "rope" (on φ features in linear layers, design §6; on q/k in softmax layers),
         "learned" (absolute embeddings, at most max_len positions) or "none".
     d_ff: FFN hidden width (default 4·d_model). num_classes / pooling: the encoder's head.
@@ -58,13 +110,30 @@ class ModelConfig:
         projection (design §14), in every layer; 0 = none; None (default) = each kind's own: 4 for
         Kind.short_conv (4 for the delta-rule kinds, none for the others).
     output_gate: per-head RMSNorm of the attention output and swish gate, o = RMSNorm(o) ⊙ swish(W_g x),
-        in every layer; None (default) = each kind's own: on for the gated and delta-rule kinds, off
-        for linear and softmax.
+        in every layer (True), none (False), or gated attention's o ⊙ sigmoid(W_g x) ("sigmoid");
+        None (default) = each kind's own: on for the gated and delta-rule kinds, off for linear and
+        softmax.
     block: "transformer" (pre-norm attention + FFN) or "conv_mixer" (pre-norm gated short convolution
         + attention, no FFN: Zoology's BaseConv layout for recall); conv_mixer_kernel: the kernel of
         that gated convolution (3, as in Zoology).
     kind_options: {kind: {option: value}}, the options of a kind's layers that its KINDS record
-        lists (`Kind.options`, with their defaults), e.g. a window size; JSON values.
+        lists (`Kind.options`, with their defaults), e.g. a window size; JSON values. Besides, every
+        kind takes the layer settings of LAYER_OPTIONS, which override the config's for its layers
+        (a hybrid whose softmax and delta-rule layers differ, as Qwen3.5's): n_heads, qk_dim, v_dim,
+        qk_norm (True: per head; "all": one RMSNorm across the heads, OLMo2's; eager decoding),
+        short_conv, post_norm (OLMo2's block x ← x + Norm₁(Attn(x)), x ← x + Norm₂(FFN(x)); eager
+        decoding), output_gate_eps (the output gate's RMSNorm eps; default norm_eps),
+        allow_neg_eigval (delta-rule kinds: β = 2·sigmoid(·)), output_gate (True,
+        False or "sigmoid": gated attention's o ⊙ sigmoid(W_g x), no norm) and rope_dim (with
+        positions="rope": rotate only the first rope_dim q/k features, partial RoPE as transformers'
+        partial_rotary_factor; 0: no RoPE in that kind's layers; None: all; not for the linear
+        kind, whose RoPE turns φ's features).
+    v_dim: per-head value dim (default d_model / n_heads, which must then divide d_model); the
+        heads' outputs, n_heads·v_dim wide, are projected back to d_model.
+    moe: {} (dense FFNs) or a mixture-of-experts FFN in the layers it names (linattn.nn.moe,
+        Qwen3-Next's and Qwen3.5-MoE's): {"num_experts", "top_k", "d_expert", "shared_d_ff" (0: no shared expert),
+        "norm_topk_prob", "layers" (None: every layer; else the MoE layers' indices)}; SwiGLU
+        experts; eager decoding.
     qkv_bias: a bias on the fused q/k/v projection (None: as `bias`; Qwen2 has it with bias off).
     qk_norm: a per-head RMSNorm on q and k after the projection, before RoPE, with a gain of the head
         dim shared by the heads (Qwen3); eager decoding.
@@ -94,20 +163,22 @@ class ModelConfig:
     seed: int = 0
     chunk_size: int = DEFAULT_CHUNK_SIZE
     short_conv: int | None = None
-    output_gate: bool | None = None
+    output_gate: bool | str | None = None
     block: str = "transformer"
     conv_mixer_kernel: int = 3
     kind_options: dict = field(default_factory=dict)
     qkv_bias: bool | None = None
     qk_norm: bool = False
+    v_dim: int | None = None
+    moe: dict = field(default_factory=dict)
 
     def __post_init__(self):
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "max_len", "chunk_size", "conv_mixer_kernel"):
             check_positive_int(name, getattr(self, name))
-        for name in ("d_ff", "qk_dim", "num_classes"):
+        for name in ("d_ff", "qk_dim", "num_classes", "v_dim"):
             check_positive_int(name, getattr(self, name), allow_none=True)
-        if self.d_model % self.n_heads:
-            raise ValueError(f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})")
+        if self.v_dim is None and self.d_model % self.n_heads:
+            raise ValueError(f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads}) (or set v_dim)")
         if isinstance(self.attention, str):
             self.attention = [a.strip() for a in self.attention.split(",")]
         if not isinstance(self.attention, (list, tuple)) or not self.attention:
@@ -132,7 +203,7 @@ class ModelConfig:
                 raise ValueError(f"{name}={kernel} is longer than max_len={self.max_len}, the longest sequence of this "
                                  "config: no sequence can use such a kernel; pass a kernel <= max_len (DeltaNet uses 4)")
         if self.output_gate is not None:
-            check_bool("output_gate", self.output_gate)
+            check_output_gate(self.output_gate)
         check_number("dropout", self.dropout, minimum=0, maximum=1, high_open=True)
         for name in ("rope_base", "norm_eps"):
             check_number(name, getattr(self, name), minimum=0, low_open=True)
@@ -142,6 +213,14 @@ class ModelConfig:
             check_bool("qkv_bias", self.qkv_bias)
         check_seed("seed", self.seed)
         self._check_kind_options()
+        check_moe(self.moe, self.n_layers)
+        if self.moe and self.activation != "swiglu":
+            raise ValueError(f"moe: the experts are SwiGLU; activation={self.activation!r} is not")
+        if self.v_dim is not None:
+            for kind in set(self.attention):
+                if "v_dim" not in self.kind_options.get(kind, {}) and not _takes(KINDS[kind].layer, "v_dim"):
+                    raise ValueError(f"v_dim: the {kind} layer takes no v_dim (its values have d_model / n_heads "
+                                     "features)")
         if not isinstance(self.feature_map_options, dict):
             raise ValueError(f"feature_map_options must be a dict, got {type(self.feature_map_options).__name__}")
         try:
@@ -170,10 +249,12 @@ class ModelConfig:
             if not isinstance(options, dict):
                 raise ValueError(f"kind_options[{kind!r}] must be a dict of options, got {type(options).__name__}")
             known = KINDS[kind].options
-            for name in options:
-                if name not in known:
+            for name, value in options.items():
+                if name in LAYER_OPTIONS:
+                    _check_layer_option(kind, name, value)
+                elif name not in known:
                     raise ValueError(f"kind_options[{kind!r}]: unknown option {name!r}; the {kind} layer takes "
-                                     f"{', '.join(known) or 'none'}")
+                                     f"{', '.join([*known, *LAYER_OPTIONS])}")
         try:
             self.kind_options = json.loads(json.dumps(self.kind_options))
         except (TypeError, ValueError) as exc:
@@ -201,15 +282,39 @@ class ModelConfig:
 
     def short_conv_for(self, kind: str) -> int:
         """The short convolution kernel of a layer of `kind` (0: none)."""
+        own = self.kind_options.get(kind, {})
+        if "short_conv" in own:
+            return own["short_conv"]
         return KINDS[kind].short_conv if self.short_conv is None else self.short_conv
 
-    def output_gate_for(self, kind: str) -> bool:
-        """Whether a layer of `kind` normalizes and gates its output."""
+    def output_gate_for(self, kind: str) -> bool | str:
+        """The output gate of a layer of `kind`: kind_options', the config's, else the kind's own
+        (True: RMSNorm and swish gate; "sigmoid": gated attention's; False: none)."""
+        own = self.kind_options.get(kind, {})
+        if "output_gate" in own:
+            return own["output_gate"]
         return KINDS[kind].output_gate if self.output_gate is None else self.output_gate
 
+    def moe_for(self, layer: int) -> dict | None:
+        """The MoE options of layer `layer` (moe less "layers"), None when its FFN is dense."""
+        if not self.moe or (self.moe["layers"] is not None and layer not in self.moe["layers"]):
+            return None
+        return {k: v for k, v in self.moe.items() if k != "layers"}
+
     def kind_options_for(self, kind: str) -> dict:
-        """The options of the layers of `kind`: its record's defaults, updated by kind_options."""
-        return {**KINDS[kind].options, **self.kind_options.get(kind, {})}
+        """The options of the layers of `kind` its record lists: the defaults, updated by kind_options
+        (the layer settings of LAYER_OPTIONS are `layer_options_for`'s)."""
+        own = {k: v for k, v in self.kind_options.get(kind, {}).items() if k not in LAYER_OPTIONS}
+        return {**KINDS[kind].options, **own}
+
+    def layer_options_for(self, kind: str) -> dict:
+        """The settings of LAYER_OPTIONS for the layers of `kind`: kind_options', else the config's
+        (rope_dim None: every q/k feature rotated)."""
+        own = self.kind_options.get(kind, {})
+        default = dict(n_heads=self.n_heads, qk_dim=self.qk_dim, v_dim=self.v_dim, qk_norm=self.qk_norm,
+                       output_gate=self.output_gate_for(kind), rope_dim=None, post_norm=False,
+                       output_gate_eps=None, allow_neg_eigval=None)
+        return {name: own.get(name, value) for name, value in default.items()}
 
     def feature_map_options_for(self, layer: int) -> dict:
         opts = dict(self.feature_map_options)
@@ -254,4 +359,4 @@ class ModelConfig:
         return {k: (a[k], b[k]) for k in a if a[k] != b[k]}
 
 
-__all__ = ["ATTENTION_KINDS", "BLOCKS", "POOLINGS", "POSITIONS", "RECURRENT_KINDS", "ModelConfig"]
+__all__ = ["ATTENTION_KINDS", "BLOCKS", "LAYER_OPTIONS", "POOLINGS", "POSITIONS", "RECURRENT_KINDS", "ModelConfig"]

@@ -31,9 +31,10 @@ runs the eager step): CPU LinearTransformerLM models in float32 or bfloat16 with
 conv_mixer blocks, their nn.Linear weights float or 8-bit weight-only quantized by torchao
 (Int8WeightOnlyConfig, per-row or per-tensor scales: read in place, linattn.models.weights); every
 attention kind of linattn.models.KINDS with a fused mixer (Kind.fused: linear with every φ that has
-a native code, softmax with its KV cache, the gated and delta-rule kinds); RoPE, learned or no
-positions; short convolutions on q, k, v; the output gate; RMSNorm or LayerNorm; SwiGLU or GELU;
-biases; left-padded batches.
+a native code, softmax with its KV cache, the gated and delta-rule kinds); RoPE (whole or partial,
+rope_dim), learned or no positions; short convolutions on q, k, v; q/k RMSNorms (qk_norm); the
+output gate (RMSNorm and swish, or gated attention's sigmoid); value heads of any width (v_dim);
+β ∈ (0, 2) (allow_neg_eigval); RMSNorm or LayerNorm; SwiGLU or GELU; biases; left-padded batches.
 
 `weight_streaming()` runs every matrix-vector product of a step and nothing else (same kernels,
 threads and column shares; int8 weights: the int8 kernels): the time to read every weight once, the

@@ -27,6 +27,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from .._checks import check_positions, check_positive_int
+from ..nn.base import OutputGate
 from ..nn.blocks import Block, ConvMixerBlock
 from ..nn.caches import PositionCounter, token_positions
 from ..nn.norms import make_norm
@@ -88,19 +89,33 @@ class _Transformer(nn.Module):
 
     def _block(self, i: int, kind: str) -> nn.Module:
         c = self.config
-        common = dict(rope=c.positions == "rope", rope_base=c.rope_base, qk_dim=c.qk_dim, dropout=c.dropout,
-                      bias=c.bias, short_conv=c.short_conv_for(kind), output_gate=c.output_gate_for(kind),
+        own = c.layer_options_for(kind)
+        common = dict(rope=c.positions == "rope", rope_base=c.rope_base, qk_dim=own["qk_dim"], dropout=c.dropout,
+                      bias=c.bias, short_conv=c.short_conv_for(kind), output_gate=own["output_gate"],
                       norm_eps=c.norm_eps)
+        for name in ("v_dim", "allow_neg_eigval"):  # only when set: not every kind's layer takes them
+            if own[name] is not None:
+                common[name] = own[name]
         row = KINDS[kind]
-        attn = row.layer(c.d_model, c.n_heads, **row.build(c, i, self.causal), **common, **c.kind_options_for(kind))
+        attn = row.layer(c.d_model, own["n_heads"], **row.build(c, i, self.causal), **common,
+                         **c.kind_options_for(kind))
+        if own["rope_dim"] is not None and c.positions == "rope":
+            attn.set_rope_dim(own["rope_dim"])
         if c.qkv_bias is not None:
             attn.set_qkv_bias(c.qkv_bias)
-        if c.qk_norm:
-            attn.set_qk_norm(c.norm_eps)
+        if own["qk_norm"]:
+            attn.set_qk_norm(c.norm_eps, across_heads=own["qk_norm"] == "all")
+        if own["output_gate_eps"] is not None:
+            if not isinstance(attn.output_gate, OutputGate):
+                raise ValueError(f"kind_options[{kind!r}]['output_gate_eps']: its layers have no normalizing output "
+                                 "gate (output_gate=True)")
+            attn.output_gate.norm.eps = float(own["output_gate_eps"])
         if c.block == "conv_mixer":
+            if own["post_norm"]:
+                raise ValueError(f"kind_options[{kind!r}]['post_norm']: conv_mixer blocks are pre-norm")
             return ConvMixerBlock(attn, c.conv_mixer_kernel, norm=c.norm, norm_eps=c.norm_eps)
         return Block(attn, c.ffn_dim, activation=c.activation, norm=c.norm, norm_eps=c.norm_eps, dropout=c.dropout,
-                     bias=c.bias)
+                     bias=c.bias, moe=c.moe_for(i), post_norm=own["post_norm"])
 
     @torch.no_grad()
     def _init_weights(self) -> None:

@@ -42,11 +42,12 @@ class LinearAttention(Attention):
 
     def __init__(self, d_model: int, n_heads: int, *, feature_map="elu", feature_map_options: dict | None = None,
                  causal: bool = True, rope: bool = False, rope_base: float = 10_000.0, qk_dim: int | None = None,
+                 v_dim: int | None = None,
                  normalize: bool = True, eps: float = 1e-6, dropout: float = 0.0, bias: bool = False,
                  chunk_size: int = DEFAULT_CHUNK_SIZE, short_conv: int = 0, output_gate: bool = False,
                  norm_eps: float = 1e-5):
         super().__init__(d_model, n_heads, qk_dim, causal, dropout, bias, short_conv=short_conv,
-                         output_gate=output_gate, norm_eps=norm_eps)
+                         output_gate=output_gate, norm_eps=norm_eps, v_dim=v_dim)
         if isinstance(feature_map, str):
             self.feature_map = make_feature_map(feature_map, self.qk_dim, **(feature_map_options or {}))
         elif isinstance(feature_map, nn.Module) and hasattr(feature_map, "feature_dim"):
@@ -103,10 +104,10 @@ class SoftmaxAttention(Attention):
     family = SOFTMAX
 
     def __init__(self, d_model: int, n_heads: int, *, causal: bool = True, rope: bool = False,
-                 rope_base: float = 10_000.0, qk_dim: int | None = None, dropout: float = 0.0, bias: bool = False,
-                 short_conv: int = 0, output_gate: bool = False, norm_eps: float = 1e-5):
+                 rope_base: float = 10_000.0, qk_dim: int | None = None, v_dim: int | None = None, dropout: float = 0.0,
+                 bias: bool = False, short_conv: int = 0, output_gate: bool | str = False, norm_eps: float = 1e-5):
         super().__init__(d_model, n_heads, qk_dim, causal, dropout, bias, short_conv=short_conv,
-                         output_gate=output_gate, norm_eps=norm_eps)
+                         output_gate=output_gate, norm_eps=norm_eps, v_dim=v_dim)
         self.rope = RotaryEmbedding(self.qk_dim, rope_base) if rope else None
 
     def mix(self, x, q, k, v, positions) -> SoftmaxMix:

@@ -32,13 +32,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .._checks import check_bool, check_int, check_number, check_positive_int
+from .._checks import check_int, check_number, check_positive_int
 from ..ops import packed
 from ..parallel import sequence_halo
 from .caches import LayerCache, token_positions
 from .convolution import ShortConvolution
 from .families import Family
 from .norms import RMSNorm
+from .positional import RotaryEmbedding
 
 
 def shard_halo(x: torch.Tensor, kernel_size: int, group) -> torch.Tensor | None:
@@ -65,16 +66,30 @@ def check_dropout(p) -> float:
     return float(p)
 
 
-def _check_heads(d_model: int, n_heads: int, qk_dim: int | None) -> tuple[int, int]:
+def _check_heads(d_model: int, n_heads: int, qk_dim: int | None, v_dim: int | None = None) -> tuple[int, int]:
+    """(value head dim, q/k head dim): v_dim (default d_model / n_heads, which must then divide) and
+    qk_dim (default the value head dim)."""
     check_positive_int("d_model", d_model)
     check_positive_int("n_heads", n_heads)
-    if d_model % n_heads:
-        raise ValueError(f"d_model ({d_model}) must be divisible by n_heads ({n_heads})")
-    head_dim = d_model // n_heads
+    check_positive_int("v_dim", v_dim, allow_none=True)
+    if v_dim is None and d_model % n_heads:
+        raise ValueError(f"d_model ({d_model}) must be divisible by n_heads ({n_heads}) (or pass v_dim)")
+    head_dim = d_model // n_heads if v_dim is None else v_dim
     if qk_dim is None:
         return head_dim, head_dim
     check_positive_int("qk_dim", qk_dim, allow_none=True)
     return head_dim, qk_dim
+
+
+#: the values of Attention's `output_gate`: off, RMSNorm and swish, or the sigmoid gate of gated attention
+OUTPUT_GATES = (False, True, "sigmoid")
+
+
+def check_output_gate(output_gate) -> bool | str:
+    """output_gate: one of OUTPUT_GATES (False, True or "sigmoid")."""
+    if not any(output_gate is g or (isinstance(g, str) and output_gate == g) for g in OUTPUT_GATES):
+        raise ValueError(f"output_gate must be one of {OUTPUT_GATES}, got {output_gate!r}")
+    return output_gate
 
 
 def check_mask(mask, x: torch.Tensor) -> None:
@@ -108,11 +123,30 @@ class OutputGate(nn.Module):
         return self.norm(o) * gate
 
 
+class SigmoidGate(nn.Module):
+    """The output gate of gated attention (Qiu et al. 2025; Qwen3.5 and Qwen3-Next's softmax layers),
+    elementwise, without a norm:
+
+        o_h ← o_h ⊙ sigmoid(W_g x)_h
+
+    W_g (d -> H·E) projects the layer's input x. forward(o (B, N, H, E), x (B, N, d)) -> (B, N, H, E)."""
+
+    def __init__(self, d_model: int, n_heads: int, head_dim: int, bias: bool = False):
+        super().__init__()
+        self.n_heads, self.head_dim = n_heads, head_dim
+        self.proj = column_major(nn.Linear(d_model, n_heads * head_dim, bias=bias))
+
+    def forward(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return o * torch.sigmoid(self.proj(x)).unflatten(-1, (self.n_heads, self.head_dim))
+
+
 class Attention(nn.Module):
-    """What every kind shares (module docstring): x (B, N, d) -> q, k (B, H, N, qk_dim), v (B, H, N, d/H)
-    from one fused input matmul `qkv`, then (short_conv = K > 0) a causal depthwise convolution of
-    kernel K over the projected channels; the family's output o (B, H, N, d/H) -> (B, N, d) through
-    (output_gate) the per-head RMSNorm and swish gate, then `out` and dropout.
+    """What every kind shares (module docstring): x (B, N, d) -> q, k (B, H, N, qk_dim), v (B, H, N, E)
+    (E = v_dim, default d/H) from one fused input matmul `qkv`, then (short_conv = K > 0) a causal
+    depthwise convolution of kernel K over the projected channels; the family's output o (B, H, N, E)
+    -> (B, N, d) through the output gate (output_gate=True: the per-head RMSNorm and swish gate,
+    OutputGate; "sigmoid": gated attention's o ⊙ sigmoid(W_g x), SigmoidGate), then `out` (H·E -> d)
+    and dropout.
 
     A kind sets `kind` (its name in linattn.models.KINDS), `family` (its linattn.nn.families record)
     and `rope` (a RotaryEmbedding or None), and implements `mix`."""
@@ -121,30 +155,40 @@ class Attention(nn.Module):
     family: Family
 
     def __init__(self, d_model: int, n_heads: int, qk_dim: int | None, causal: bool, dropout: float, bias: bool,
-                 *, short_conv: int = 0, output_gate: bool = False, norm_eps: float = 1e-5):
+                 *, short_conv: int = 0, output_gate: bool | str = False, norm_eps: float = 1e-5,
+                 v_dim: int | None = None):
         super().__init__()
-        self.head_dim, self.qk_dim = _check_heads(d_model, n_heads, qk_dim)
+        self.head_dim, self.qk_dim = _check_heads(d_model, n_heads, qk_dim, v_dim)
         self.d_model, self.n_heads, self.causal = d_model, n_heads, bool(causal)
         self.dropout_p = check_dropout(dropout)
         check_int("short_conv", short_conv, minimum=0)
-        check_bool("output_gate", output_gate)
+        check_output_gate(output_gate)
         width = n_heads * (2 * self.qk_dim + self.head_dim)
         self.qkv = column_major(nn.Linear(d_model, width, bias=bias))
         self.conv = ShortConvolution(width, short_conv) if short_conv else None
-        self.output_gate = OutputGate(d_model, n_heads, self.head_dim, norm_eps, bias) if output_gate else None
+        if output_gate == "sigmoid":
+            self.output_gate = SigmoidGate(d_model, n_heads, self.head_dim, bias)
+        else:
+            self.output_gate = OutputGate(d_model, n_heads, self.head_dim, norm_eps, bias) if output_gate else None
         self.out = column_major(nn.Linear(n_heads * self.head_dim, d_model, bias=bias))
         self.dropout = nn.Dropout(self.dropout_p)
         #: set by LinearTransformerLM.set_sequence_parallel_group; used when no cache is given.
         self.sequence_parallel_group = None
-        #: per-head RMSNorms of q and k (Qwen3's), set by `set_qk_norm`; None: none
+        #: RMSNorms of q and k (Qwen3's per head, OLMo2's across heads), set by `set_qk_norm`; None: none
         self.q_norm = self.k_norm = None
+        self.qk_norm_across_heads = False
         #: RoPE (a linattn.nn.positional.RotaryEmbedding), set by the kind; None: none
         self.rope = None
+        #: RoPE turns only the first rope.dim < qk_dim features of q and k (set_rope_dim)
+        self.partial_rope = False
 
-    def set_qk_norm(self, eps: float = 1e-6) -> None:
-        """Normalizes q and k per head (RMSNorm over the q/k head dim, one gain shared by the heads)
-        right after the projection: Qwen3's q_norm / k_norm."""
-        self.q_norm, self.k_norm = RMSNorm(self.qk_dim, eps), RMSNorm(self.qk_dim, eps)
+    def set_qk_norm(self, eps: float = 1e-6, *, across_heads: bool = False) -> None:
+        """Normalizes q and k right after the projection: per head (RMSNorm over the q/k head dim, one
+        gain shared by the heads; Qwen3's q_norm / k_norm), or across_heads (one RMSNorm over all
+        H·qk_dim features of the token, a gain per feature; OLMo2's and OLMo-Hybrid's)."""
+        width = self.qk_dim * (self.n_heads if across_heads else 1)
+        self.q_norm, self.k_norm = RMSNorm(width, eps), RMSNorm(width, eps)
+        self.qk_norm_across_heads = bool(across_heads)
 
     def set_qkv_bias(self, bias: bool) -> None:
         """Gives the fused q/k/v projection a bias (zeros) or takes it away, whatever `bias` the
@@ -202,7 +246,29 @@ class Attention(nn.Module):
         """q and k rotated by RoPE at `positions` (as they are without RoPE)."""
         if self.rope is None:
             return q, k
-        return self.rope.rotate(q, positions), self.rope.rotate(k, positions)
+        r = self.rope.dim
+        if r == q.shape[-1]:
+            return self.rope.rotate(q, positions), self.rope.rotate(k, positions)
+        # partial RoPE (set_rope_dim): the first r features rotated, the others passed through
+        return (torch.cat((self.rope.rotate(q[..., :r], positions), q[..., r:]), -1),
+                torch.cat((self.rope.rotate(k[..., :r], positions), k[..., r:]), -1))
+
+    def set_rope_dim(self, rope_dim: int) -> None:
+        """Rotates only the first `rope_dim` q/k features (partial RoPE, Qwen3.5's partial_rotary_factor:
+        pairs (x_m, x_{m+r/2}), m < r/2, at angles position·base^(−2m/r)); 0: no RoPE in this layer.
+        A layer without RoPE takes only 0."""
+        check_int("rope_dim", rope_dim, minimum=0)
+        if rope_dim == 0:
+            self.rope, self.partial_rope = None, False
+            return
+        if self.rope is not None and self.rope.dim != self.qk_dim:
+            raise ValueError(f"rope_dim: this {type(self).__name__} rotates its feature map's features, not q and k")
+        if self.rope is None or rope_dim % 2 or rope_dim > self.rope.dim:
+            raise ValueError(f"rope_dim={rope_dim}: this {type(self).__name__} rotates "
+                             f"{0 if self.rope is None else self.rope.dim} features; rope_dim must be 0 or an even "
+                             "number up to that")
+        self.rope = RotaryEmbedding(rope_dim, self.rope.base)
+        self.partial_rope = rope_dim < self.qk_dim
 
     def _check_call(self, x, mask, cache, group, cu_seqlens) -> None:
         if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != self.d_model:
@@ -254,7 +320,10 @@ class Attention(nn.Module):
             q = q.view(b, n, self.n_heads, self.qk_dim).transpose(1, 2)
             k = k.view(b, n, self.n_heads, self.qk_dim).transpose(1, 2)
             v = v.view(b, n, self.n_heads, self.head_dim).transpose(1, 2)
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.qk_norm_across_heads:  # (B, H, N, D) -> (B, N, H·D) and back
+            q, k = (norm(t.transpose(1, 2).flatten(2)).unflatten(-1, (self.n_heads, self.qk_dim)).transpose(1, 2)
+                    for norm, t in ((self.q_norm, q), (self.k_norm, k)))
+        elif self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         return q, k, v
 
@@ -275,9 +344,11 @@ class Attention(nn.Module):
         kind runs fused at all is its kinds-table row's word)."""
         if type(self).plan_mixer is Attention.plan_mixer:
             return f"{type(self).__name__} has no fused step"
-        if self.q_norm is not None:
-            return "q/k norms (qk_norm) take the eager path"
-        if self.output_gate is not None and type(self.output_gate.norm) is not RMSNorm:
+        if self.q_norm is not None and not (type(self.q_norm) is type(self.k_norm) is RMSNorm):
+            return "q/k norms (qk_norm) other than RMSNorm take the eager path"
+        if self.qk_norm_across_heads:
+            return "qk_norm='all' (one RMSNorm across the heads) takes the eager path"
+        if isinstance(self.output_gate, OutputGate) and type(self.output_gate.norm) is not RMSNorm:
             return "output gate norm takes the eager path"
         return None
 
@@ -291,9 +362,16 @@ class Attention(nn.Module):
         f: dict = {}
         plan.group(plan.x, norm)
         plan.product(self.qkv, t["qkv"])
-        if self.output_gate is not None:
+        if isinstance(self.output_gate, SigmoidGate):
+            t["gate"], i["sigmoid_gate"] = plan.project(self.output_gate.proj), 1
+        elif self.output_gate is not None:
             t.update(gate=plan.project(self.output_gate.proj), gate_norm_weight=self.output_gate.norm.weight.detach())
             f["gate_norm_eps"] = float(self.output_gate.norm.eps)
+        if self.q_norm is not None:
+            t.update(q_norm_weight=self.q_norm.weight.detach(), k_norm_weight=self.k_norm.weight.detach())
+            f["qk_norm_eps"] = self.q_norm.eps
+        if self.partial_rope:
+            i["rope_dim"] = self.rope.dim
         if self.conv is not None:
             if cache.conv is None or not cache.conv.is_contiguous():
                 raise ValueError("fused decoding: the short convolution's cache is missing; run the prefill first")
@@ -320,4 +398,5 @@ class Attention(nn.Module):
                 f"output_gate={self.output_gate is not None}, rope={self.rope is not None}")
 
 
-__all__ = ["Attention", "OutputGate", "check_dropout", "check_mask", "column_major", "shard_halo"]
+__all__ = ["OUTPUT_GATES", "Attention", "OutputGate", "SigmoidGate", "check_dropout", "check_mask", "check_output_gate",
+           "column_major", "shard_halo"]

@@ -20,6 +20,7 @@ from .._checks import check_positive_int
 from .base import Attention, check_dropout, column_major, shard_halo
 from .caches import PositionCounter, nbytes
 from .convolution import ShortConvolution
+from .moe import MoEFeedForward
 from .norms import make_norm, native_norm_code
 
 ACTIVATIONS = ("gelu", "swiglu", "gelu_tanh")
@@ -64,19 +65,32 @@ class FeedForward(nn.Module):
 class Block(nn.Module):
     """Pre-norm Transformer block (design §8):
 
-        x ← x + Attn(Norm₁(x)),   x ← x + FFN(Norm₂(x)).
+        x ← x + Attn(Norm₁(x)),   x ← x + FFN(Norm₂(x));
+
+    with post_norm, OLMo2's (and OLMo-Hybrid's attention layers') order, the norms on the outputs:
+
+        x ← x + Norm₁(Attn(x)),   x ← x + Norm₂(FFN(x))   (eager decoding).
 
     forward(x (B, N, d), mask, cache, positions) -> (x, cache), the attention's cache passed through.
     """
 
     def __init__(self, attn: Attention, d_ff: int, *, activation: str = "swiglu", norm: str = "rmsnorm",
-                 norm_eps: float = 1e-5, dropout: float = 0.0, bias: bool = False):
+                 norm_eps: float = 1e-5, dropout: float = 0.0, bias: bool = False, moe: dict | None = None,
+                 post_norm: bool = False):
+        """moe: the options of a mixture-of-experts FFN (ModelConfig.moe, less `layers`) in place of
+        the dense one (linattn.nn.moe; SwiGLU experts)."""
         super().__init__()
         d = attn.d_model
         self.norm1 = make_norm(norm, d, norm_eps)
         self.attn = attn
         self.norm2 = make_norm(norm, d, norm_eps)
-        self.ffn = FeedForward(d, d_ff, activation, dropout, bias)
+        self.post_norm = bool(post_norm)
+        if moe:
+            shared = FeedForward(d, moe["shared_d_ff"], "swiglu", dropout, bias) if moe["shared_d_ff"] else None
+            self.ffn = MoEFeedForward(d, moe["num_experts"], moe["top_k"], moe["d_expert"], shared,
+                                      moe["norm_topk_prob"])
+        else:
+            self.ffn = FeedForward(d, d_ff, activation, dropout, bias)
 
     def new_cache(self):
         """The attention layer's empty cache."""
@@ -84,6 +98,10 @@ class Block(nn.Module):
 
     def step_obstacle(self) -> str | None:
         """Why the fused decoder cannot plan this block's one-token step (None: it can)."""
+        if isinstance(self.ffn, MoEFeedForward):
+            return "moe (a mixture-of-experts FFN) takes the eager path"
+        if self.post_norm:
+            return "post_norm blocks take the eager path"
         return _norms_obstacle(self.norm1, self.norm2) or (
             None if self.ffn.activation in FUSED_ACTIVATIONS else f"activation {self.ffn.activation} takes the eager path")
 
@@ -99,10 +117,12 @@ class Block(nn.Module):
         plan.product(ffn.down, plan.x, "residual")
 
     def forward(self, x, mask=None, cache=None, positions=None, *, cu_seqlens=None):
-        if cu_seqlens is not None:
-            a, cache = self.attn(self.norm1(x), mask, cache, positions, cu_seqlens=cu_seqlens)
-        else:
-            a, cache = self.attn(self.norm1(x), mask, cache, positions)
+        kw = {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}
+        if self.post_norm:
+            a, cache = self.attn(x, mask, cache, positions, **kw)
+            x = x + self.norm1(a)
+            return x + self.norm2(self.ffn(x)), cache
+        a, cache = self.attn(self.norm1(x), mask, cache, positions, **kw)
         x = x + a
         x = x + self.ffn(self.norm2(x))
         return x, cache

@@ -50,11 +50,11 @@ class RecurrentAttention(Attention):
     recurrent state as cache (RecurrentCache), the output norm and gate on by default. Subclasses set
     `kind` and `family` and implement `mix` (linattn.nn.base.Attention)."""
 
-    def __init__(self, d_model: int, n_heads: int, *, qk_dim: int | None = None, rope: bool = False,
-                 rope_base: float = 10_000.0, short_conv: int = 0, output_gate: bool = True, dropout: float = 0.0,
-                 bias: bool = False, chunk_size: int = DEFAULT_CHUNK_SIZE, norm_eps: float = 1e-5):
+    def __init__(self, d_model: int, n_heads: int, *, qk_dim: int | None = None, v_dim: int | None = None,
+                 rope: bool = False, rope_base: float = 10_000.0, short_conv: int = 0, output_gate: bool | str = True,
+                 dropout: float = 0.0, bias: bool = False, chunk_size: int = DEFAULT_CHUNK_SIZE, norm_eps: float = 1e-5):
         super().__init__(d_model, n_heads, qk_dim, True, dropout, bias, short_conv=short_conv,
-                         output_gate=output_gate, norm_eps=norm_eps)
+                         output_gate=output_gate, norm_eps=norm_eps, v_dim=v_dim)
         check_positive_int("chunk_size", chunk_size)
         self.chunk_size = chunk_size
         self.scale = self.qk_dim ** -0.5
@@ -129,9 +129,12 @@ class DeltaNetAttention(RecurrentAttention):
     kind = "deltanet"
     family = DELTA
 
-    def __init__(self, d_model: int, n_heads: int, **kw):
+    def __init__(self, d_model: int, n_heads: int, *, allow_neg_eigval: bool = False, **kw):
+        """allow_neg_eigval: β = 2·sigmoid(W_β x) ∈ (0, 2), so I − β k̂k̂ᵀ may have the eigenvalue
+        1 − β < 0 (Grazzi et al. 2024; OLMo-Hybrid's linear_allow_neg_eigval)."""
         super().__init__(d_model, n_heads, **kw)
         self.beta_proj = nn.Linear(d_model, n_heads, bias=False)
+        self.allow_neg_eigval = bool(allow_neg_eigval)
 
     def mix(self, x, q, k, v, positions) -> DeltaMix:
         # SiLU on q, k and v after the projection and convolution: Gated DeltaNet's block (Yang et al. 2024b, Fig. 1)
@@ -139,6 +142,8 @@ class DeltaNetAttention(RecurrentAttention):
         sdt = state_dtype(x.dtype)
         # β in the state dtype, kept above the smallest normal number (a β that small writes nothing either way)
         beta = torch.sigmoid(self.beta_proj(x).to(sdt)).clamp_min(torch.finfo(sdt).tiny).transpose(1, 2)
+        if self.allow_neg_eigval:
+            beta = 2.0 * beta
         g = None if self.decay is None else self.decay(x)
         return DeltaMix(q, k, F.silu(v), beta, g, scale=self.scale, chunk_size=self.chunk_size)
 
@@ -148,9 +153,12 @@ class DeltaNetAttention(RecurrentAttention):
         return super().step_obstacle()
 
     def plan_mixer(self, plan, cache, tensors: dict, ints: dict, floats: dict) -> None:
-        """The gated mixer's arguments (`plan_state`) and β's product."""
+        """The gated mixer's arguments (`plan_state`) and β's product (and its factor 2 with
+        allow_neg_eigval)."""
         self.plan_state(plan, cache, tensors, ints, floats)
         tensors["beta"] = plan.project(self.beta_proj)
+        if self.allow_neg_eigval:
+            floats["beta_scale"] = 2.0
 
 
 class GatedDeltaNetAttention(DeltaNetAttention):

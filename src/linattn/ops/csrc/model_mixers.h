@@ -44,10 +44,19 @@ class AttentionMixOp : public Op {
     }
     rope_c_ = maybe_buffer(a, "rope_cos");
     rope_s_ = maybe_buffer(a, "rope_sin");
+    rope_dim_ = a.integer("rope_dim", dq_);  // partial RoPE: the first rope_dim features of q and k
+    TORCH_CHECK(rope_dim_ > 0 && rope_dim_ <= dq_, "linattn_cpu::DecodePlan: rope_dim out of range");
     gate_ = maybe_buffer(a, "gate");
-    if (gate_.defined()) {
+    sigmoid_gate_ = a.integer("sigmoid_gate", 0) != 0;
+    if (gate_.defined() && !sigmoid_gate_) {
       gate_w_ = a.tensor("gate_norm_weight").to(at::kFloat).contiguous();
       gate_eps_ = static_cast<float>(a.real("gate_norm_eps"));
+    }
+    if (a.has("q_norm_weight")) {  // per-head RMSNorms of q and k (Qwen3's, Qwen3.5's qk_norm)
+      q_norm_w_ = a.tensor("q_norm_weight").to(at::kFloat).contiguous();
+      k_norm_w_ = a.tensor("k_norm_weight").to(at::kFloat).contiguous();
+      qk_norm_eps_ = static_cast<float>(a.real("qk_norm_eps"));
+      TORCH_CHECK(q_norm_w_.numel() == dq_ && k_norm_w_.numel() == dq_, "linattn_cpu::DecodePlan: bad qk_norm");
     }
   }
 
@@ -63,16 +72,25 @@ class AttentionMixOp : public Op {
     for (int64_t r = r0; r < r1; ++r) {
       const int64_t b = r / heads_, h = r % heads_;
       load_head(b, h, q, k, v);
+      if (q_norm_w_.defined()) {
+        normalize(kRMSNorm, q, tmp, dq_, q_norm_w_.data_ptr<float>(), nullptr, qk_norm_eps_, R_);
+        std::copy(tmp, tmp + dq_, q);
+        normalize(kRMSNorm, k, tmp, dq_, k_norm_w_.data_ptr<float>(), nullptr, qk_norm_eps_, R_);
+        std::copy(tmp, tmp + dq_, k);
+      }
       activate(q, k, v);
       if (rope_c_.defined()) {
-        rotate(q, rope_c_.p + b * rope_c_.ld, rope_s_.p + b * rope_s_.ld, tmp, dq_, R_);
-        std::copy(tmp, tmp + dq_, q);
-        rotate(k, rope_c_.p + b * rope_c_.ld, rope_s_.p + b * rope_s_.ld, tmp, dq_, R_);
-        std::copy(tmp, tmp + dq_, k);
+        rotate(q, rope_c_.p + b * rope_c_.ld, rope_s_.p + b * rope_s_.ld, tmp, rope_dim_, R_);
+        std::copy(tmp, tmp + rope_dim_, q);
+        rotate(k, rope_c_.p + b * rope_c_.ld, rope_s_.p + b * rope_s_.ld, tmp, rope_dim_, R_);
+        std::copy(tmp, tmp + rope_dim_, k);
       }
       mix(info, b, h, q, k, v, o, tmp);
       float* out = o_.p + b * o_.ld + h * dv_;
-      if (gate_.defined()) {  // o ← RMSNorm(o) ⊙ swish(W_g x): linattn.layers.OutputGate
+      if (gate_.defined() && sigmoid_gate_) {  // o ← o ⊙ sigmoid(W_g x): linattn.nn.base.SigmoidGate
+        const float* g = gate_.p + b * gate_.ld + h * dv_;
+        for (int64_t e = 0; e < dv_; ++e) out[e] = R_(o[e] * R_(1.0f / (1.0f + std::exp(-g[e]))));
+      } else if (gate_.defined()) {  // o ← RMSNorm(o) ⊙ swish(W_g x): linattn.layers.OutputGate
         float* normed = o + dv_;
         normalize(kRMSNorm, o, normed, dv_, gate_w_.data_ptr<float>(), nullptr, gate_eps_, R_);
         const float* g = gate_.p + b * gate_.ld + h * dv_;
@@ -116,8 +134,10 @@ class AttentionMixOp : public Op {
   Held tail_;
   int64_t taps_ = 0;
   Buffer rope_c_, rope_s_, gate_;
-  at::Tensor gate_w_;
-  float gate_eps_ = 0;
+  int64_t rope_dim_;
+  bool sigmoid_gate_ = false;
+  at::Tensor gate_w_, q_norm_w_, k_norm_w_;
+  float gate_eps_ = 0, qk_norm_eps_ = 0;
 };
 
 // A float state tensor of the cache, updated in place
@@ -419,7 +439,7 @@ class DeltaMixOp : public AttentionMixOp {
  public:
   DeltaMixOp(const Args& a, bool bf16)
       : AttentionMixOp(a, bf16), beta_(buffer(a, "beta")), decay_(Decay::from(a)),
-        scale_(static_cast<float>(a.real("scale"))) {
+        scale_(static_cast<float>(a.real("scale"))), beta_scale_(static_cast<float>(a.real("beta_scale", 1.0))) {
     state_t_ = a.tensor("state");
     S_ = state_ptr(a, "state", a.integer("batch") * heads_ * dq_ * dv_);
   }
@@ -448,7 +468,8 @@ class DeltaMixOp : public AttentionMixOp {
       const float r = inverse_norm(x, dq_, ss);
       for (int64_t i = 0; i < dq_; ++i) qk[part * dq_ + i] = x[i] * r;
     }
-    const float beta = std::max(sigmoid(beta_.p[b * beta_.ld + h]), FLT_MIN);
+    // β = sigmoid(W_β x), times 2 with allow_neg_eigval (β ∈ (0, 2))
+    const float beta = std::max(sigmoid(beta_.p[b * beta_.ld + h]), FLT_MIN) * beta_scale_;
     float g = 0;
     if (decay_.kind != kNoDecay) decay_.log_decay(b, h, 1, R_, &g);
     float* S = S_ + (b * heads_ + h) * dq_ * dv_;
@@ -460,7 +481,7 @@ class DeltaMixOp : public AttentionMixOp {
  private:
   Buffer beta_;
   Decay decay_;
-  float scale_;
+  float scale_, beta_scale_;
   at::Tensor state_t_;
   float* S_;
 };

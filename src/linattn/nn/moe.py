@@ -1,0 +1,104 @@
+"""The mixture-of-experts feed-forward of Qwen3-Next and Qwen3.5-MoE (design §22), in the block's
+FFN place (ModelConfig.moe):
+
+    p = softmax(W_r x)                        (float32, over the E experts)
+    T = the top_k experts of p;  w_e = p_e (/ Σ_{e∈T} p_e with norm_topk_prob), in x's dtype
+    y = Σ_{e∈T} w_e · W_down,e (silu(W_gate,e x) ⊙ W_up,e x)  +  sigmoid(w_s · x) · SwiGLU_shared(x)
+
+W_r (E, d) the router; the experts' weights stacked as gate_up (E, 2F, d) ([gate; up] rows, F =
+d_expert) and down (E, d, F) — transformers' own layout, so converted weights are shared; the
+shared expert a SwiGLU FeedForward of width shared_d_ff with its scalar sigmoid gate w_s (d),
+absent when shared_d_ff is 0. Ties in top-k are broken as torch.topk breaks them (the lower index
+first, on the CPU), as transformers does. Each expert runs on the tokens routed to it only.
+forward(x (…, d)) -> (…, d); route(x) -> (indices (T, top_k), weights (T, top_k)) of the flattened tokens.
+No load-balancing loss: this module computes the forward a trained model needs.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .._checks import check_bool, check_int, check_positive_int
+from .base import column_major
+
+#: the keys of ModelConfig.moe
+MOE_KEYS = ("num_experts", "top_k", "d_expert", "shared_d_ff", "norm_topk_prob", "layers")
+
+
+def check_moe(moe: dict, n_layers: int) -> None:
+    """ModelConfig.moe: {} (no MoE) or every key of MOE_KEYS: num_experts E ≥ 1, 1 ≤ top_k ≤ E,
+    d_expert ≥ 1, shared_d_ff ≥ 0 (0: no shared expert), norm_topk_prob a bool, layers None (every
+    layer) or the indices of the MoE layers (the others keep the dense FFN)."""
+    if not isinstance(moe, dict):
+        raise ValueError(f"moe must be a dict (empty: no mixture of experts), got {type(moe).__name__}")
+    if not moe:
+        return
+    unknown, missing = sorted(set(moe) - set(MOE_KEYS)), sorted(set(MOE_KEYS) - set(moe))
+    if unknown or missing:
+        raise ValueError(f"moe: unknown keys {unknown}, missing keys {missing} (it takes {', '.join(MOE_KEYS)})")
+    check_positive_int("moe['num_experts']", moe["num_experts"])
+    check_int("moe['top_k']", moe["top_k"], minimum=1)
+    if moe["top_k"] > moe["num_experts"]:
+        raise ValueError(f"moe['top_k']={moe['top_k']} exceeds moe['num_experts']={moe['num_experts']}")
+    check_positive_int("moe['d_expert']", moe["d_expert"])
+    check_int("moe['shared_d_ff']", moe["shared_d_ff"], minimum=0)
+    check_bool("moe['norm_topk_prob']", moe["norm_topk_prob"])
+    layers = moe["layers"]
+    if layers is not None:
+        if not isinstance(layers, list) or any(not isinstance(i, int) or not 0 <= i < n_layers for i in layers):
+            raise ValueError(f"moe['layers'] must be None or a list of layer indices in [0, {n_layers}), "
+                             f"got {layers!r}")
+
+
+class MoEFeedForward(nn.Module):
+    """The routed experts and the gated shared expert (module docstring)."""
+
+    def __init__(self, d_model: int, num_experts: int, top_k: int, d_expert: int, shared: nn.Module | None = None,
+                 norm_topk_prob: bool = True):
+        """shared: the shared expert (a SwiGLU FeedForward of linattn.nn.blocks, which builds this module),
+        None: none."""
+        super().__init__()
+        self.num_experts, self.top_k, self.norm_topk_prob = num_experts, top_k, bool(norm_topk_prob)
+        self.router = nn.Linear(d_model, num_experts, bias=False)
+        self.gate_up = nn.Parameter(torch.empty(num_experts, 2 * d_expert, d_model))
+        self.down = nn.Parameter(torch.empty(num_experts, d_model, d_expert))
+        self.shared = shared
+        self.shared_gate = column_major(nn.Linear(d_model, 1, bias=False)) if shared is not None else None
+        self.init_parameters()
+
+    @torch.no_grad()
+    def init_parameters(self, generator: torch.Generator | None = None) -> None:
+        """The experts' weights ~ N(0, 0.02) (the model initializes the router and the shared expert)."""
+        for p in (self.gate_up, self.down):
+            p.copy_(torch.randn(p.shape, generator=generator) * 0.02)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(indices (T, top_k), weights (T, top_k) in x's dtype) of the tokens x (T, d)."""
+        probs = torch.softmax(self.router(x), dim=-1, dtype=torch.float32)
+        weights, indices = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return indices, weights.to(x.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        indices, weights = self.route(x)
+        y = torch.zeros_like(x)
+        for e in indices.unique().tolist():
+            token, slot = torch.where(indices == e)
+            gate, up = F.linear(x[token], self.gate_up[e]).chunk(2, dim=-1)
+            h = F.linear(F.silu(gate) * up, self.down[e]) * weights[token, slot, None]
+            y = y.index_add(0, token, h)
+        if self.shared is not None:
+            y = y + torch.sigmoid(self.shared_gate(x)) * self.shared(x)
+        return y.reshape(shape)
+
+    def extra_repr(self) -> str:
+        return (f"num_experts={self.num_experts}, top_k={self.top_k}, d_expert={self.down.shape[-1]}, "
+                f"norm_topk_prob={self.norm_topk_prob}")
+
+
+__all__ = ["MOE_KEYS", "MoEFeedForward", "check_moe"]
