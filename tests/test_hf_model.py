@@ -226,3 +226,17 @@ def test_data_collator_with_flattening_trains_packed_documents(tmp_path):
                                    data_collator=transformers.DataCollatorWithFlattening())
     trainer.train()
     assert all(torch.isfinite(torch.tensor(h["loss"])) for h in trainer.state.log_history if "loss" in h)
+
+
+def test_past_key_values_is_taken_as_the_cache():
+    """transformers' older keyword for the cache: a decoding step given it continues that cache (it
+    was swallowed by **kwargs, and each step started from an empty cache)."""
+    hf = H.LinattnForCausalLM.from_linattn(LinearTransformerLM(tiny("gated_deltanet"))).eval()
+    x = ids(b=1, n=9)
+    with torch.no_grad():
+        want = hf(x).logits[:, -1]
+        by_name = hf(x[:, :-1], use_cache=True).cache
+        got = hf(x[:, -1:], past_key_values=by_name, use_cache=True).logits[:, -1]
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        with pytest.raises(ValueError, match="past_key_values"):
+            hf(x[:, -1:], cache=by_name, past_key_values=by_name)

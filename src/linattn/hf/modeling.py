@@ -198,7 +198,8 @@ class LinattnForCausalLM(LinattnPreTrainedModel, GenerationMixin):
         """input_ids (B, N) -> CausalLMOutputWithPast(loss, logits (B, N or kept, V), cache).
 
         attention_mask: (B, N), or (B, past + N) with a cache (its last N columns describe the new
-        tokens), 1 = real token; left padding only. logits_to_keep: 0 = every position, k > 0 the
+        tokens), 1 = real token; left padding only. cache: also taken as `past_key_values`, its name
+        before transformers 5. logits_to_keep: 0 = every position, k > 0 the
         last k, or a 1-D tensor of positions. position_ids (in kwargs) are taken without a cache
         (linattn's positions, e.g. for a shard); with a cache the positions are counted by it, from
         each row's first real token, as transformers counts them. Packed rows (DataCollatorWithFlattening:
@@ -212,6 +213,11 @@ class LinattnForCausalLM(LinattnPreTrainedModel, GenerationMixin):
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
             raise ValueError(f"input_ids must be a (B, N) integer tensor, got {input_ids!r:.80}")
         position_ids = kwargs.pop("position_ids", None)
+        if kwargs.get("past_key_values") is not None:  # transformers' older name of `cache`
+            if cache is not None:
+                raise ValueError("pass the cache as `cache` or as `past_key_values`, not both")
+            cache = kwargs.pop("past_key_values")
+        kwargs.pop("past_key_values", None)
         cu_seqlens = _documents(kwargs, position_ids if input_ids.shape[0] == 1 else None)
         return_dict = self.config.return_dict if return_dict is None else return_dict
         if use_cache is None:
