@@ -104,8 +104,8 @@ def test_shape_errors_speak_flas_layout():
         C.chunk_simple_gla(q, k, v, g, initial_state=torch.zeros(2, 2, 8, 6))
     with pytest.raises(ValueError, match=r"4 dimensions \[B, T, H, D\]"):
         C.chunk_linear_attn(q[0], k, v)
-    with pytest.raises(TypeError, match="k.dtype"):  # the delta family keeps one dtype (the gated ones mix)
-        C.chunk_delta_rule(q, k.double(), v, beta)
+    with pytest.raises(TypeError, match="k must be a floating tensor"):  # mixed floating dtypes run (item 14)
+        C.chunk_delta_rule(q, k.long(), v, beta)
     with pytest.raises(TypeError, match="normalize=False"):
         C.chunk_linear_attn(q, k, v, normalize=False, initial_state=(x["h0"], torch.zeros(2, 1, 4, 8)))
     with pytest.raises(ValueError, match=r"z\) must be a tensor \[N, 1, HV, K\]"):
