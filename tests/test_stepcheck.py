@@ -45,3 +45,15 @@ def test_the_cache_is_bounded():
     for n in range(stepcheck.SIZE + 10):
         stepcheck.remember(("x", n))
     assert len(stepcheck._SEEN) == stepcheck.SIZE and not stepcheck.seen(("x", 0)) and stepcheck.seen(("x", n))
+
+
+def test_signatures_tell_apart_what_the_checks_read():
+    """The flat signature keeps each part's boundaries: a state tuple is not its tensors passed
+    alone, 1 is not True, None is not a missing tensor; shape, dtype and requires_grad count."""
+    a, b = torch.zeros(2, 3), torch.zeros(3)
+    sig = stepcheck.signature
+    assert sig((a, b), None) != sig(a, b, None) and sig((a, b), None) != sig((a,), b)
+    assert sig(a, 1) != sig(a, True) and sig(a, None) != sig(a, 0.0) and sig(a, 1e-6) != sig(a, 1e-5)
+    assert sig(a) != sig(a.double()) and sig(a) != sig(a.T) and sig(a) != sig(a.clone().requires_grad_())
+    assert sig(a, [b]) != sig(a, (b,)) and sig(a, b) == sig(a.clone(), b + 1)
+    assert sig(RotaryEmbedding(4)) != sig(RotaryEmbedding(2))

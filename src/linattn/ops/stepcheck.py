@@ -4,7 +4,7 @@ A decoding loop calls a step with tensors of the same shapes, dtypes and devices
 checks of shapes, dtypes, devices and options (which name the argument on a mistake) depend on
 nothing else, so a signature that passed them once need not pass them again. Values are not part of
 a signature: the checks they need (g ≤ 0 and finite, …) run at every call, in the fused kernels or
-in Python. The cache is bounded (SIZE signatures, least recently used dropped).
+in Python. The cache is bounded (SIZE signatures, the oldest dropped).
 
 `check_inplace` and `write_into` serve the steps' `inplace=True` (decoding without a new state tensor
 per token): the fused CPU steps update the state themselves; the other paths compute the new state
@@ -28,40 +28,56 @@ SIZE = 256
 _SEEN: OrderedDict = OrderedDict()
 
 
-def _part(x):
-    if isinstance(x, torch.Tensor):
-        return (x.shape, x.dtype, x.device, x.requires_grad)
-    if isinstance(x, (tuple, list)):
-        return (type(x), tuple(_part(y) for y in x))
-    if x is None or isinstance(x, (bool, int, float, str)):
-        return (type(x), x)
-    if isinstance(x, torch.nn.Module):  # a feature map or RoPE: its kind and sizes, not its (trainable) values
-        dim = getattr(x, "dim", None)
-        return (type(x), getattr(x, "head_dim", None), getattr(x, "feature_dim", None),
-                dim if isinstance(dim, int) else None)
-    return (type(x), id(x))
+_TENSOR = torch.Tensor
+_PLAIN = frozenset((type(None), bool, int, float, str))
+
+
+def _module_part(x) -> tuple:
+    """A feature map or RoPE: its kind and sizes, not its (trainable) values."""
+    dim = getattr(x, "dim", None)
+    return (type(x), getattr(x, "head_dim", None), getattr(x, "feature_dim", None), dim if isinstance(dim, int) else None)
+
+
+def _add(out: list, x) -> None:
+    if isinstance(x, _TENSOR):
+        out += (x.shape, x.dtype, x.device, x.requires_grad)
+    elif type(x) in _PLAIN:
+        out += (type(x), x)
+    elif isinstance(x, (tuple, list)):
+        out += (type(x), len(x))
+        for y in x:
+            _add(out, y)
+    elif isinstance(x, torch.nn.Module):
+        out.append(_module_part(x))
+    else:
+        out += (type(x), id(x))
 
 
 def signature(*parts) -> tuple | None:
-    """What the checks depend on: each tensor's shape, dtype, device and requires_grad, the
-    type and sizes of a feature map, options by value; None (never cached) under forward-mode AD or
-    while torch.compile traces."""
+    """What the checks depend on, as one flat tuple (cheap to build and hash: a step pays it at
+    every token): each tensor's shape, dtype, device and requires_grad, the type and sizes of a
+    feature map, options by value (with their types: 1 and True differ); None (never cached) while
+    torch.compile traces."""
     if torch.compiler.is_compiling():
         return None
-    try:
-        return tuple(_part(x) for x in parts)
-    except TypeError:
-        return None
+    out: list = []
+    for x in parts:  # the common cases inline (a function call per part costs what they do)
+        t = type(x)
+        if t is _TENSOR:
+            out += (x.shape, x.dtype, x.device, x.requires_grad)
+        elif t in _PLAIN:
+            out += (t, x)
+        else:
+            _add(out, x)
+    return tuple(out)  # hashable: every entry above is
 
 
 def seen(key) -> bool:
-    if key is None or key not in _SEEN:
-        return False
-    _SEEN.move_to_end(key)
-    return True
+    return key is not None and key in _SEEN
 
 
 def remember(key) -> None:
+    """Adds key; beyond SIZE signatures the oldest is dropped (it is checked again if it comes back)."""
     if key is None:
         return
     _SEEN[key] = True
