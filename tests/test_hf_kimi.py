@@ -166,7 +166,7 @@ def test_share_true_shares_and_config_round_trips(tmp_path):
         torch.testing.assert_close(logits(back, x), logits(lm, x), atol=0, rtol=0)
 
 
-def test_accelerate_greedy_generation_equals_transformers():
+def test_accelerate_greedy_generation_equals_transformers(tmp_path):
     m = kimi_model()
     fast = H.accelerate(m)
     assert "kv_lora_rank" in fast.model.blocks[1].attn.step_obstacle()
@@ -176,6 +176,10 @@ def test_accelerate_greedy_generation_equals_transformers():
     assert b.sequences.tolist() == a.sequences.tolist()
     for ref, mine in zip(a.logits, b.logits):
         close(mine, ref)
+    fast.save_pretrained(tmp_path)  # the transformers wrapper's own round trip (config.json, safetensors)
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert back.model.config.moe == fast.model.config.moe
+    assert back.generate(x, **kw).sequences.tolist() == a.sequences.tolist()
 
 
 def test_accelerate_left_padded_batch_and_sampling_equal_transformers():
