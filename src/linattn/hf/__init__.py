@@ -11,8 +11,8 @@ direction, transformers' Qwen3.5 / Qwen3-Next / OLMo-Hybrid / Kimi Linear on lin
 
     patch = linattn.hf.use_linattn_kernels()   # ... patch.undo() (linattn.hf.kernels)
 
-or a transformers causal LM (Qwen3.5, Qwen3.5-MoE, Qwen3-Next, OLMo-Hybrid; Llama, Mistral, Qwen2,
-Qwen3, GPT-2) converted into linattn's model, the same logits, driven by generate and pipelines as
+or a transformers causal LM (Qwen3.5, Qwen3.5-MoE, Qwen3-Next, OLMo-Hybrid, Kimi Linear; Llama, Mistral,
+Qwen2, Qwen3, GPT-2) converted into linattn's model, the same logits, driven by generate and pipelines as
 before (linattn.hf.accelerate):
 
     fast = linattn.hf.accelerate(model)

@@ -70,7 +70,7 @@ from ..models.config import ModelConfig
 from ..models.lm import LinearTransformerLM
 from .teacher import _expand, _refuse, _rope_base
 
-__all__ = ["HYBRID_SUPPORTED", "from_transformers_hybrid", "hybrid_config"]
+__all__ = ["HYBRID_SUPPORTED", "assemble", "from_transformers_hybrid", "hybrid_config"]
 
 #: the model_types converted here (qwen3_5, qwen3_5_moe: their language model)
 HYBRID_SUPPORTED = ("qwen3_5_text", "qwen3_5", "qwen3_5_moe_text", "qwen3_5_moe", "qwen3_next", "olmo_hybrid")
@@ -292,9 +292,22 @@ def from_transformers_hybrid(model: nn.Module, *, share: bool = True) -> LinearT
     """The linattn LM equal to transformers' Qwen3.5 causal LM `model` (module docstring), in its dtype;
     share: the Parameters whose layout agrees are the model's own (else copies)."""
     cfg = hybrid_config(model.config)
+    return assemble(model, cfg, *_state(model, cfg), share=share)
+
+
+def _tensor(lm: nn.Module, name: str) -> torch.Tensor:
+    """lm's parameter or buffer `name`."""
+    owner, _, attr = name.rpartition(".")
+    return getattr(lm.get_submodule(owner), attr)
+
+
+def assemble(model: nn.Module, cfg: ModelConfig, shared: dict, copied: dict, *, share: bool = True
+             ) -> LinearTransformerLM:
+    """A LinearTransformerLM of `cfg` in `model`'s dtype holding `shared` ({name: Parameter}, the
+    model's own when share, else copied) and `copied` ({name: tensor}, parameters or buffers); every
+    tensor of the LM must be named once, with its shape (else ValueError naming them)."""
     mt = model.config.model_type
     lm = LinearTransformerLM(cfg)
-    shared, copied = _state(model, cfg)
     mine = lm.state_dict()
     missing = sorted(set(mine) - set(shared) - set(copied) - ({"lm_head.weight"} if cfg.tie_embeddings else set()))
     extra = sorted((set(shared) | set(copied)) - set(mine))
@@ -307,7 +320,7 @@ def from_transformers_hybrid(model: nn.Module, *, share: bool = True) -> LinearT
                              f"{tuple(mine[k].shape)}")
     with torch.no_grad():
         for k, v in copied.items():
-            lm.get_parameter(k).copy_(v)
+            _tensor(lm, k).copy_(v)
         for k, v in shared.items():
             if share:
                 _put(lm, k, v)

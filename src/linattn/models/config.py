@@ -117,7 +117,9 @@ class ModelConfig:
         + attention, no FFN: Zoology's BaseConv layout for recall); conv_mixer_kernel: the kernel of
         that gated convolution (3, as in Zoology).
     kind_options: {kind: {option: value}}, the options of a kind's layers that its KINDS record
-        lists (`Kind.options`, with their defaults), e.g. a window size; JSON values. Besides, every
+        lists (`Kind.options`, with their defaults), e.g. a window size, or the softmax kind's
+        multi-head latent attention (kv_lora_rank, q_lora_rank, shared_k_dim, latent_eps: Kimi
+        Linear's MLA, linattn.nn.mla; eager decoding); JSON values. Besides, every
         kind takes the layer settings of LAYER_OPTIONS, which override the config's for its layers
         (a hybrid whose softmax and delta-rule layers differ, as Qwen3.5's): n_heads, qk_dim, v_dim,
         qk_norm (True: per head; "all": one RMSNorm across the heads, OLMo2's; eager decoding),
@@ -132,7 +134,9 @@ class ModelConfig:
         heads' outputs, n_heads·v_dim wide, are projected back to d_model.
     moe: {} (dense FFNs) or a mixture-of-experts FFN in the layers it names (linattn.nn.moe,
         Qwen3-Next's and Qwen3.5-MoE's): {"num_experts", "top_k", "d_expert", "shared_d_ff" (0: no shared expert),
-        "norm_topk_prob", "layers" (None: every layer; else the MoE layers' indices)}; SwiGLU
+        "norm_topk_prob", "layers" (None: every layer; else the MoE layers' indices)}, optionally
+        the router's "router" ("softmax"; "sigmoid": Kimi Linear's grouped router with a score bias),
+        "n_group", "topk_group", "routed_scaling_factor" and "shared_gate" (nn.moe.MOE_DEFAULTS); SwiGLU
         experts; eager decoding.
     qkv_bias: a bias on the fused q/k/v projection (None: as `bias`; Qwen2 has it with bias off).
     qk_norm: a per-head RMSNorm on q and k after the projection, before RoPE, with a gain of the head

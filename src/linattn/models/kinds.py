@@ -37,6 +37,8 @@ from ..nn.recurrent import (
 
 #: the operator families a kind belongs to (linattn.ops)
 FAMILIES = ("linear", "softmax", "gated", "delta", "window")
+#: the softmax kind's options of multi-head latent attention (linattn.nn.mla; off by default)
+MLA_OPTIONS = {"q_lora_rank": None, "kv_lora_rank": None, "shared_k_dim": 0, "latent_eps": 1e-6}
 #: the mixers of the fused decoder (csrc/model_mixers.h) a kind can name
 FUSED_MIXERS = ("linear", "softmax", "gated", "delta")
 
@@ -99,7 +101,8 @@ class Kind:
 
 _ROWS = (
     Kind("linear", LinearAttention, "linear", "linear", rnn=True, fused="linear", build=_linear),
-    Kind("softmax", SoftmaxAttention, "softmax", "softmax", rnn=False, fused="softmax", build=_softmax),
+    Kind("softmax", SoftmaxAttention, "softmax", "softmax", rnn=False, fused="softmax", build=_softmax,
+         options=dict(MLA_OPTIONS)),
     Kind("retnet", RetNetAttention, "RetNet", "gated", rnn=True, causal_only=True, output_gate=True, positions="rope",
          fused="gated"),
     Kind("simple_gla", SimpleGLAAttention, "simple GLA", "gated", rnn=True, causal_only=True, output_gate=True,

@@ -19,6 +19,7 @@ from ..ops.linear.chunked import DEFAULT_CHUNK_SIZE
 from .base import Attention
 from .families import LINEAR, SOFTMAX, LinearMix, SoftmaxMix
 from .feature_maps import make_feature_map
+from .mla import LatentQKV
 from .positional import RotaryEmbedding
 
 
@@ -98,6 +99,12 @@ class SoftmaxAttention(Attention):
 
     q̂, k̂ = RoPE-rotated q, k (standard RoPE on the head dim) when rope=True. Dropout applies to the
     attention weights (training only) and to the output projection. Decoding keeps a KV cache.
+
+    kv_lora_rank (an int; None: the fused q|k|v projection): multi-head latent attention's
+    projections (linattn.nn.mla.LatentQKV, Kimi Linear's and DeepSeek-V2's MLA) in place of the fused
+    one — k and v from a rank-kv_lora_rank latent with an RMSNorm, q full rank or (q_lora_rank)
+    through its own normalized latent, shared_k_dim key features shared by every head, latent_eps
+    the latent norms' eps. Such a layer decodes by the eager step (step_obstacle).
     """
 
     kind = "softmax"
@@ -105,14 +112,37 @@ class SoftmaxAttention(Attention):
 
     def __init__(self, d_model: int, n_heads: int, *, causal: bool = True, rope: bool = False,
                  rope_base: float = 10_000.0, qk_dim: int | None = None, v_dim: int | None = None, dropout: float = 0.0,
-                 bias: bool = False, short_conv: int = 0, output_gate: bool | str = False, norm_eps: float = 1e-5):
+                 bias: bool = False, short_conv: int = 0, output_gate: bool | str = False, norm_eps: float = 1e-5,
+                 q_lora_rank: int | None = None, kv_lora_rank: int | None = None, shared_k_dim: int = 0,
+                 latent_eps: float = 1e-6):
         super().__init__(d_model, n_heads, qk_dim, causal, dropout, bias, short_conv=short_conv,
                          output_gate=output_gate, norm_eps=norm_eps, v_dim=v_dim)
         self.rope = RotaryEmbedding(self.qk_dim, rope_base) if rope else None
+        if kv_lora_rank is not None:
+            self.qkv = LatentQKV(d_model, n_heads, self.qk_dim, self.head_dim, kv_lora_rank, q_lora_rank,
+                                 shared_k_dim, latent_eps, bias)
+        elif q_lora_rank is not None or shared_k_dim:
+            raise ValueError(f"q_lora_rank={q_lora_rank}, shared_k_dim={shared_k_dim}: multi-head latent "
+                             "attention's options need kv_lora_rank (the k/v latent)")
+
+    @property
+    def latent(self) -> bool:
+        """Whether q, k, v come from MLA's latent projections (kv_lora_rank)."""
+        return isinstance(self.qkv, LatentQKV)
+
+    def set_qkv_bias(self, bias: bool) -> None:
+        if self.latent:
+            raise ValueError("qkv_bias: the MLA projections (kv_lora_rank) take their biases from `bias`")
+        super().set_qkv_bias(bias)
 
     def mix(self, x, q, k, v, positions) -> SoftmaxMix:
         q, k = self.rotate(q, k, positions)
         return SoftmaxMix(q, k, v, causal=self.causal, dropout_p=self.dropout_p if self.training else 0.0)
+
+    def step_obstacle(self) -> str | None:
+        if self.latent:
+            return "kv_lora_rank (multi-head latent attention's projections) takes the eager path"
+        return super().step_obstacle()
 
     def plan_mixer(self, plan, cache, tensors: dict, ints: dict, floats: dict) -> None:
         """The KV cache (grown to hold the tokens the plan reserves) and its padding mask."""

@@ -20,7 +20,7 @@ from .._checks import check_positive_int
 from .base import Attention, check_dropout, column_major, shard_halo
 from .caches import PositionCounter, nbytes
 from .convolution import ShortConvolution
-from .moe import MoEFeedForward
+from .moe import MOE_DEFAULTS, MoEFeedForward
 from .norms import make_norm, native_norm_code
 
 ACTIVATIONS = ("gelu", "swiglu", "gelu_tanh")
@@ -87,8 +87,9 @@ class Block(nn.Module):
         self.post_norm = bool(post_norm)
         if moe:
             shared = FeedForward(d, moe["shared_d_ff"], "swiglu", dropout, bias) if moe["shared_d_ff"] else None
+            router = {k: moe[k] for k in MOE_DEFAULTS if k in moe}
             self.ffn = MoEFeedForward(d, moe["num_experts"], moe["top_k"], moe["d_expert"], shared,
-                                      moe["norm_topk_prob"])
+                                      moe["norm_topk_prob"], **router)
         else:
             self.ffn = FeedForward(d, d_ff, activation, dropout, bias)
 
