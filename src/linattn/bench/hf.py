@@ -16,6 +16,9 @@ and the metrics
                    model read once by the fused decoder's matrix-vector kernels (csrc/matvec.h), the
                    bound a decoding step at B = 1 cannot beat
     train T        seconds of one training step (forward with labels = inputs, backward) over T tokens
+    decode bf16 / decode int8   (accelerate only) the same decode with the converted model's weights in
+                   bf16, or int8 weight-only by torchao's Int8WeightOnlyConfig (fp32 activations), each
+                   beside the gemv floor of those weights
 
 Times are medians of torch.utils.benchmark blocked runs (bench.timing.measure, `min_run_time` each).
 Shapes (SHAPES): "small", the 4-layer shape of the first measurements (3 Gated DeltaNet + 1 attention,
@@ -64,6 +67,8 @@ class HfBenchConfig:
     train_len: int = 1024
     min_run_time: float = 0.5
     seed: int = 0
+    #: also decode the accelerated model with bf16 and with int8 weight-only (torchao) weights
+    low_precision: bool = True
 
     def __post_init__(self):
         bad = [s for s in self.shapes if s not in SHAPES]
@@ -105,20 +110,21 @@ def torch_path():
             setattr(module, n, f)
 
 
-def gemv_floor(model: nn.Module, min_run_time: float) -> tuple[float, int]:
+def gemv_floor(model: nn.Module, min_run_time: float, dtype: torch.dtype = torch.float32) -> tuple[float, int]:
     """(seconds, bytes) to read every nn.Linear weight of `model` once with the fused decoder's
-    matrix-vector kernels at B = 1 (one product per weight, as a fused step runs them)."""
+    matrix-vector kernels at B = 1 (one product per weight, as a fused step runs them: fp32
+    activations, the weights as they are, fp32, bf16 (dtype bfloat16) or torchao int8)."""
     from ..models.weights import plan_weight
     from ..ops import native
 
     if not (native.enabled() and native.load()):
         raise ValueError("bench hf: the gemv floor needs the fused CPU kernels (linattn.ops.native), which did not load")
-    plan = torch.classes.linattn_cpu.DecodePlan(1, False)
+    plan = torch.classes.linattn_cpu.DecodePlan(1, dtype == torch.bfloat16)
     keep = []
     for lin in (m for m in model.modules() if isinstance(m, nn.Linear)):
-        t, kn = plan_weight(lin, torch.float32)
+        t, kn = plan_weight(lin, dtype)
         t.pop("bias", None)
-        x, out = torch.zeros(1, lin.in_features), torch.zeros(1, lin.out_features)
+        x, out = torch.zeros(1, lin.in_features), torch.zeros(1, lin.out_features)  # fp32, as the plan's buffers
         plan.add("group", {"input": x}, {"_": 0}, {"_": 0.0})
         plan.add("product", {**t, "out": out}, {"kn": kn, "epilogue": 0}, {"_": 0.0})
         keep.append((t, x, out))
@@ -137,16 +143,7 @@ def _metrics(model, cfg: HfBenchConfig, vocab: int) -> dict:
             with torch.no_grad():
                 model(x, use_cache=False, logits_to_keep=1)
         out[f"prefill {t}"] = measure(prefill, min_run_time=cfg.min_run_time).median
-    prompt = torch.randint(0, vocab, (1, cfg.decode_prompt), generator=g)
-    with torch.no_grad():
-        cache = model(prompt, use_cache=True, logits_to_keep=1).past_key_values
-    tok = prompt[:, -1:]
-
-    def step():  # one token on the cache (which grows by one token a call)
-        with torch.no_grad():
-            model(tok, past_key_values=cache, use_cache=True, logits_to_keep=1)
-    out["decode"] = measure(step, min_run_time=cfg.min_run_time).median
-    del cache
+    out["decode"] = _decode(model, cfg, vocab, g)
     x = torch.randint(0, vocab, (1, cfg.train_len), generator=g)
     model.train()
 
@@ -158,6 +155,46 @@ def _metrics(model, cfg: HfBenchConfig, vocab: int) -> dict:
     finally:
         model.zero_grad(set_to_none=True)
         model.eval()
+    return out
+
+
+def _decode(model, cfg: HfBenchConfig, vocab: int, g: torch.Generator) -> float:
+    """Seconds per token of a one-token forward on the cache of a `decode_prompt`-token prompt."""
+    prompt = torch.randint(0, vocab, (1, cfg.decode_prompt), generator=g)
+    with torch.no_grad():
+        cache = model(prompt, use_cache=True, logits_to_keep=1).past_key_values
+    tok = prompt[:, -1:]
+
+    def step():  # one token on the cache (which grows by one token a call)
+        with torch.no_grad():
+            model(tok, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    return measure(step, min_run_time=cfg.min_run_time).median
+
+
+def _low_precision_decodes(acc, cfg: HfBenchConfig, vocab: int) -> list[dict]:
+    """The accelerated model's decode with bf16 and with int8 weight-only (torchao) weights, each
+    beside the gemv floor of the same weights: [{"weights", "decode_s", "floor_s", "weight_bytes",
+    "note"}]."""
+    import copy
+
+    from .decode_model import quantize_int8
+
+    out = []
+    for fmt in ("bf16", "int8"):
+        row = {"weights": fmt, "decode_s": None, "floor_s": None, "weight_bytes": None, "note": None}
+        try:
+            m = copy.deepcopy(acc)
+            if fmt == "bf16":
+                m = m.to(torch.bfloat16)
+            else:
+                quantize_int8(m)
+            dtype = torch.bfloat16 if fmt == "bf16" else torch.float32
+            row["floor_s"], row["weight_bytes"] = gemv_floor(m, cfg.min_run_time, dtype)
+            row["decode_s"] = _decode(m, cfg, vocab, torch.Generator().manual_seed(cfg.seed))
+            del m
+        except Exception as exc:  # noqa: BLE001  (torchao missing, a refusal: the row's note)
+            row["note"] = f"{type(exc).__name__}: {exc}"[:200]
+        out.append(row)
     return out
 
 
@@ -187,12 +224,14 @@ def _point(shape: str, model, threads: int, cfg: HfBenchConfig) -> list[dict]:
         with use_linattn_kernels("qwen3_5"):
             cols["kernels"] = _metrics(model, cfg, vocab)
         acc, why = _accelerated(model)
-        cols["accelerate"] = None
+        cols["accelerate"], low_precision = None, []
         if acc is not None:
             try:  # linattn.hf.accelerate is young: a failure is the column's note, not the run's end
                 cols["accelerate"] = _metrics(acc, cfg, vocab)
             except Exception as exc:  # noqa: BLE001
                 why = f"accelerate(model) ran into {type(exc).__name__}: {exc}"[:300]
+            if cfg.low_precision and cols["accelerate"] is not None:
+                low_precision = _low_precision_decodes(acc, cfg, vocab)
     finally:
         torch.set_num_threads(before)
     rows = []
@@ -204,6 +243,10 @@ def _point(shape: str, model, threads: int, cfg: HfBenchConfig) -> list[dict]:
         row["weight_bytes"] = weight_bytes
         row["accelerate_note"] = why
         rows.append(row)
+    for low in low_precision:  # accelerate only: transformers' own path has no fused int8 / bf16 decode here
+        rows.append({"shape": shape, "threads": threads, "metric": f"decode {low['weights']}", "transformers": None,
+                     "kernels": None, "accelerate": low["decode_s"], "floor_s": low["floor_s"],
+                     "weight_bytes": low["weight_bytes"], "accelerate_note": low["note"]})
     return rows
 
 
@@ -229,16 +272,16 @@ def _shown(metric: str, seconds: float | None) -> str:
         return "n/a"
     if metric.startswith("prefill"):
         return f"{int(metric.split()[1]) / seconds:.0f} tok/s"
-    return f"{seconds * 1e3:.2f} ms/tok" if metric == "decode" else f"{seconds:.3f} s"
+    return f"{seconds * 1e3:.2f} ms/tok" if metric.startswith("decode") else f"{seconds:.3f} s"
 
 
 def render_hf(res: dict, console: Console) -> None:
     cols = ["shape", "threads", "metric", "transformers", "kernels", "accelerate", "kernels ×", "accelerate ×",
-            "fp32 gemv floor"]
+            "gemv floor (same weights)"]
     rows = []
     for r in res["results"]:
         base = r["transformers"]
-        ups = [f"{base / r[c]:.2f}×" if r[c] else "n/a" for c in ("kernels", "accelerate")]
+        ups = [f"{base / r[c]:.2f}×" if r[c] and base else "n/a" for c in ("kernels", "accelerate")]
         floor = "" if r["floor_s"] is None else f"{r['floor_s'] * 1e3:.2f} ms ({r['weight_bytes'] / 1e6:.0f} MB)"
         rows.append([r["shape"], str(r["threads"]), r["metric"], *(_shown(r["metric"], r[c]) for c in COLUMNS),
                      *ups, floor])
@@ -254,7 +297,7 @@ def check_hf(res: dict) -> list[str]:
     """Warnings: a decode faster than its own floor (the weights then sat in cache)."""
     out = []
     for r in res["results"]:
-        if r["metric"] == "decode":
+        if r["metric"].startswith("decode"):
             for c in COLUMNS:
                 if r[c] is not None and r[c] < 0.9 * r["floor_s"]:
                     out.append(f"{r['shape']} {r['threads']} thread(s): {c} decoded faster than the gemv floor; "
@@ -271,7 +314,7 @@ def plot_hf(res: dict, path) -> None:
     fig = Figure(figsize=(5.0 * len(groups), 4.0), layout="constrained")
     FigureCanvasAgg(fig)
     for ax, (shape, threads) in zip(fig.subplots(1, len(groups), squeeze=False)[0], groups):
-        rows = [r for r in res["results"] if (r["shape"], r["threads"]) == (shape, threads)]
+        rows = [r for r in res["results"] if (r["shape"], r["threads"]) == (shape, threads) and r["transformers"]]
         for i, c in enumerate(("kernels", "accelerate")):
             ups = [r["transformers"] / r[c] if r[c] else 0.0 for r in rows]
             ax.bar([j + 0.4 * i for j in range(len(rows))], ups, width=0.4, label=c)
