@@ -124,6 +124,17 @@ def _rope_dim(c, mt: str) -> int:
     return dim
 
 
+def refuse_common(c, mt: str) -> None:
+    """What no converted hybrid expresses: an activation other than SiLU (SwiGLU and the short
+    convolution's), biases on the attention projections, attention dropout."""
+    if c.hidden_act != "silu":
+        raise _refuse(mt, f"hidden_act {c.hidden_act!r} (SwiGLU and the SiLU of the short convolution)")
+    if getattr(c, "attention_bias", False):
+        raise _refuse(mt, "attention_bias=True")
+    if getattr(c, "attention_dropout", 0.0):
+        raise _refuse(mt, f"attention_dropout={c.attention_dropout}")
+
+
 def hybrid_config(c) -> ModelConfig:
     """The ModelConfig of a config `c` of HYBRID_SUPPORTED (for qwen3_5 / qwen3_5_moe, of its text_config);
     what it cannot express is refused by name (module docstring)."""
@@ -131,12 +142,7 @@ def hybrid_config(c) -> ModelConfig:
     if mt not in HYBRID_SUPPORTED:
         raise ValueError(f"model_type {mt!r}: linattn.hf.hybrid converts {', '.join(HYBRID_SUPPORTED)}")
     c = text_config(c)
-    if c.hidden_act != "silu":
-        raise _refuse(mt, f"hidden_act {c.hidden_act!r} (SwiGLU and the SiLU of the short convolution)")
-    if getattr(c, "attention_bias", False):
-        raise _refuse(mt, "attention_bias=True")
-    if getattr(c, "attention_dropout", 0.0):
-        raise _refuse(mt, f"attention_dropout={c.attention_dropout}")
+    refuse_common(c, mt)
     unknown = sorted(set(c.layer_types) - set(_KINDS))
     if unknown:
         raise _refuse(mt, f"layer_types {unknown} (only {', '.join(_KINDS)})")

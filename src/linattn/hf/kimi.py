@@ -47,7 +47,7 @@ from torch import nn
 
 from ..models.config import ModelConfig
 from ..models.lm import LinearTransformerLM
-from .hybrid import assemble
+from .hybrid import assemble, refuse_common
 from .teacher import _refuse
 
 __all__ = ["KIMI_SUPPORTED", "from_transformers_kimi", "kimi_config"]
@@ -62,12 +62,7 @@ MLA_NORM_EPS = 1e-6
 
 def _check(c, mt: str) -> None:
     """Refuses what the linattn model cannot express (module docstring)."""
-    if c.hidden_act != "silu":
-        raise _refuse(mt, f"hidden_act {c.hidden_act!r} (SwiGLU and the SiLU of the short convolution)")
-    if getattr(c, "attention_bias", False):
-        raise _refuse(mt, "attention_bias=True")
-    if getattr(c, "attention_dropout", 0.0):
-        raise _refuse(mt, f"attention_dropout={c.attention_dropout}")
+    refuse_common(c, mt)
     if c.num_key_value_heads != c.num_attention_heads:
         raise _refuse(mt, f"num_key_value_heads={c.num_key_value_heads} other than num_attention_heads="
                           f"{c.num_attention_heads} (MLA's kv_b_proj makes every head's k and v)")
