@@ -109,3 +109,27 @@ def test_int8_weights_fused_step_equals_eager(make):
     assert fused_decoding_obstacle(lm) is None
     fused_vs_eager(lm, steps=3)
     del torchao
+
+
+@pytest.mark.parametrize("make", [hh.olmo_model, lambda: hh.moe_model("qwen3_next"),
+                                  lambda: hh.moe_model("qwen3_5_moe")],
+                         ids=["olmo_hybrid", "qwen3_next", "qwen3_5_moe"])
+def test_accelerate_generate_runs_fused_and_equals_transformers(make, monkeypatch):
+    """Through linattn.hf.accelerate, greedy generation of a left-padded batch takes the fused step
+    (counted) and gives transformers' own tokens."""
+    import linattn.hf as H
+
+    calls = []
+    step = FusedDecoder.step
+    monkeypatch.setattr(FusedDecoder, "step", lambda self, ids: calls.append(1) or step(self, ids))
+    m = make()
+    fast = H.accelerate(m)
+    assert fused_decoding_obstacle(fast.model) is None
+    x = hh.ids(b=2, n=8, seed=4)
+    mask = torch.ones_like(x)
+    mask[0, :3] = 0
+    x[0, :3] = 0
+    a = m.generate(x, attention_mask=mask, max_new_tokens=8, do_sample=False)
+    b = fast.generate(x, attention_mask=mask, max_new_tokens=8, do_sample=False)
+    assert b.tolist() == a.tolist()
+    assert len(calls) >= 6  # the decoding steps after the prefill ran fused

@@ -28,15 +28,16 @@ after an eager call or a row selection, KV room reserved, logits read) is a
 linattn.models.session.DecodingSession.
 
 What the fused step takes (`fused_decoding_obstacle` says why a model is refused; generation then
-runs the eager step): CPU LinearTransformerLM models in float32 or bfloat16 with transformer (pre-
-or post-norm; dense or mixture-of-experts FFN, linattn.nn.moe) or conv_mixer blocks, their nn.Linear weights float or 8-bit weight-only quantized by torchao
-(Int8WeightOnlyConfig, per-row or per-tensor scales: read in place, linattn.models.weights); every
-attention kind of linattn.models.KINDS with a fused mixer (Kind.fused: linear with every φ that has
-a native code, softmax with its KV cache, the gated and delta-rule kinds); RoPE (whole or partial,
-rope_dim), learned or no positions; short convolutions on q, k, v; q/k RMSNorms (qk_norm, per head or across the heads; the latter
-not after a short convolution); the
-output gate (RMSNorm and swish, or gated attention's sigmoid); value heads of any width (v_dim);
-β ∈ (0, 2) (allow_neg_eigval); RMSNorm or LayerNorm; SwiGLU or GELU; biases; left-padded batches.
+runs the eager step): CPU LinearTransformerLM models in float32 or bfloat16 with transformer blocks
+(pre- or post-norm; dense or mixture-of-experts FFN, linattn.nn.moe) or conv_mixer blocks, their
+nn.Linear weights float or 8-bit weight-only quantized by torchao (Int8WeightOnlyConfig, per-row or
+per-tensor scales: read in place, linattn.models.weights); every attention kind of
+linattn.models.KINDS with a fused mixer (Kind.fused: linear with every φ that has a native code,
+softmax with its KV cache, the gated and delta-rule kinds); RoPE (whole or partial, rope_dim), learned
+or no positions; short convolutions on q, k, v; q/k RMSNorms (qk_norm: per head, or across the heads
+where no short convolution comes first); the output gate (RMSNorm and swish, or gated attention's
+sigmoid); value heads of any width (v_dim); β ∈ (0, 2) (allow_neg_eigval); RMSNorm or LayerNorm;
+SwiGLU or GELU; biases; left-padded batches.
 
 `weight_streaming()` runs every matrix-vector product of a step and nothing else (same kernels,
 threads and column shares; int8 weights: the int8 kernels): the time to read every weight once, the

@@ -99,8 +99,9 @@ class Block(nn.Module):
     def step_obstacle(self) -> str | None:
         """Why the fused decoder cannot plan this block's one-token step (None: it can)."""
         ffn = self.ffn.shared if isinstance(self.ffn, MoEFeedForward) else self.ffn  # MoE: SwiGLU experts
-        return _norms_obstacle(self.norm1, self.norm2) or (
-            None if ffn is None or ffn.activation in FUSED_ACTIVATIONS else f"activation {ffn.activation} takes the eager path")
+        bad = ffn is not None and ffn.activation not in FUSED_ACTIVATIONS
+        return _norms_obstacle(self.norm1, self.norm2) or (f"activation {ffn.activation} takes the eager path"
+                                                           if bad else None)
 
     def plan_step(self, plan, cache) -> None:
         """x ← x + Attn(Norm₁(x)), x ← x + FFN(Norm₂(x)) for one token, added to `plan` (a fused

@@ -33,7 +33,8 @@ class MoEOp : public Op {
         hidden_(buffer(a, "hidden")), out_(buffer(a, "out")), k_(a.integer("top_k")),
         renorm_(a.integer("norm_topk_prob") != 0), residual_(a.integer("residual") != 0), R_{bf16} {
     const at::Tensor gate_up = a.tensor("gate_up"), down = a.tensor("down");
-    TORCH_CHECK(gate_up.dim() == 3 && down.dim() == 3, "linattn_cpu::DecodePlan: moe: expert weights must be (E, ·, ·)");
+    TORCH_CHECK(gate_up.dim() == 3 && down.dim() == 3,
+                "linattn_cpu::DecodePlan: moe: expert weights must be (E, ·, ·)");
     E_ = gate_up.size(0);
     F_ = down.size(2);
     d_ = in_.ld;

@@ -223,7 +223,8 @@ class ResidualNormOp : public Op {
  public:
   ResidualNormOp(const Args& a, bool bf16)
       : in_(buffer(a, "input")), x_(buffer(a, "x")), norm_(NormSpec::from(a, "norm")), R_{bf16} {
-    TORCH_CHECK(in_.ld == x_.ld && norm_.kind != kNoNorm, "linattn_cpu::DecodePlan: norm_add needs a norm of x's width");
+    TORCH_CHECK(in_.ld == x_.ld && norm_.kind != kNoNorm,
+                "linattn_cpu::DecodePlan: norm_add needs a norm of x's width");
   }
   size_t scratch(const StepInfo&) const override { return static_cast<size_t>(x_.ld); }
   void run(const StepInfo& info, int tid, int threads, float* scratch) override {
