@@ -7,12 +7,13 @@ builds, once per decoding run, a plan of the model's step from its modules and i
     ids (B,) ─ embedding (+ positions) ─ per block: [norm₁ → q|k|v (+ gate, β, decay) products] →
     attention per (row, head) on the cached state → [W_o + residual] → [norm₂ → FFN up, SwiGLU / GELU]
     → [FFN down + residual] (conv_mixer blocks: [norm₁ → gated convolution + residual], then the
-    attention after norm₂) ─ final norm ─ LM head ─ logits (B, V)
+    attention after norm₂; post-norm blocks: x + Norm(W_o o), x + Norm(FFN(x)) by `norm_add`; MoE
+    blocks: [norm₂ → router, shared expert] → the `moe` op) ─ final norm ─ LM head ─ logits (B, V)
 
 Each block plans its own part (`plan_step(decoder, cache)`, linattn.nn.blocks; its attention layer's
 `Attention.plan_step` and, per kind, `plan_mixer`: the kind's state, gates and tensors), with the
 decoder's small vocabulary — `x`, `buffer`, `group`, `product`, `project`, `rope`, `state`,
-`reserve_kv`, `mixer` —, so the decoder reads no layer's parameters by name and a kind's fused
+`reserve_kv`, `mixer`, `norm_add`, `moe` —, so the decoder reads no layer's parameters by name and a kind's fused
 arguments live beside its eager code. `step(ids)` runs the plan: no tensor is allocated per token, the caches (linear (kv, z), gated and
 delta-rule S, short-convolution and gated-convolution tails, KV caches) are updated in place, so the model's ModelCache
 stays the one the eager path would hold and either path can continue it. The eager path is the
@@ -27,14 +28,16 @@ after an eager call or a row selection, KV room reserved, logits read) is a
 linattn.models.session.DecodingSession.
 
 What the fused step takes (`fused_decoding_obstacle` says why a model is refused; generation then
-runs the eager step): CPU LinearTransformerLM models in float32 or bfloat16 with transformer or
-conv_mixer blocks, their nn.Linear weights float or 8-bit weight-only quantized by torchao
-(Int8WeightOnlyConfig, per-row or per-tensor scales: read in place, linattn.models.weights); every
-attention kind of linattn.models.KINDS with a fused mixer (Kind.fused: linear with every φ that has
-a native code, softmax with its KV cache, the gated and delta-rule kinds); RoPE (whole or partial,
-rope_dim), learned or no positions; short convolutions on q, k, v; q/k RMSNorms (qk_norm); the
-output gate (RMSNorm and swish, or gated attention's sigmoid); value heads of any width (v_dim);
-β ∈ (0, 2) (allow_neg_eigval); RMSNorm or LayerNorm; SwiGLU or GELU; biases; left-padded batches.
+runs the eager step): CPU LinearTransformerLM models in float32 or bfloat16 with transformer blocks
+(pre- or post-norm; dense or mixture-of-experts FFN, linattn.nn.moe) or conv_mixer blocks, their
+nn.Linear weights float or 8-bit weight-only quantized by torchao (Int8WeightOnlyConfig, per-row or
+per-tensor scales: read in place, linattn.models.weights); every attention kind of
+linattn.models.KINDS with a fused mixer (Kind.fused: linear with every φ that has a native code,
+softmax with its KV cache, the gated and delta-rule kinds); RoPE (whole or partial, rope_dim), learned
+or no positions; short convolutions on q, k, v; q/k RMSNorms (qk_norm: per head, or across the heads
+where no short convolution comes first); the output gate (RMSNorm and swish, or gated attention's
+sigmoid); value heads of any width (v_dim); β ∈ (0, 2) (allow_neg_eigval); RMSNorm or LayerNorm;
+SwiGLU or GELU; biases; left-padded batches.
 
 `weight_streaming()` runs every matrix-vector product of a step and nothing else (same kernels,
 threads and column shares; int8 weights: the int8 kernels): the time to read every weight once, the
@@ -220,6 +223,17 @@ class FusedDecoder:
         out = self.buffer(linear.out_features)
         self.product(linear, out)
         return out
+
+    def norm_add(self, inp: torch.Tensor, norm: nn.Module) -> None:
+        """x ← x + norm(inp) (inp a (B, d) buffer): a post-norm block's residual."""
+        t, i, f = _norm("norm", norm)
+        self._add("norm_add", {"input": inp, "x": self.x, **t}, i, f)
+
+    def moe(self, tensors: dict, norm: nn.Module | None, ints: dict) -> None:
+        """The mixture-of-experts op (csrc/model_moe.h; linattn.nn.moe.MoEFeedForward.plan_step), its
+        input normalized by `norm` first."""
+        t, i, f = _norm("norm", norm)
+        self._add("moe", {**tensors, **t}, {**ints, **i}, f)
 
     def mixer(self, name: str, tensors: dict, ints: dict, floats: dict) -> None:
         """The call of a family's mixer (Kind.fused, csrc/model_mixers.h) on a layer's cached state

@@ -346,17 +346,18 @@ class Attention(nn.Module):
             return f"{type(self).__name__} has no fused step"
         if self.q_norm is not None and not (type(self.q_norm) is type(self.k_norm) is RMSNorm):
             return "q/k norms (qk_norm) other than RMSNorm take the eager path"
-        if self.qk_norm_across_heads:
-            return "qk_norm='all' (one RMSNorm across the heads) takes the eager path"
+        if self.qk_norm_across_heads and self.conv is not None:
+            return "qk_norm='all' (one RMSNorm across the heads) after a short convolution takes the eager path"
         if isinstance(self.output_gate, OutputGate) and type(self.output_gate.norm) is not RMSNorm:
             return "output gate norm takes the eager path"
         return None
 
-    def plan_step(self, plan, norm: nn.Module, cache: LayerCache) -> None:
+    def plan_step(self, plan, norm: nn.Module | None, cache: LayerCache, post_norm: nn.Module | None = None) -> None:
         """Adds x ← x + Attn(norm(x)) for one token to `plan`, a fused decoder being built (its
-        vocabulary: x, buffer, group, product, project, rope, state, reserve_kv, mixer): the input
-        group, the q|k|v (and output gate) products, the call of the family's mixer on the cached
-        state (`plan_mixer` adds the kind's own arguments), the output product added to x."""
+        vocabulary: x, buffer, group, product, project, rope, state, reserve_kv, mixer, norm_add): the
+        input group, the q|k|v (and output gate) products, the call of the family's mixer on the cached
+        state (`plan_mixer` adds the kind's own arguments), the output product added to x; with
+        `post_norm` (and norm None), x ← x + post_norm(Attn(x)) (a post-norm block's order)."""
         t = {"qkv": plan.buffer(self.qkv.out_features), "out": plan.buffer(self.n_heads * self.head_dim)}
         i = {"heads": self.n_heads, "qk_dim": self.qk_dim, "v_dim": self.head_dim}
         f: dict = {}
@@ -367,9 +368,10 @@ class Attention(nn.Module):
         elif self.output_gate is not None:
             t.update(gate=plan.project(self.output_gate.proj), gate_norm_weight=self.output_gate.norm.weight.detach())
             f["gate_norm_eps"] = float(self.output_gate.norm.eps)
-        if self.q_norm is not None:
+        if self.q_norm is not None:  # per head, or across the heads (qk_norm 'all': weights of H·D)
             t.update(q_norm_weight=self.q_norm.weight.detach(), k_norm_weight=self.k_norm.weight.detach())
             f["qk_norm_eps"] = self.q_norm.eps
+            i["qk_norm_all"] = int(self.qk_norm_across_heads)
         if self.partial_rope:
             i["rope_dim"] = self.rope.dim
         if self.conv is not None:
@@ -379,7 +381,10 @@ class Attention(nn.Module):
         self.plan_mixer(plan, cache, t, i, f)
         plan.mixer(self.family.name, t, i, f)
         plan.group(t["out"], None)
-        plan.product(self.out, plan.x, "residual")
+        if post_norm is None:
+            plan.product(self.out, plan.x, "residual")
+        else:
+            plan.norm_add(plan.project(self.out), post_norm)
 
     def plan_mixer(self, plan, cache: LayerCache, tensors: dict, ints: dict, floats: dict) -> None:
         """The kind's own arguments of its family's mixer call (csrc/model_mixers.h) into tensors,

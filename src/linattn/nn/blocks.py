@@ -69,7 +69,7 @@ class Block(nn.Module):
 
     with post_norm, OLMo2's (and OLMo-Hybrid's attention layers') order, the norms on the outputs:
 
-        x ← x + Norm₁(Attn(x)),   x ← x + Norm₂(FFN(x))   (eager decoding).
+        x ← x + Norm₁(Attn(x)),   x ← x + Norm₂(FFN(x)).
 
     forward(x (B, N, d), mask, cache, positions) -> (x, cache), the attention's cache passed through.
     """
@@ -99,23 +99,32 @@ class Block(nn.Module):
 
     def step_obstacle(self) -> str | None:
         """Why the fused decoder cannot plan this block's one-token step (None: it can)."""
-        if isinstance(self.ffn, MoEFeedForward):
-            return "moe (a mixture-of-experts FFN) takes the eager path"
-        if self.post_norm:
-            return "post_norm blocks take the eager path"
-        return _norms_obstacle(self.norm1, self.norm2) or (
-            None if self.ffn.activation in FUSED_ACTIVATIONS else f"activation {self.ffn.activation} takes the eager path")
+        ffn = self.ffn.shared if isinstance(self.ffn, MoEFeedForward) else self.ffn  # MoE: SwiGLU experts
+        bad = ffn is not None and ffn.activation not in FUSED_ACTIVATIONS
+        return _norms_obstacle(self.norm1, self.norm2) or (f"activation {ffn.activation} takes the eager path"
+                                                           if bad else None)
 
     def plan_step(self, plan, cache) -> None:
         """x ← x + Attn(Norm₁(x)), x ← x + FFN(Norm₂(x)) for one token, added to `plan` (a fused
-        decoder being built: linattn.nn.base.Attention.plan_step)."""
-        self.attn.plan_step(plan, self.norm1, cache)
+        decoder being built: linattn.nn.base.Attention.plan_step); post_norm: x ← x + Norm₁(Attn(x)),
+        x ← x + Norm₂(FFN(x)), each output product into a buffer, then plan.norm_add."""
+        post = self.post_norm
+        self.attn.plan_step(plan, None if post else self.norm1, cache, self.norm1 if post else None)
         ffn = self.ffn
+        if isinstance(ffn, MoEFeedForward):
+            out = plan.buffer(self.attn.d_model) if post else plan.x
+            ffn.plan_step(plan, None if post else self.norm2, out, residual=not post)
+            if post:
+                plan.norm_add(out, self.norm2)
+            return
+        plan.group(plan.x, None if post else self.norm2)
         h = plan.buffer(ffn.down.in_features)
-        plan.group(plan.x, self.norm2)
         plan.product(ffn.up, h, ffn.activation)
         plan.group(h, None)
-        plan.product(ffn.down, plan.x, "residual")
+        if post:
+            plan.norm_add(plan.project(ffn.down), self.norm2)
+        else:
+            plan.product(ffn.down, plan.x, "residual")
 
     def forward(self, x, mask=None, cache=None, positions=None, *, cu_seqlens=None):
         kw = {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}

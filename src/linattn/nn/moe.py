@@ -164,6 +164,24 @@ class MoEFeedForward(nn.Module):
             y = y + self.shared(x)
         return y.reshape(shape)
 
+    def plan_step(self, plan, norm: nn.Module | None, out: torch.Tensor, residual: bool = True) -> None:
+        """out ← out + MoE(norm(x)) (residual) or out ← MoE(norm(x)) for one token, added to `plan`
+        (a fused decoder being built, linattn.models.decoding): a group of the router's product (and
+        the shared expert's gate and SwiGLU up products, then its down product), then the plan's MoE
+        op (csrc/model_moe.h: softmax, top-k, the k experts' SwiGLU products summed with their weights,
+        the gated shared expert added); out a (B, d) float32 buffer of the plan (x itself: residual)."""
+        plan.group(plan.x, norm)
+        t = {"input": plan.x, "logits": plan.project(self.router), "out": out,
+             "hidden": plan.buffer(self.top_k * self.down.shape[-1]),
+             "gate_up": self.gate_up.detach().contiguous(), "down": self.down.detach().contiguous()}
+        if self.shared is not None:
+            t["shared_gate"] = plan.project(self.shared_gate)
+            h = plan.buffer(self.shared.down.in_features)
+            plan.product(self.shared.up, h, "swiglu")
+            plan.group(h, None)
+            t["shared_out"] = plan.project(self.shared.down)
+        plan.moe(t, norm, {"top_k": self.top_k, "norm_topk_prob": int(self.norm_topk_prob), "residual": int(residual)})
+
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, top_k={self.top_k}, d_expert={self.down.shape[-1]}, "
                 f"norm_topk_prob={self.norm_topk_prob}, router={self.router_kind}")

@@ -52,11 +52,17 @@ class AttentionMixOp : public Op {
       gate_w_ = a.tensor("gate_norm_weight").to(at::kFloat).contiguous();
       gate_eps_ = static_cast<float>(a.real("gate_norm_eps"));
     }
-    if (a.has("q_norm_weight")) {  // per-head RMSNorms of q and k (Qwen3's, Qwen3.5's qk_norm)
+    // RMSNorms of q and k: per head (Qwen3's, Qwen3.5's qk_norm), or across the heads (qk_norm_all:
+    // one over a row's H·D values of q, one over k's, OLMo's; read from the projection, so without a
+    // short convolution)
+    qk_norm_all_ = a.integer("qk_norm_all", 0) != 0;
+    if (a.has("q_norm_weight")) {
       q_norm_w_ = a.tensor("q_norm_weight").to(at::kFloat).contiguous();
       k_norm_w_ = a.tensor("k_norm_weight").to(at::kFloat).contiguous();
       qk_norm_eps_ = static_cast<float>(a.real("qk_norm_eps"));
-      TORCH_CHECK(q_norm_w_.numel() == dq_ && k_norm_w_.numel() == dq_, "linattn_cpu::DecodePlan: bad qk_norm");
+      const int64_t n = qk_norm_all_ ? heads_ * dq_ : dq_;
+      TORCH_CHECK(q_norm_w_.numel() == n && k_norm_w_.numel() == n && !(qk_norm_all_ && taps_ > 0),
+                  "linattn_cpu::DecodePlan: bad qk_norm");
     }
   }
 
@@ -72,12 +78,7 @@ class AttentionMixOp : public Op {
     for (int64_t r = r0; r < r1; ++r) {
       const int64_t b = r / heads_, h = r % heads_;
       load_head(b, h, q, k, v);
-      if (q_norm_w_.defined()) {
-        normalize(kRMSNorm, q, tmp, dq_, q_norm_w_.data_ptr<float>(), nullptr, qk_norm_eps_, R_);
-        std::copy(tmp, tmp + dq_, q);
-        normalize(kRMSNorm, k, tmp, dq_, k_norm_w_.data_ptr<float>(), nullptr, qk_norm_eps_, R_);
-        std::copy(tmp, tmp + dq_, k);
-      }
+      if (q_norm_w_.defined()) norm_qk(b, h, q, k);
       activate(q, k, v);
       if (rope_c_.defined()) {
         rotate(q, rope_c_.p + b * rope_c_.ld, rope_s_.p + b * rope_s_.ld, tmp, rope_dim_, R_);
@@ -107,6 +108,20 @@ class AttentionMixOp : public Op {
   virtual void mix(const StepInfo& info, int64_t b, int64_t h, float* q, float* k, float* v, float* o,
                    float* tmp) = 0;
   virtual void activate(float*, float*, float*) {}
+
+  // q, k of head h of row b through their RMSNorms, per head or across the heads (the row's H·D
+  // values of the projection, 1/rms recomputed by each head: H·D reads)
+  void norm_qk(int64_t b, int64_t h, float* q, float* k) const {
+    const float* row = qkv_.p + b * qkv_.ld;
+    const at::Tensor* w[2] = {&q_norm_w_, &k_norm_w_};
+    float* x[2] = {q, k};
+    for (int part = 0; part < 2; ++part) {
+      const float* gain = w[part]->data_ptr<float>();
+      const float inv = qk_norm_all_ ? rms_inverse(row + part * heads_ * dq_, heads_ * dq_, qk_norm_eps_, R_)
+                                     : rms_inverse(x[part], dq_, qk_norm_eps_, R_);
+      rms_scale(x[part], x[part], dq_, inv, qk_norm_all_ ? gain + h * dq_ : gain, R_);
+    }
+  }
 
   // q, k, v of one head: the projection's channels, through the short convolution when there is one
   void load_head(int64_t b, int64_t h, float* q, float* k, float* v) {
@@ -138,16 +153,8 @@ class AttentionMixOp : public Op {
   bool sigmoid_gate_ = false;
   at::Tensor gate_w_, q_norm_w_, k_norm_w_;
   float gate_eps_ = 0, qk_norm_eps_ = 0;
+  bool qk_norm_all_ = false;
 };
-
-// A float state tensor of the cache, updated in place
-inline float* state_ptr(const Args& a, const std::string& name, int64_t numel) {
-  const at::Tensor t = a.tensor(name);
-  TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.numel() == numel,
-              "linattn_cpu::DecodePlan: the state '", name, "' must be a contiguous float32 tensor of ", numel,
-              " values");
-  return t.data_ptr<float>();
-}
 
 // ----------------------------------------------------------------------------------------------
 // linear attention with a feature map

@@ -104,6 +104,15 @@ struct Buffer {
 inline Buffer buffer(const Args& a, const std::string& name) { return Buffer(a.tensor(name)); }
 inline Buffer maybe_buffer(const Args& a, const std::string& name) { return a.has(name) ? Buffer(a.tensor(name)) : Buffer(); }
 
+// A float state tensor of the cache, updated in place
+inline float* state_ptr(const Args& a, const std::string& name, int64_t numel) {
+  const at::Tensor t = a.tensor(name);
+  TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.numel() == numel,
+              "linattn_cpu::DecodePlan: the state '", name, "' must be a contiguous float32 tensor of ", numel,
+              " values");
+  return t.data_ptr<float>();
+}
+
 // A model tensor read in place (weights, caches): CPU, contiguous, fp32 or bf16
 // (its data pointer taken once: at::Tensor::data_ptr checks the dtype and storage on every call, which
 // cost more than the arithmetic in the per-channel loops of the short convolution)
@@ -149,20 +158,32 @@ enum NormKind { kNoNorm = 0, kRMSNorm = 1, kLayerNorm = 2 };
 // RMSNorm (gain w) or LayerNorm (gain w, bias b) of the n values of x into y, as linattn.layers.RMSNorm
 // and nn.LayerNorm compute them: fp32 RMSNorm sums the squares in double (the fused operator of
 // decode.cpp); a bf16 model rounds x / rms to bf16 before the gain and the product after it.
+// 1 / √(mean(x²) + ε) of the n values of x, as normalize's RMSNorm computes it
+inline float rms_inverse(const float* x, int64_t n, float eps, const Rounder& R) {
+  if (R.bf16) {
+    float ss = 0;
+    for (int64_t i = 0; i < n; ++i) ss += x[i] * x[i];
+    return 1.0f / std::sqrt(ss / float(n) + eps);
+  }
+  double ss = 0;
+  for (int64_t i = 0; i < n; ++i) ss += double(x[i]) * double(x[i]);
+  return static_cast<float>(1.0 / std::sqrt(ss / double(n) + eps));
+}
+
+// y = x · inv ⊙ w over n values, with RMSNorm's bf16 roundings (inv from rms_inverse, possibly of a
+// longer vector x belongs to: the across-heads q/k norm)
+inline void rms_scale(const float* x, float* y, int64_t n, float inv, const float* w, const Rounder& R) {
+  if (R.bf16) {
+    for (int64_t i = 0; i < n; ++i) y[i] = R(R(x[i] * inv) * w[i]);
+  } else {
+    for (int64_t i = 0; i < n; ++i) y[i] = x[i] * inv * w[i];
+  }
+}
+
 inline void normalize(int kind, const float* x, float* y, int64_t n, const float* w, const float* b, float eps,
                       const Rounder& R) {
   if (kind == kRMSNorm) {
-    if (R.bf16) {
-      float ss = 0;
-      for (int64_t i = 0; i < n; ++i) ss += x[i] * x[i];
-      const float inv = 1.0f / std::sqrt(ss / float(n) + eps);
-      for (int64_t i = 0; i < n; ++i) y[i] = R(R(x[i] * inv) * w[i]);
-    } else {
-      double ss = 0;
-      for (int64_t i = 0; i < n; ++i) ss += double(x[i]) * double(x[i]);
-      const float inv = static_cast<float>(1.0 / std::sqrt(ss / double(n) + eps));
-      for (int64_t i = 0; i < n; ++i) y[i] = x[i] * inv * w[i];
-    }
+    rms_scale(x, y, n, rms_inverse(x, n, eps, R), w, R);
   } else if (kind == kLayerNorm) {
     double mean = 0, var = 0;
     for (int64_t i = 0; i < n; ++i) mean += x[i];
@@ -194,6 +215,31 @@ struct NormSpec {
     normalize(kind, x, y, n, kind == kNoNorm ? nullptr : w.data_ptr<float>(), b.defined() ? b.data_ptr<float>() : nullptr,
               eps, R);
   }
+};
+
+// x ← x + Norm(in) row by row: a post-norm block's residual (OLMo2's, OLMo-Hybrid's order, x ← x +
+// Norm(f(x)); linattn.nn.blocks.Block with post_norm), the rows shared among the threads
+class ResidualNormOp : public Op {
+ public:
+  ResidualNormOp(const Args& a, bool bf16)
+      : in_(buffer(a, "input")), x_(buffer(a, "x")), norm_(NormSpec::from(a, "norm")), R_{bf16} {
+    TORCH_CHECK(in_.ld == x_.ld && norm_.kind != kNoNorm,
+                "linattn_cpu::DecodePlan: norm_add needs a norm of x's width");
+  }
+  size_t scratch(const StepInfo&) const override { return static_cast<size_t>(x_.ld); }
+  void run(const StepInfo& info, int tid, int threads, float* scratch) override {
+    const int64_t d = x_.ld;
+    for (int64_t b = info.batch * tid / threads; b < info.batch * (tid + 1) / threads; ++b) {
+      norm_.apply(in_.p + b * d, scratch, d, R_);
+      float* x = x_.p + b * d;
+      for (int64_t i = 0; i < d; ++i) x[i] = R_(x[i] + scratch[i]);
+    }
+  }
+
+ private:
+  Buffer in_, x_;
+  NormSpec norm_;
+  Rounder R_;
 };
 
 // ----------------------------------------------------------------------------------------------
