@@ -14,7 +14,7 @@ pytest.importorskip("transformers", reason="the hf extra is not installed")
 pytest.importorskip("linattn.hf")
 
 from linattn.bench import llamacpp  # noqa: E402
-from linattn.bench.hf import qwen_model, render_hf, torch_path  # noqa: E402
+from linattn.bench.hf import qwen_model, render_hf  # noqa: E402
 
 
 @pytest.fixture
@@ -99,17 +99,27 @@ def test_render_sets_accelerate_against_llama_cpp():
     assert "llama.cpp F32 greedy check (tiny): 1/2 next tokens DIFFER" in text
 
 
-def test_tiny_end_to_end_greedy_tokens_equal_transformers():
+def test_tiny_end_to_end_greedy_tokens_equal_transformers(tmp_path, capsys):
+    """`linattn bench hf` on the tiny shape with llama.cpp: both GGUFs measured, F32's greedy tokens
+    transformers'."""
+    from linattn.cli import main
+
+    from .test_bench import _load_report
+
     why = llamacpp.why_unavailable()
     if why is not None:
         pytest.skip(f"llama.cpp columns unavailable: {why}")
-    model = qwen_model("tiny", 0)
-    with llamacpp.converted(model, reference=torch_path) as gg:
-        assert set(gg.paths) == set(llamacpp.FORMATS), gg.notes
-        check = gg.check
-        assert check["equal"], check
-        assert check["max_abs_logit_diff"] < 1e-3
-        cols, notes = llamacpp.columns(gg, 1, [16], 8, 0.01, 256, 0)
-    assert not notes
+    out = tmp_path / "hf"
+    assert main(["bench", "hf", "--shapes", "tiny", "--lengths", "16", "--decode-prompt", "8", "--train-len", "16",
+                 "--min-run-time", "0.01", "--out", str(out)]) == 0
+    data, printed = _load_report(out, "bench-hf"), capsys.readouterr().out
+    (entry,) = data["llama_cpp"]
+    assert entry["notes"] == {} and entry["check"]["equal"], entry
+    assert entry["check"]["transformers"] == entry["check"]["llama.cpp"] and len(entry["check"]["llama.cpp"]) == 4
+    assert entry["check"]["max_abs_logit_diff"] < 1e-3
+    rows = {r["metric"]: r for r in data["results"]}
     for c in llamacpp.FORMATS:
-        assert set(cols[c]) == {"prefill 16", "decode"} and min(cols[c].values()) > 0
+        assert rows["prefill 16"][c] > 0 and rows["decode"][c] > 0 and rows["train 16"][c] is None
+        assert rows["decode int8"][c] is None and rows["decode"]["llama_cpp_note"] is None
+    assert "llama.cpp F32 greedy check (tiny): 4/4 next tokens equal" in printed
+    assert "accelerate vs Q8_0" in printed and "llama.cpp n/a" not in printed
