@@ -12,10 +12,10 @@ pytest.importorskip("transformers", reason="the hf extra is not installed")
 hf = pytest.importorskip("linattn.hf")
 
 
-def run_tiny(tmp_path, capsys):
+def run_tiny(tmp_path, capsys, *extra):
     out = tmp_path / "hf"
     argv = ["bench", "hf", "--shapes", "tiny", "--threads", "1,2", "--lengths", "16",
-            "--decode-prompt", "8", "--train-len", "16", "--min-run-time", "0.01", "--out", str(out)]
+            "--decode-prompt", "8", "--train-len", "16", "--min-run-time", "0.01", "--out", str(out), *extra]
     assert main(argv) == 0
     return _load_report(out, "bench-hf"), capsys.readouterr().out
 
@@ -23,7 +23,7 @@ def run_tiny(tmp_path, capsys):
 def test_bench_hf_tiny_table(tmp_path, capsys):
     from linattn.bench.hf import qwen_model
 
-    data, printed = run_tiny(tmp_path, capsys)
+    data, printed = run_tiny(tmp_path, capsys, "--no-llama-cpp")
     rows = data["results"]
     base = ("prefill 16", "decode", "train 16")
     low = ("decode bf16", "decode int8")
@@ -43,12 +43,20 @@ def test_bench_hf_tiny_table(tmp_path, capsys):
         assert r["weight_bytes"] == 4 * sum(linears)
         assert r["accelerate"] > 0 and r["accelerate_note"] is None
     assert "transformers' Qwen3.5" in printed and "gemv floor (same weights)" in printed
+    assert all(r["llama.cpp F32"] is None and r["llama.cpp Q8_0"] is None for r in rows)
+    assert data["llama_cpp"] == [{"shape": "tiny", "check": None, "notes": {
+        c: "skipped (--no-llama-cpp)" for c in ("llama.cpp F32", "llama.cpp Q8_0")}}]
+    assert "llama.cpp n/a: llama.cpp F32: skipped (--no-llama-cpp); llama.cpp Q8_0: skipped" in printed
 
 
 def test_bench_hf_without_accelerate_prints_na(tmp_path, capsys, monkeypatch):
     if hasattr(hf, "accelerate"):
         monkeypatch.delattr(hf, "accelerate")
+    monkeypatch.delenv("LINATTN_LLAMA_CPP_SOURCE", raising=False)  # and no llama.cpp converter: n/a, with why
     data, printed = run_tiny(tmp_path, capsys)
+    assert all(r["llama.cpp F32"] is None and r["llama.cpp Q8_0"] is None for r in data["results"])
+    assert ("no llama.cpp converter: give --llama-cpp-source DIR" in printed
+            or "llama-cpp-python is not importable" in printed)
     assert all(r["accelerate"] is None for r in data["results"])
     assert not any(r["metric"].startswith("decode ") for r in data["results"])  # no converted model to quantize
     assert "accelerate n/a: this linattn has no linattn.hf.accelerate" in printed

@@ -20,6 +20,11 @@ and the metrics
                    bf16, or int8 weight-only by torchao's Int8WeightOnlyConfig (fp32 activations), each
                    beside the gemv floor of those weights
 
+and, where llama-cpp-python imports and llama.cpp's converter is found (bench.llamacpp), the same model
+converted to GGUF F32 and Q8_0 and run by llama.cpp on the same threads: the columns "llama.cpp F32" and
+"llama.cpp Q8_0" (prefill and decode; training n/a), with llama.cpp F32's greedy tokens checked against
+transformers' in the same run; "n/a" with the reason otherwise, or under `llama_cpp=False`.
+
 Times are medians of torch.utils.benchmark blocked runs (bench.timing.measure, `min_run_time` each).
 Shapes (SHAPES): "small", the 4-layer shape of the first measurements (3 Gated DeltaNet + 1 attention,
 hidden 1024); "qwen3.5-0.8b", the published Qwen3.5-0.8B text model (24 layers, full attention every
@@ -39,6 +44,7 @@ from rich.console import Console
 from torch import nn
 
 from ..report import make_table, progress
+from . import llamacpp
 from .timing import measure
 
 _LINEAR_HEADS = dict(linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=16,
@@ -56,6 +62,7 @@ SHAPES = {
                          **_LINEAR_HEADS),
 }
 COLUMNS = ("transformers", "kernels", "accelerate")
+LLAMA_COLUMNS = tuple(llamacpp.FORMATS)
 
 
 @dataclass
@@ -69,6 +76,10 @@ class HfBenchConfig:
     seed: int = 0
     #: also decode the accelerated model with bf16 and with int8 weight-only (torchao) weights
     low_precision: bool = True
+    #: also convert the model to GGUF F32 / Q8_0 and run it by llama.cpp (where available)
+    llama_cpp: bool = True
+    #: llama.cpp's converter: a llama.cpp checkout or llama-cpp-python sdist (None: $LINATTN_LLAMA_CPP_SOURCE)
+    llama_cpp_source: str | None = None
 
     def __post_init__(self):
         bad = [s for s in self.shapes if s not in SHAPES]
@@ -210,7 +221,7 @@ def _accelerated(model):
         return None, f"{type(exc).__name__}: {exc}"
 
 
-def _point(shape: str, model, threads: int, cfg: HfBenchConfig) -> list[dict]:
+def _point(shape: str, model, threads: int, cfg: HfBenchConfig, ggufs: llamacpp.Ggufs) -> list[dict]:
     from ..hf import use_linattn_kernels
 
     vocab = SHAPES[shape]["vocab_size"]
@@ -234,19 +245,26 @@ def _point(shape: str, model, threads: int, cfg: HfBenchConfig) -> list[dict]:
                 low_precision = _low_precision_decodes(acc, cfg, vocab)
     finally:
         torch.set_num_threads(before)
+    llama, llama_notes = llamacpp.columns(ggufs, threads, cfg.lengths, cfg.decode_prompt, cfg.min_run_time, vocab,
+                                          cfg.seed)
+    llama_note = "; ".join(f"{c}: {n}" for c, n in llama_notes.items()) or None
     rows = []
     for metric in cols["transformers"]:
         row = {"shape": shape, "threads": threads, "metric": metric}
         for c in COLUMNS:
             row[c] = None if cols[c] is None else cols[c][metric]
+        for c in LLAMA_COLUMNS:  # no training step in llama.cpp
+            row[c] = None if llama[c] is None else llama[c].get(metric)
         row["floor_s"] = floor if metric == "decode" else None
         row["weight_bytes"] = weight_bytes
         row["accelerate_note"] = why
+        row["llama_cpp_note"] = llama_note
         rows.append(row)
     for low in low_precision:  # accelerate only: transformers' own path has no fused int8 / bf16 decode here
         rows.append({"shape": shape, "threads": threads, "metric": f"decode {low['weights']}", "transformers": None,
-                     "kernels": None, "accelerate": low["decode_s"], "floor_s": low["floor_s"],
-                     "weight_bytes": low["weight_bytes"], "accelerate_note": low["note"]})
+                     "kernels": None, "accelerate": low["decode_s"], **dict.fromkeys(LLAMA_COLUMNS),
+                     "floor_s": low["floor_s"], "weight_bytes": low["weight_bytes"], "accelerate_note": low["note"],
+                     "llama_cpp_note": None})
     return rows
 
 
@@ -254,16 +272,21 @@ def run_hf(cfg: HfBenchConfig, console: Console | None = None) -> dict:
     """Every shape × threads point: the three columns' metrics and the decode floor (seconds)."""
     console = console or Console()
     rows: list[dict] = []
+    checks: list[dict] = []
     with progress(console) as bar:
         task = bar.add_task("bench hf", total=len(cfg.shapes) * len(cfg.threads))
         for shape in cfg.shapes:
             model = qwen_model(shape, cfg.seed)
-            for threads in cfg.threads:
-                bar.update(task, description=f"{shape}, {threads} thread(s)")
-                rows += _point(shape, model, threads, cfg)
-                bar.advance(task)
+            bar.update(task, description=f"{shape}: GGUF conversion")
+            with llamacpp.converted(model, enabled=cfg.llama_cpp, source=cfg.llama_cpp_source, seed=cfg.seed,
+                                    reference=torch_path) as gg:
+                checks.append({"shape": shape, "check": gg.check, "notes": dict(gg.notes)})
+                for threads in cfg.threads:
+                    bar.update(task, description=f"{shape}, {threads} thread(s)")
+                    rows += _point(shape, model, threads, cfg, gg)
+                    bar.advance(task)
             del model
-    return {"config": asdict(cfg), "results": rows}
+    return {"config": asdict(cfg), "results": rows, "llama_cpp": checks}
 
 
 def _shown(metric: str, seconds: float | None) -> str:
@@ -275,33 +298,62 @@ def _shown(metric: str, seconds: float | None) -> str:
     return f"{seconds * 1e3:.2f} ms/tok" if metric.startswith("decode") else f"{seconds:.3f} s"
 
 
+def _vs_llama(rows: list[dict], r: dict, col: str) -> str:
+    """How many times faster accelerate is than llama.cpp column `col` on row `r`; the int8 decode is
+    set against llama.cpp's Q8_0 decode (both int8 weights)."""
+    theirs = r[col]
+    if r["metric"] == "decode int8" and col == "llama.cpp Q8_0":
+        theirs = next((o[col] for o in rows if (o["shape"], o["threads"], o["metric"]) ==
+                       (r["shape"], r["threads"], "decode")), None)
+    elif r["metric"].startswith("decode "):
+        theirs = None
+    return f"{theirs / r['accelerate']:.2f}×" if theirs and r["accelerate"] else "n/a"
+
+
 def render_hf(res: dict, console: Console) -> None:
     cols = ["shape", "threads", "metric", "transformers", "kernels", "accelerate", "kernels ×", "accelerate ×",
-            "gemv floor (same weights)"]
+            "gemv floor (same weights)", *LLAMA_COLUMNS, "accelerate vs F32", "accelerate vs Q8_0"]
     rows = []
     for r in res["results"]:
         base = r["transformers"]
         ups = [f"{base / r[c]:.2f}×" if r[c] and base else "n/a" for c in ("kernels", "accelerate")]
         floor = "" if r["floor_s"] is None else f"{r['floor_s'] * 1e3:.2f} ms ({r['weight_bytes'] / 1e6:.0f} MB)"
+        llama = [_shown(r["metric"], r.get(c)) for c in LLAMA_COLUMNS]
         rows.append([r["shape"], str(r["threads"]), r["metric"], *(_shown(r["metric"], r[c]) for c in COLUMNS),
-                     *ups, floor])
+                     *ups, floor, *llama, *(_vs_llama(res["results"], r, c) for c in LLAMA_COLUMNS)])
     console.print(make_table("transformers' Qwen3.5 (random weights, fp32, B = 1): transformers' torch path, "
                              "use_linattn_kernels(), linattn.hf.accelerate(); speed-ups over transformers; decode "
-                             "beside the time to read every Linear weight once", cols, rows))
+                             "beside the time to read every Linear weight once; the same model as GGUF run by "
+                             "llama.cpp, and how many times faster accelerate is (int8 decode against Q8_0)",
+                             cols, rows))
     notes = sorted({r["accelerate_note"] for r in res["results"] if r["accelerate_note"]})
     for note in notes:
         console.print(f"accelerate n/a: {note}", highlight=False)
+    for note in sorted({r.get("llama_cpp_note") for r in res["results"] if r.get("llama_cpp_note")}):
+        console.print(f"llama.cpp n/a: {note}", highlight=False)
+    for entry in res.get("llama_cpp", []):
+        if (c := entry["check"]) is not None:
+            same = sum(a == b for a, b in zip(c["llama.cpp"], c["transformers"]))
+            verdict = ("equal" if c["equal"] else
+                       f"DIFFER (llama.cpp {c['llama.cpp']}, transformers {c['transformers']})")
+            console.print(f"llama.cpp F32 greedy check ({entry['shape']}): {same}/{len(c['transformers'])} next "
+                          f"tokens {verdict}; max |logit difference| {c['max_abs_logit_diff']:.2e}", highlight=False)
 
 
 def check_hf(res: dict) -> list[str]:
-    """Warnings: a decode faster than its own floor (the weights then sat in cache)."""
+    """Warnings: a decode faster than its own floor (the weights then sat in cache); llama.cpp F32's greedy
+    tokens not transformers'."""
     out = []
     for r in res["results"]:
         if r["metric"].startswith("decode"):
-            for c in COLUMNS:
-                if r[c] is not None and r[c] < 0.9 * r["floor_s"]:
+            for c in COLUMNS + (("llama.cpp F32",) if r["metric"] == "decode" else ()):
+                if r.get(c) is not None and r[c] < 0.9 * r["floor_s"]:
                     out.append(f"{r['shape']} {r['threads']} thread(s): {c} decoded faster than the gemv floor; "
                                "the weights sat in the CPU cache")
+    for entry in res.get("llama_cpp", []):
+        if entry["check"] is not None and not entry["check"]["equal"]:
+            out.append(f"{entry['shape']}: llama.cpp F32's greedy tokens {entry['check']['llama.cpp']} differ from "
+                       f"transformers' {entry['check']['transformers']}")
     return out
 
 
@@ -315,10 +367,10 @@ def plot_hf(res: dict, path) -> None:
     FigureCanvasAgg(fig)
     for ax, (shape, threads) in zip(fig.subplots(1, len(groups), squeeze=False)[0], groups):
         rows = [r for r in res["results"] if (r["shape"], r["threads"]) == (shape, threads) and r["transformers"]]
-        for i, c in enumerate(("kernels", "accelerate")):
-            ups = [r["transformers"] / r[c] if r[c] else 0.0 for r in rows]
-            ax.bar([j + 0.4 * i for j in range(len(rows))], ups, width=0.4, label=c)
-        ax.set_xticks([j + 0.2 for j in range(len(rows))], [r["metric"] for r in rows], rotation=30)
+        for i, c in enumerate(("kernels", "accelerate", *LLAMA_COLUMNS)):
+            ups = [r["transformers"] / r[c] if r.get(c) else 0.0 for r in rows]
+            ax.bar([j + 0.2 * i for j in range(len(rows))], ups, width=0.2, label=c)
+        ax.set_xticks([j + 0.3 for j in range(len(rows))], [r["metric"] for r in rows], rotation=30)
         ax.axhline(1.0, color="gray", linewidth=1)
         ax.set_title(f"{shape}, {threads} thread(s)")
         ax.set_ylabel("speed-up over transformers")
@@ -326,5 +378,5 @@ def plot_hf(res: dict, path) -> None:
     fig.savefig(path, dpi=100)
 
 
-__all__ = ["COLUMNS", "HfBenchConfig", "SHAPES", "check_hf", "gemv_floor", "plot_hf", "qwen_model", "render_hf",
-           "run_hf"]
+__all__ = ["COLUMNS", "HfBenchConfig", "LLAMA_COLUMNS", "SHAPES", "check_hf", "gemv_floor", "plot_hf", "qwen_model",
+           "render_hf", "run_hf"]

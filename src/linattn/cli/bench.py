@@ -92,7 +92,8 @@ def _add_hf_parser(sub) -> None:
                     "tokens/s, decode ms/token beside the fp32 gemv floor measured in the same run (every Linear "
                     "weight read once by the fused decoder's kernels) and one training step, on transformers' own "
                     "torch path, under linattn.hf.use_linattn_kernels() and converted by linattn.hf.accelerate() "
-                    "(n/a where this linattn lacks it). Needs the hf extra.")
+                    "(n/a where this linattn lacks it); beside them the same model as GGUF F32 and Q8_0 run "
+                    "by llama.cpp, where llama-cpp-python and llama.cpp's converter are found. Needs the hf extra.")
     hf.add_argument("--shapes", type=lambda v: _choices(v, SHAPES, "shapes"), default=["small"],
                     metavar="SHAPE[,...]", help=f"model shapes, from {','.join(SHAPES)} (default: small)")
     hf.add_argument("--threads", type=int_list, default=[1], metavar="T[,T...]",
@@ -105,6 +106,12 @@ def _add_hf_parser(sub) -> None:
                     help="tokens of the training step (default: %(default)s)")
     hf.add_argument("--min-run-time", type=positive_float, default=0.5, metavar="SECONDS",
                     help="minimum measuring time per point (default: %(default)s)")
+    hf.add_argument("--llama-cpp-source", default=None, metavar="DIR",
+                    help="llama.cpp's converter for the llama.cpp F32 / Q8_0 columns: a llama.cpp checkout or an "
+                         "extracted llama-cpp-python sdist (default: $LINATTN_LLAMA_CPP_SOURCE); those columns "
+                         "also need llama-cpp-python (the llamacpp extra)")
+    hf.add_argument("--no-llama-cpp", dest="llama_cpp", action="store_false",
+                    help="skip the llama.cpp columns (no GGUF conversion)")
     add_common_options(hf)
     hf.set_defaults(func=run_hf_command)
 
@@ -386,5 +393,5 @@ def run_hf_command(args) -> int:
         raise ValueError("bench hf runs on the CPU (the fused decoder and its gemv floor)")
     cfg = HfBenchConfig(shapes=args.shapes, threads=args.threads, lengths=args.lengths,
                         decode_prompt=args.decode_prompt, train_len=args.train_len, min_run_time=args.min_run_time,
-                        seed=args.seed)
+                        seed=args.seed, llama_cpp=args.llama_cpp, llama_cpp_source=args.llama_cpp_source)
     return _finish("bench-hf", run_hf(cfg, console), args, device, out, console, render_hf, plot_hf, check_hf)
