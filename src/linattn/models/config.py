@@ -119,12 +119,12 @@ class ModelConfig:
     kind_options: {kind: {option: value}}, the options of a kind's layers that its KINDS record
         lists (`Kind.options`, with their defaults), e.g. a window size, or the softmax kind's
         multi-head latent attention (kv_lora_rank, q_lora_rank, shared_k_dim, latent_eps: Kimi
-        Linear's MLA, linattn.nn.mla; eager decoding); JSON values. Besides, every
+        Linear's MLA, linattn.nn.mla); JSON values. Besides, every
         kind takes the layer settings of LAYER_OPTIONS, which override the config's for its layers
         (a hybrid whose softmax and delta-rule layers differ, as Qwen3.5's): n_heads, qk_dim, v_dim,
-        qk_norm (True: per head; "all": one RMSNorm across the heads, OLMo2's; eager decoding),
-        short_conv, post_norm (OLMo2's block x ← x + Norm₁(Attn(x)), x ← x + Norm₂(FFN(x)); eager
-        decoding), output_gate_eps (the output gate's RMSNorm eps; default norm_eps),
+        qk_norm (True: per head; "all": one RMSNorm across the heads, OLMo2's),
+        short_conv, post_norm (OLMo2's block x ← x + Norm₁(Attn(x)), x ← x + Norm₂(FFN(x))),
+        output_gate_eps (the output gate's RMSNorm eps; default norm_eps),
         allow_neg_eigval (delta-rule kinds: β = 2·sigmoid(·)), output_gate (True,
         False or "sigmoid": gated attention's o ⊙ sigmoid(W_g x), no norm) and rope_dim (with
         positions="rope": rotate only the first rope_dim q/k features, partial RoPE as transformers'
@@ -137,10 +137,10 @@ class ModelConfig:
         "norm_topk_prob", "layers" (None: every layer; else the MoE layers' indices)}, optionally
         the router's "router" ("softmax"; "sigmoid": Kimi Linear's grouped router with a score bias),
         "n_group", "topk_group", "routed_scaling_factor" and "shared_gate" (nn.moe.MOE_DEFAULTS); SwiGLU
-        experts; eager decoding.
+        experts.
     qkv_bias: a bias on the fused q/k/v projection (None: as `bias`; Qwen2 has it with bias off).
     qk_norm: a per-head RMSNorm on q and k after the projection, before RoPE, with a gain of the head
-        dim shared by the heads (Qwen3); eager decoding.
+        dim shared by the heads (Qwen3).
     activation: "swiglu", "gelu" (exact) or "gelu_tanh" (GPT-2's tanh approximation; eager decoding).
     """
 

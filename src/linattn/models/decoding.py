@@ -12,7 +12,7 @@ builds, once per decoding run, a plan of the model's step from its modules and i
 
 Each block plans its own part (`plan_step(decoder, cache)`, linattn.nn.blocks; its attention layer's
 `Attention.plan_step` and, per kind, `plan_mixer`: the kind's state, gates and tensors), with the
-decoder's small vocabulary — `x`, `buffer`, `group`, `product`, `project`, `rope`, `state`,
+decoder's small vocabulary — `x`, `buffer`, `group`, `product`, `project`, `gather`, `rope`, `state`,
 `reserve_kv`, `mixer`, `norm_add`, `moe` —, so the decoder reads no layer's parameters by name and a kind's fused
 arguments live beside its eager code. `step(ids)` runs the plan: no tensor is allocated per token, the caches (linear (kv, z), gated and
 delta-rule S, short-convolution and gated-convolution tails, KV caches) are updated in place, so the model's ModelCache
@@ -33,10 +33,12 @@ runs the eager step): CPU LinearTransformerLM models in float32 or bfloat16 with
 nn.Linear weights float or 8-bit weight-only quantized by torchao (Int8WeightOnlyConfig, per-row or
 per-tensor scales: read in place, linattn.models.weights); every attention kind of
 linattn.models.KINDS with a fused mixer (Kind.fused: linear with every φ that has a native code,
-softmax with its KV cache, the gated and delta-rule kinds); RoPE (whole or partial, rope_dim), learned
+softmax with its KV cache and MLA's latent projections, the gated and delta-rule kinds, KDA's
+per-key-channel decay included); RoPE (whole or partial, rope_dim), learned
 or no positions; short convolutions on q, k, v; q/k RMSNorms (qk_norm: per head, or across the heads
-where no short convolution comes first); the output gate (RMSNorm and swish, or gated attention's
-sigmoid); value heads of any width (v_dim); β ∈ (0, 2) (allow_neg_eigval); RMSNorm or LayerNorm;
+where no short convolution comes first); the output gate (RMSNorm and swish, KDA's RMSNorm and
+sigmoid, or gated attention's sigmoid); value heads of any width (v_dim); β ∈ (0, 2)
+(allow_neg_eigval); RMSNorm or LayerNorm;
 SwiGLU or GELU; biases; left-padded batches.
 
 `weight_streaming()` runs every matrix-vector product of a step and nothing else (same kernels,
@@ -55,8 +57,9 @@ from ..ops import native
 from .kinds import kind_of
 from .weights import float_weight, plan_weight, quantization_obstacle
 
-#: the epilogues of a product (csrc/model_ops.h): store, add to x, SwiGLU, GELU, Zoology's gated convolution
-_EPILOGUES = {"store": 0, "residual": 1, "swiglu": 2, "gelu": 3, "gated_conv": 4}
+#: the epilogues of a product (csrc/model_ops.h): store, add to x, SwiGLU, GELU, Zoology's gated convolution,
+#: store unrounded (float32 results of a bf16 model)
+_EPILOGUES = {"store": 0, "residual": 1, "swiglu": 2, "gelu": 3, "gated_conv": 4, "float": 5}
 _DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -224,16 +227,22 @@ class FusedDecoder:
         self.product(linear, out)
         return out
 
+    def gather(self, out: torch.Tensor, inputs: list, index: torch.Tensor) -> None:
+        """out[:, j] ← [inputs side by side][:, index[j]] (csrc/model_gather.h): columns of (B, C_i)
+        buffers laid out anew (MLA's q|k|v, linattn.nn.mla.LatentQKV.plan_step). Ends the group."""
+        self._add("gather", {"out": out, "index": index.to(torch.long).contiguous(),
+                             **{f"input{i}": t for i, t in enumerate(inputs)}}, {"inputs": len(inputs)})
+
     def norm_add(self, inp: torch.Tensor, norm: nn.Module) -> None:
         """x ← x + norm(inp) (inp a (B, d) buffer): a post-norm block's residual."""
         t, i, f = _norm("norm", norm)
         self._add("norm_add", {"input": inp, "x": self.x, **t}, i, f)
 
-    def moe(self, tensors: dict, norm: nn.Module | None, ints: dict) -> None:
+    def moe(self, tensors: dict, norm: nn.Module | None, ints: dict, floats: dict | None = None) -> None:
         """The mixture-of-experts op (csrc/model_moe.h; linattn.nn.moe.MoEFeedForward.plan_step), its
         input normalized by `norm` first."""
         t, i, f = _norm("norm", norm)
-        self._add("moe", {**tensors, **t}, {**ints, **i}, f)
+        self._add("moe", {**tensors, **t}, {**ints, **i}, {**(floats or {}), **f})
 
     def mixer(self, name: str, tensors: dict, ints: dict, floats: dict) -> None:
         """The call of a family's mixer (Kind.fused, csrc/model_mixers.h) on a layer's cached state

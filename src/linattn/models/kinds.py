@@ -113,7 +113,7 @@ _ROWS = (
     Kind("gated_deltanet", GatedDeltaNetAttention, "Gated DeltaNet", "delta", rnn=True, causal_only=True, short_conv=4,
          output_gate=True, positions="none", options={"dt_init_range": DT_INIT_RANGE}, fused="delta"),
     Kind("kda", KimiDeltaAttention, "KDA", "delta", rnn=True, causal_only=True, short_conv=4, output_gate=True,
-         positions="none", options={"dt_init_range": KDA_DT_INIT_RANGE}),
+         positions="none", options={"dt_init_range": KDA_DT_INIT_RANGE}, fused="delta"),
     Kind("hgrn2", HGRN2Attention, "HGRN2", "gated", rnn=True, causal_only=True, output_gate=True, positions="none"),
     Kind("swa", SlidingWindowAttention, "sliding window", "window", rnn=True, causal_only=True, positions="rope",
          options={"window": DEFAULT_WINDOW}, build=_windowed),

@@ -104,7 +104,8 @@ class SoftmaxAttention(Attention):
     projections (linattn.nn.mla.LatentQKV, Kimi Linear's and DeepSeek-V2's MLA) in place of the fused
     one — k and v from a rank-kv_lora_rank latent with an RMSNorm, q full rank or (q_lora_rank)
     through its own normalized latent, shared_k_dim key features shared by every head, latent_eps
-    the latent norms' eps. Such a layer decodes by the eager step (step_obstacle).
+    the latent norms' eps. The fused step plans them as products, norm groups and a gather
+    (LatentQKV.plan_step).
     """
 
     kind = "softmax"
@@ -138,11 +139,6 @@ class SoftmaxAttention(Attention):
     def mix(self, x, q, k, v, positions) -> SoftmaxMix:
         q, k = self.rotate(q, k, positions)
         return SoftmaxMix(q, k, v, causal=self.causal, dropout_p=self.dropout_p if self.training else 0.0)
-
-    def step_obstacle(self) -> str | None:
-        if self.latent:
-            return "kv_lora_rank (multi-head latent attention's projections) takes the eager path"
-        return super().step_obstacle()
 
     def plan_mixer(self, plan, cache, tensors: dict, ints: dict, floats: dict) -> None:
         """The KV cache (grown to hold the tokens the plan reserves) and its padding mask."""

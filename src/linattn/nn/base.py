@@ -362,7 +362,10 @@ class Attention(nn.Module):
         i = {"heads": self.n_heads, "qk_dim": self.qk_dim, "v_dim": self.head_dim}
         f: dict = {}
         plan.group(plan.x, norm)
-        plan.product(self.qkv, t["qkv"])
+        if hasattr(self.qkv, "plan_step"):  # MLA's latent projections (linattn.nn.mla.LatentQKV)
+            self.qkv.plan_step(plan, t["qkv"], norm)
+        else:
+            plan.product(self.qkv, t["qkv"])
         if isinstance(self.output_gate, SigmoidGate):
             t["gate"], i["sigmoid_gate"] = plan.project(self.output_gate.proj), 1
         elif self.output_gate is not None:

@@ -68,6 +68,18 @@ class KDAForgetGate(nn.Module):
         raw = self.f_b(self.f_a(x)).unflatten(-1, (self.n_heads, self.key_dim))  # (B, N, H, D)
         return kda_gate(raw, self.A_log, self.dt_bias).transpose(1, 2)
 
+    #: the per-channel decay's code in the fused decoder's mixers (csrc/model_decay.h)
+    native_code = 4
+
+    def plan_step(self, plan, tensors: dict, floats: dict) -> None:
+        """The fused step's gate (linattn.models.decoding): F_a x into a (B, rank) buffer in the
+        current group (the layer's normalized input), then F_b of it (a group of its own) into
+        decay_proj (B, H·D); the mixer computes g from it in float32 (csrc/model_decay.h).
+        Leaves the plan in that group: the layer's products of x come first."""
+        low = plan.project(self.f_a)
+        plan.group(low, None)
+        tensors.update(decay_proj=plan.project(self.f_b), A_log=self.A_log.detach(), dt_bias=self.dt_bias.detach())
+
 
 class KDAOutputGate(nn.Module):
     """o_h ← RMSNorm(o_h) ⊙ sigmoid(G_b G_a x)_h with G_a d -> rank, G_b rank -> H·E (Kimi Linear's
@@ -110,6 +122,26 @@ class KimiDeltaAttention(RecurrentAttention):
 
     def gate_output(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         return o if self.kda_gate is None else self.kda_gate(o, x)
+
+    def plan_mixer(self, plan, cache, tensors: dict, ints: dict, floats: dict) -> None:
+        """The delta mixer's arguments: the state, β's product, the output gate's G_a product and
+        norm (the products of the layer's normalized input first), then the low-rank second
+        products (G_b, F_b: each a group of its own) and the per-channel decay (decay code 4)."""
+        self.plan_state(plan, cache, tensors, ints, floats)
+        tensors["beta"] = plan.project(self.beta_proj)
+        gate_low = None if self.kda_gate is None else plan.project(self.kda_gate.g_a)
+        ints["decay"] = self.forget_gate.native_code
+        self.forget_gate.plan_step(plan, tensors, floats)  # F_a in x's group, then F_b in its own
+        if gate_low is not None:
+            plan.group(gate_low, None)
+            tensors.update(gate=plan.project(self.kda_gate.g_b), gate_norm_weight=self.kda_gate.norm.weight.detach())
+            floats["gate_norm_eps"] = float(self.kda_gate.norm.eps)
+            ints["gate_norm_sigmoid"] = 1
+
+    def step_obstacle(self) -> str | None:
+        if self.kda_gate is not None and type(self.kda_gate.norm) is not RMSNorm:
+            return "KDA's output gate norm takes the eager path"
+        return super().step_obstacle()
 
 
 __all__ = ["KDAForgetGate", "KDAOutputGate", "KimiDeltaAttention"]

@@ -65,6 +65,31 @@ class LatentQKV(nn.Module):
         k = torch.cat((k_own, shared[:, :, None, :].expand(b, n, self.n_heads, self.shared_k_dim)), dim=-1)
         return torch.cat((q, k.flatten(2), v.flatten(2)), dim=-1)
 
+    def plan_step(self, plan, out: torch.Tensor, norm: nn.Module | None) -> None:
+        """The fused step's q|k|v into `out` (B, out_features) (linattn.models.decoding; the plan in
+        the group of the layer's input x normalized by `norm`): q (or W_qa x) and [c | s] = W_kva x
+        as products of x; c gathered into its own buffer; W_qb RMSNorm(W_qa x) and W_kvb RMSNorm(c)
+        as products of their norm groups; then one gather lays q, [k_n,h | s] and v_h out as the
+        fused projection's [q | k | v]. Ends by opening x's group again (its norm recomputed) for the
+        layer's other products of x."""
+        h, d, e, r, ds = self.n_heads, self.qk_dim, self.v_dim, self.kv_lora_rank, self.shared_k_dim
+        q = plan.project(self.q if self.q is not None else self.q_a)
+        kva = plan.project(self.kv_a)
+        latent = plan.buffer(r)
+        plan.gather(latent, [kva], torch.arange(r))
+        if self.q is None:
+            plan.group(q, self.q_a_norm)
+            q = plan.project(self.q_b)
+        plan.group(latent, self.kv_a_norm)
+        kvb = plan.project(self.kv_b)
+        # the columns of [q (H·D) | W_kvb's output (H·(D_n + E)) | [c | s] (r + D_s)]
+        dn, kv0, s0 = d - ds, h * d, h * d + h * (d - ds + e) + r
+        head = torch.arange(h)[:, None] * (dn + e) + kv0
+        k = torch.cat((head + torch.arange(dn), (s0 + torch.arange(ds)).expand(h, ds)), dim=1)
+        index = torch.cat((torch.arange(h * d), k.flatten(), (head + dn + torch.arange(e)).flatten()))
+        plan.gather(out, [q, kvb, kva], index)
+        plan.group(plan.x, norm)
+
     def extra_repr(self) -> str:
         rank = None if self.q_b is None else self.q_b.in_features
         return (f"q_lora_rank={rank}, kv_lora_rank={self.kv_lora_rank}, shared_k_dim={self.shared_k_dim}, "

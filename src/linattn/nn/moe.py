@@ -168,19 +168,30 @@ class MoEFeedForward(nn.Module):
         """out ← out + MoE(norm(x)) (residual) or out ← MoE(norm(x)) for one token, added to `plan`
         (a fused decoder being built, linattn.models.decoding): a group of the router's product (and
         the shared expert's gate and SwiGLU up products, then its down product), then the plan's MoE
-        op (csrc/model_moe.h: softmax, top-k, the k experts' SwiGLU products summed with their weights,
-        the gated shared expert added); out a (B, d) float32 buffer of the plan (x itself: residual)."""
+        op (csrc/model_moe.h: softmax or the grouped sigmoid router, top-k, the k experts' SwiGLU
+        products summed with their weights, the shared expert added, gated or not); out a (B, d)
+        float32 buffer of the plan (x itself: residual)."""
         plan.group(plan.x, norm)
-        t = {"input": plan.x, "logits": plan.project(self.router), "out": out,
-             "hidden": plan.buffer(self.top_k * self.down.shape[-1]),
+        logits = plan.buffer(self.num_experts)
+        sigmoid = self.router_kind == "sigmoid"  # its logits in float32 (unrounded in a bf16 model)
+        plan.product(self.router, logits, "float" if sigmoid else "store")
+        t = {"input": plan.x, "logits": logits, "out": out, "hidden": plan.buffer(self.top_k * self.down.shape[-1]),
              "gate_up": self.gate_up.detach().contiguous(), "down": self.down.detach().contiguous()}
+        i = {"top_k": self.top_k, "norm_topk_prob": int(self.norm_topk_prob), "residual": int(residual),
+             "router": int(sigmoid)}
+        f = {}
+        if sigmoid:
+            t["score_bias"] = self.score_bias.detach()
+            i.update(n_group=self.n_group, topk_group=self.topk_group)
+            f["routed_scaling_factor"] = self.routed_scaling_factor
         if self.shared is not None:
-            t["shared_gate"] = plan.project(self.shared_gate)
+            if self.shared_gate is not None:
+                t["shared_gate"] = plan.project(self.shared_gate)
             h = plan.buffer(self.shared.down.in_features)
             plan.product(self.shared.up, h, "swiglu")
             plan.group(h, None)
             t["shared_out"] = plan.project(self.shared.down)
-        plan.moe(t, norm, {"top_k": self.top_k, "norm_topk_prob": int(self.norm_topk_prob), "residual": int(residual)})
+        plan.moe(t, norm, i, f)
 
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, top_k={self.top_k}, d_expert={self.down.shape[-1]}, "

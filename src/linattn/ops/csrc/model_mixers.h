@@ -1,13 +1,14 @@
 // The attention of one layer for one decoded token (model_step.cpp), per (batch row, head), after the
 // layer's fused q|k|v projection (and the output gate's, β's and the decays' projections, done by the
-// matvec group before it): the short convolution over the head's q, k, v channels with its cache
-// tail, then the kind's recurrence on its cached state, in place, then the per-head output norm and
-// swish gate, into the buffer the output projection reads.
+// matvec group before it; the decays: model_decay.h): the short convolution over the head's q, k, v
+// channels with its cache tail, then the kind's recurrence on its cached state, in place, then the
+// per-head output norm and gate, into the buffer the output projection reads.
 //
 //   linear           φ (elu, relu, favor, trig, cosformer, taylor, hedgehog), RoPE on the features,
 //                    kv += k̃ᵣ vᵀ, z += k̃, o = q̃ᵣᵀ kv / (q̃ · z + ε)                        (design §3–6)
 //   gated            q·D^{−1/2}, S = diag(e^g) S + k vᵀ, o = Sᵀ q; g RetNet's, Mamba2's or GLA's (§8, §12)
 //   delta            SiLU, S = α (I − β k̂k̂ᵀ) S + β k̂ vᵀ, o = D^{−1/2} Sᵀ q̂                        (§13)
+//                    (KDA: S = (I − β k̂k̂ᵀ) Diag(α) S + β k̂ vᵀ, α per key channel, §13.8)
 //   softmax          the new k, v appended to the KV cache, o = softmax(q·K/√D) V                   (§8)
 //
 // Each computes what linattn's eager layers compute, in float, with the bf16 roundings of a bf16 model
@@ -23,6 +24,7 @@
 #include <string>
 #include <vector>
 
+#include "model_decay.h"
 #include "model_ops.h"
 #include "step_rows.h"
 
@@ -51,6 +53,7 @@ class AttentionMixOp : public Op {
     if (gate_.defined() && !sigmoid_gate_) {
       gate_w_ = a.tensor("gate_norm_weight").to(at::kFloat).contiguous();
       gate_eps_ = static_cast<float>(a.real("gate_norm_eps"));
+      norm_sigmoid_ = a.integer("gate_norm_sigmoid", 0) != 0;  // KDA's gate: sigmoid, not swish
     }
     // RMSNorms of q and k: per head (Qwen3's, Qwen3.5's qk_norm), or across the heads (qk_norm_all:
     // one over a row's H·D values of q, one over k's, OLMo's; read from the projection, so without a
@@ -91,11 +94,15 @@ class AttentionMixOp : public Op {
       if (gate_.defined() && sigmoid_gate_) {  // o ← o ⊙ sigmoid(W_g x): linattn.nn.base.SigmoidGate
         const float* g = gate_.p + b * gate_.ld + h * dv_;
         for (int64_t e = 0; e < dv_; ++e) out[e] = R_(o[e] * R_(1.0f / (1.0f + std::exp(-g[e]))));
-      } else if (gate_.defined()) {  // o ← RMSNorm(o) ⊙ swish(W_g x): linattn.layers.OutputGate
+      } else if (gate_.defined()) {  // o ← RMSNorm(o) ⊙ swish(W_g x) (OutputGate), or ⊙ sigmoid(·) (KDA's)
         float* normed = o + dv_;
         normalize(kRMSNorm, o, normed, dv_, gate_w_.data_ptr<float>(), nullptr, gate_eps_, R_);
         const float* g = gate_.p + b * gate_.ld + h * dv_;
-        for (int64_t e = 0; e < dv_; ++e) out[e] = R_(normed[e] * R_(silu(g[e])));
+        if (norm_sigmoid_) {
+          for (int64_t e = 0; e < dv_; ++e) out[e] = R_(normed[e] * R_(sigmoid(g[e])));
+        } else {
+          for (int64_t e = 0; e < dv_; ++e) out[e] = R_(normed[e] * R_(silu(g[e])));
+        }
       } else {
         std::copy(o, o + dv_, out);
       }
@@ -151,6 +158,7 @@ class AttentionMixOp : public Op {
   Buffer rope_c_, rope_s_, gate_;
   int64_t rope_dim_;
   bool sigmoid_gate_ = false;
+  bool norm_sigmoid_ = false;
   at::Tensor gate_w_, q_norm_w_, k_norm_w_;
   float gate_eps_ = 0, qk_norm_eps_ = 0;
   bool qk_norm_all_ = false;
@@ -355,63 +363,6 @@ class LinearMixOp : public AttentionMixOp {
   float shift_mean_ = 0;
 };
 
-// ----------------------------------------------------------------------------------------------
-// the log-decays of linattn.decay, per head (or per head and key feature for GLA)
-
-enum DecayKind { kNoDecay = 0, kFixedDecay = 1, kScalarDecay = 2, kFeatureDecay = 3 };
-
-struct Decay {
-  int kind = kNoDecay;
-  at::Tensor fixed;           // RetNet: g_h (H), float
-  Buffer proj;                // Mamba2: W_α x (B, H), rounded as the eager Linear's output
-  at::Tensor a_log, dt_bias;  // (H) floats
-  Buffer down;                // GLA: W₁ x (B, rank)
-  at::Tensor up_w, up_b;      // W₂ (H·F, rank), b (H·F), floats
-  float temperature = 1;
-
-  static Decay from(const Args& a) {
-    Decay d;
-    d.kind = static_cast<int>(a.integer("decay", kNoDecay));
-    if (d.kind == kFixedDecay) d.fixed = a.tensor("log_decay").to(at::kFloat).contiguous();
-    if (d.kind == kScalarDecay) {
-      d.proj = buffer(a, "decay_proj");
-      d.a_log = a.tensor("A_log").to(at::kFloat).contiguous();
-      d.dt_bias = a.tensor("dt_bias").to(at::kFloat).contiguous();
-    }
-    if (d.kind == kFeatureDecay) {
-      d.down = buffer(a, "decay_down");
-      d.up_w = a.tensor("decay_up_weight").to(at::kFloat).contiguous();
-      d.up_b = a.tensor("decay_up_bias").to(at::kFloat).contiguous();
-      d.temperature = static_cast<float>(a.real("temperature"));
-    }
-    return d;
-  }
-
-  // g of head h at batch row b: one value (returns 1), or F values for GLA (returns F)
-  int64_t log_decay(int64_t b, int64_t h, int64_t F, const Rounder& R, float* g) const {
-    if (kind == kFixedDecay) {
-      g[0] = fixed.data_ptr<float>()[h];
-      return 1;
-    }
-    if (kind == kScalarDecay) {  // g = −exp(A_log) · softplus(W_α x + dt_bias)
-      const float a = proj.p[b * proj.ld + h] + dt_bias.data_ptr<float>()[h];
-      g[0] = -std::exp(a_log.data_ptr<float>()[h]) * softplus(a);
-      return 1;
-    }
-    // GLA: g = logsigmoid(W₂ W₁ x + b) / τ
-    const int64_t rank = down.ld;
-    const float* d = down.p + b * rank;
-    const float* W = up_w.data_ptr<float>() + h * F * rank;
-    const float* bias = up_b.data_ptr<float>() + h * F;
-    for (int64_t f = 0; f < F; ++f) {
-      float y = 0;
-      for (int64_t r = 0; r < rank; ++r) y += W[f * rank + r] * d[r];
-      g[f] = logsigmoid(R(y + bias[f])) / temperature;
-    }
-    return F;
-  }
-};
-
 // RetNet, simple GLA, GLA: S = diag(e^g) S + k vᵀ, o = Sᵀ (q · D^{−1/2})
 class GatedMixOp : public AttentionMixOp {
  public:
@@ -452,7 +403,7 @@ class DeltaMixOp : public AttentionMixOp {
   }
 
  protected:
-  size_t row_scratch(const StepInfo&) const override { return 2 * dq_ + 2 * dv_ + 16; }
+  size_t row_scratch(const StepInfo&) const override { return 3 * dq_ + 2 * dv_ + 16; }
 
   void activate(float* q, float* k, float* v) override {
     for (int64_t i = 0; i < dq_; ++i) q[i] = R_(silu(q[i]));
@@ -477,11 +428,18 @@ class DeltaMixOp : public AttentionMixOp {
     }
     // β = sigmoid(W_β x), times 2 with allow_neg_eigval (β ∈ (0, 2))
     const float beta = std::max(sigmoid(beta_.p[b * beta_.ld + h]), FLT_MIN) * beta_scale_;
-    float g = 0;
-    if (decay_.kind != kNoDecay) decay_.log_decay(b, h, 1, R_, &g);
     float* S = S_ + (b * heads_ + h) * dq_ * dv_;
-    delta_update_row<float, float>(S, S, qk, v, beta, decay_.kind != kNoDecay ? std::exp(g) : 1.0f, scale_, o, u, dq_,
-                                   dv_);
+    if (decay_.kind == kChannelDecay) {  // KDA: α = e^g per key channel, S' = (I − β k̂k̂ᵀ) Diag(α) S + β k̂ vᵀ
+      float* alpha = u + dv_;
+      decay_.log_decay(b, h, dq_, R_, alpha);
+      for (int64_t i = 0; i < dq_; ++i) alpha[i] = exp_nonpositive(alpha[i]);
+      delta_row<float, float, true>(S, S, qk, v, beta, alpha, scale_, o, u, dq_, dv_);
+    } else {
+      float g = 0;
+      if (decay_.kind != kNoDecay) decay_.log_decay(b, h, 1, R_, &g);
+      delta_update_row<float, float>(S, S, qk, v, beta, decay_.kind != kNoDecay ? std::exp(g) : 1.0f, scale_, o, u,
+                                     dq_, dv_);
+    }
     for (int64_t e = 0; e < dv_; ++e) o[e] = R_(o[e]);
   }
 

@@ -342,6 +342,7 @@ enum Epilogue {
   kSwiGLU = 2,     // weight columns [gate | up]: out = silu(gate) · up
   kGELU = 3,       // out = gelu(y + bias)
   kGatedConv = 4,  // out = out + (u + conv(u) · (y + bias)), u the (normalized) input: Zoology's BaseConv
+  kFloat = 5,      // out = y + bias, not rounded (a float32 product of a bf16 model: the sigmoid router's)
 };
 
 struct Product {
@@ -491,6 +492,9 @@ class MatvecGroupOp : public Op {
       switch (p.epilogue) {
         case kStore:
           for (int64_t j = 0; j < n; ++j) o[j] = biased(p, yb[j], j0 + j);
+          break;
+        case kFloat:
+          for (int64_t j = 0; j < n; ++j) o[j] = p.bias_p != nullptr ? yb[j] + p.bias_p[j0 + j] : yb[j];
           break;
         case kResidual:
           for (int64_t j = 0; j < n; ++j) o[j] = R_(o[j] + biased(p, yb[j], j0 + j));

@@ -27,6 +27,7 @@
 #include <omp.h>
 #endif
 
+#include "model_gather.h"
 #include "model_mixers.h"
 #include "model_moe.h"
 #include "model_ops.h"
@@ -43,8 +44,9 @@ class DecodePlan : public torch::CustomClassHolder {
 
   // Appends an op: kind "rope", "embed", "group" (a new group of products of one input), "product"
   // (one more product of the last group), "norm_add" (x += Norm(input): post-norm blocks), "moe"
-  // (model_moe.h), or a mixer of `mixer_table()` (model_mixers.h: "linear", "gated", "delta",
-  // "softmax"), with its named tensors, ints and floats (see linattn.models.decoding).
+  // (model_moe.h), "gather" (columns of buffers into one, model_gather.h), or a mixer of
+  // `mixer_table()` (model_mixers.h: "linear", "gated", "delta", "softmax"), with its named tensors,
+  // ints and floats (see linattn.models.decoding).
   void add(const std::string& kind, c10::Dict<std::string, at::Tensor> t, c10::Dict<std::string, int64_t> i,
            c10::Dict<std::string, double> f) {
     Args a{std::move(t), std::move(i), std::move(f)};
@@ -67,6 +69,8 @@ class DecodePlan : public torch::CustomClassHolder {
       ops_.push_back(std::make_unique<ResidualNormOp>(a, bf16_));
     } else if (kind == "moe") {
       ops_.push_back(std::make_unique<MoEOp>(a, bf16_));
+    } else if (kind == "gather") {
+      ops_.push_back(std::make_unique<GatherOp>(a));
     } else {
       const auto& mixers = mixer_table();
       const auto found = mixers.find(kind);
