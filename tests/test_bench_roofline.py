@@ -58,7 +58,9 @@ def test_roofline_tiny_run(tmp_path, capsys):
             t = r[mode]
             assert t["gflops"] == pytest.approx(mult * r["flops_fwd"] / t["median_s"] / 1e9)
             assert t["pct_peak"] == pytest.approx(100 * t["gflops"] / data["peaks"][r["dtype"]]["gflops"])
-    assert {s["family"] for s in data["steps"]} == {"linear", "gated, scalar g", "Gated DeltaNet", "KDA"}
+    names = ("linear", "gated, scalar g", "Gated DeltaNet", "KDA")
+    assert {s["family"] for s in data["steps"]} == {*names, *(f"{n}, in place" for n in names)}
+    assert data["peaks"]["fp32"]["tile"] in (64, 128, 256, 512)
     assert {s["shape"] for s in data["steps"]} == {"8×64×64", "16×128×128", "32×128×128"}
     assert all(s["x_copy"] > 0 and s["state_bytes"] > 0 for s in data["steps"])
 

@@ -57,3 +57,21 @@ def test_signatures_tell_apart_what_the_checks_read():
     assert sig(a) != sig(a.double()) and sig(a) != sig(a.T) and sig(a) != sig(a.clone().requires_grad_())
     assert sig(a, [b]) != sig(a, (b,)) and sig(a, b) == sig(a.clone(), b + 1)
     assert sig(RotaryEmbedding(4)) != sig(RotaryEmbedding(2))
+
+
+def test_a_noted_kernel_choice_follows_linattn_native(monkeypatch):
+    """The linear step notes the fused kernel's φ code beside its signature; LINATTN_NATIVE=0 set later
+    still keeps the step off the fused kernel (same values from the torch ops)."""
+    from linattn.ops import native
+
+    if not native.available():
+        pytest.skip("the fused CPU kernels are not built")
+    stepcheck.clear()
+    q, k, v, s = _inputs()
+    state = (s, torch.ones(1, 2, 4))
+    with torch.no_grad():
+        fused = [linear_attention_step(state, q.abs(), k.abs(), v) for _ in range(2)][-1][0]
+        monkeypatch.setenv("LINATTN_NATIVE", "0")
+        monkeypatch.setattr(native, "step", lambda *a, **kw: pytest.fail("the fused step ran with LINATTN_NATIVE=0"))
+        eager = linear_attention_step(state, q.abs(), k.abs(), v)[0]
+    torch.testing.assert_close(eager, fused)

@@ -128,6 +128,12 @@ def families(cfg: RooflineConfig) -> dict:
     return table
 
 
+#: the bmm shapes the peak is the best of: tile -> batch sizes (small tiles are what chunked kernels
+#: multiply, large ones what a BLAS runs fastest; 64 and 128 alone measured one core's fp32 peak ~25%
+#: low here: the delta rule's forward then showed 132% of it)
+PEAK_TILES = {64: (128, 1024), 128: (32, 256), 256: (8, 32), 512: (2, 8)}
+
+
 def _family_row(name, spec, cfg, dtype_name, device, peak) -> dict:
     run, gate, beta, fl = spec
     x, extra = _inputs(cfg, DTYPES[dtype_name], device, gate, beta)
@@ -151,7 +157,9 @@ def _family_row(name, spec, cfg, dtype_name, device, peak) -> dict:
 
 
 def _steps(h: int, k: int, v: int, seed: int, device) -> dict:
-    """family -> (step(), state tensors): the one-token step of each family at batch 1, H × K × V."""
+    """family -> (step(), state tensors): the one-token step of each family at batch 1, H × K × V, as a
+    new state (out of place) and with inplace=True (the state updated in place, as decoding runs it;
+    the values drift over the repetitions, which the time does not depend on)."""
     from ..ops import gated_linear_attention_step, linear_attention_step
     from ..ops.kda import kda_step
 
@@ -161,12 +169,17 @@ def _steps(h: int, k: int, v: int, seed: int, device) -> dict:
     beta = torch.sigmoid(r(1, h, 1))
     scalar, channel = F.logsigmoid(r(1, h, 1) + 3.0), F.logsigmoid(r(1, h, 1, k) + 3.0)
     kv, z, s = r(1, h, k, v), r(1, h, k).abs(), r(1, h, k, v)
-    return {
-        "linear": (lambda: linear_attention_step((kv, z), q.abs(), kk.abs(), vv), (kv, z)),
-        "gated, scalar g": (lambda: gated_linear_attention_step(s, q, kk, vv, scalar), (s,)),
-        "Gated DeltaNet": (lambda: delta_rule_step(s, q, kk, vv, beta, g=scalar, qk_l2norm=True), (s,)),
-        "KDA": (lambda: kda_step(s, q, kk, vv, beta, channel, qk_l2norm=True), (s,)),
+    calls = {
+        "linear": (lambda **o: linear_attention_step((kv, z), q.abs(), kk.abs(), vv, **o), (kv, z)),
+        "gated, scalar g": (lambda **o: gated_linear_attention_step(s, q, kk, vv, scalar, **o), (s,)),
+        "Gated DeltaNet": (lambda **o: delta_rule_step(s, q, kk, vv, beta, g=scalar, qk_l2norm=True, **o), (s,)),
+        "KDA": (lambda **o: kda_step(s, q, kk, vv, beta, channel, qk_l2norm=True, **o), (s,)),
     }
+    out = {}
+    for name, (call, state) in calls.items():  # a new state per token, and the state updated in place (decoding)
+        out[name] = ((lambda c=call: c()), state)
+        out[f"{name}, in place"] = ((lambda c=call: c(inplace=True)), state)
+    return out
 
 
 def _step_rows(h: int, k: int, v: int, cfg: RooflineConfig, device) -> list[dict]:
@@ -195,10 +208,10 @@ def run_roofline(cfg: RooflineConfig, console: Console | None = None) -> dict:
     device = torch.device(cfg.device)
     table = families(cfg)
     peaks = {}
-    with console.status("measuring the bmm peaks (64×64 and 128×128 tiles)"):
+    with console.status("measuring the bmm peaks (tiles of 64 … 512)"):
         for name in cfg.dtypes:
-            best = max((matmul_peak(DTYPES[name], device, tile=t, min_run_time=min(cfg.min_run_time, 0.5))
-                        for t in (64, 128)), key=lambda p: p["gflops"])
+            best = max((matmul_peak(DTYPES[name], device, tile=t, batches=b, min_run_time=min(cfg.min_run_time, 0.5))
+                        for t, b in PEAK_TILES.items()), key=lambda p: p["gflops"])
             peaks[name] = best
     results, steps = [], []
     with progress(console) as bar:

@@ -22,7 +22,7 @@ from collections import OrderedDict
 
 import torch
 
-__all__ = ["SIZE", "check_inplace", "clear", "remember", "seen", "signature", "write_into"]
+__all__ = ["SIZE", "check_inplace", "clear", "note", "noted", "remember", "seen", "signature", "write_into"]
 
 SIZE = 256
 _SEEN: OrderedDict = OrderedDict()
@@ -74,6 +74,18 @@ def signature(*parts) -> tuple | None:
 
 def seen(key) -> bool:
     return key is not None and key in _SEEN
+
+
+def note(key, name: str, value) -> None:
+    """Keeps a decision that depends on nothing but the signature (a fused kernel's code, say) beside
+    a remembered key; `noted` reads it back (None when there is none)."""
+    if key is not None and key in _SEEN:
+        _SEEN[key] = {**(_SEEN[key] if isinstance(_SEEN[key], dict) else {}), name: value}
+
+
+def noted(key, name: str):
+    got = _SEEN.get(key) if key is not None else None
+    return got.get(name) if isinstance(got, dict) else None
 
 
 def remember(key) -> None:

@@ -354,7 +354,12 @@ def _linear_step(state, q, k, v, *, feature_map, normalize, eps, scale, key_padd
             raise ValueError(f"k must hold the same single token as q, got length {k.shape[2]}")
         stepcheck.remember(key)
     v = fz.values(v)
-    phi = native.fused_phi(feature_map, scale, key_padding_mask, state, q, k, v)
+    # the kernel's φ code depends on the signature alone when no input wants a gradient (requires_grad is in it)
+    phi = stepcheck.noted(key, "phi") if native.enabled() else None  # LINATTN_NATIVE=0 is read at each call
+    if phi is None:
+        phi = native.fused_phi(feature_map, scale, key_padding_mask, state, q, k, v)
+        if phi is not None and not any(t.requires_grad for t in (*state, q, k, v)):
+            stepcheck.note(key, "phi", phi)
     if phi is not None and not has_tangent(state, q, k, v):  # one fused CPU operator (elu+1 or identity, inference)
         angles = None if rope is None else rope.angles(fz.positions, state[0].dtype)
         return native.step(state, q, k, v, phi=phi, normalize=normalize, eps=float(eps), angles=angles,
