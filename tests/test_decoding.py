@@ -84,6 +84,23 @@ def assert_close_steps(out, atol=2e-6, rtol=1e-5):
         torch.testing.assert_close(lf, le, atol=atol, rtol=rtol, msg=lambda m, t=t: f"step {t}: {m}")
 
 
+def check_fused_equals_eager(model, *, threads: int = 1, batch: int = 3, n: int = 7, steps: int = 6):
+    """`steps` greedy steps of `model`, eager and fused, from the same left-padded prompts (batch × n) on
+    `threads` threads: the logits of every step and every state equal to fp32 rounding. Returns the
+    (eager, fused) caches for further checks."""
+    ids, mask = prompts(batch, n, padded=True)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out, eager, fused = run_both(model, ids, mask, steps)
+    finally:
+        torch.set_num_threads(before)
+    assert_close_steps(out)
+    for a, b in zip(states(eager), states(fused)):
+        torch.testing.assert_close(b, a, atol=2e-6, rtol=1e-5)
+    return eager, fused
+
+
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("positions", ["rope", "none", "learned"])
 def test_fused_step_equals_eager_step_every_kind(kind, positions):
@@ -107,16 +124,7 @@ def test_conv_mixer_blocks(kind, threads):
         for block in model.blocks:
             block.conv.conv.bias.add_(0.1)
             block.conv.proj.bias.add_(0.05)
-    ids, mask = prompts(4, 6, padded=True)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        out, eager, fused = run_both(model, ids, mask, 6)
-    finally:
-        torch.set_num_threads(before)
-    assert_close_steps(out)
-    for a, b in zip(states(eager), states(fused)):
-        torch.testing.assert_close(b, a, atol=2e-6, rtol=1e-5)
+    eager, fused = check_fused_equals_eager(model, threads=threads, batch=4, n=6)
     tails = [(e.conv, f.conv) for e, f in zip(eager.layers, fused.layers)]
     for a, b in tails:
         torch.testing.assert_close(b, a, atol=2e-6, rtol=1e-5)

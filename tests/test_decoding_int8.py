@@ -22,7 +22,7 @@ from linattn.models.decoding import FusedDecoder, fused_decoding_obstacle
 from linattn.models.weights import is_quantized
 from linattn.ops import native
 
-from .test_decoding import assert_close_steps, make_model, prompts, run_both, states
+from .test_decoding import assert_close_steps, check_fused_equals_eager, make_model, prompts, run_both, states
 
 torchao = pytest.importorskip("torchao", reason="torchao (the quant extra: pip install linattn[quant]) is not installed")
 from torchao.quantization import Int8WeightOnlyConfig, quantize_  # noqa: E402
@@ -129,16 +129,7 @@ def test_int8_fused_step_equals_eager_step(kind, threads):
                       tie_embeddings=kind == "softmax", bias=True)
     assert all(is_quantized(m.weight) for m in linears(model))
     assert fused_decoding_obstacle(model) is None
-    ids, mask = prompts(3, 7, padded=True)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        out, eager, fused = run_both(model, ids, mask, 6)
-    finally:
-        torch.set_num_threads(before)
-    assert_close_steps(out)
-    for a, b in zip(states(eager), states(fused)):
-        torch.testing.assert_close(b, a, atol=2e-6, rtol=1e-5)
+    check_fused_equals_eager(model, threads=threads)
 
 
 @settings(max_examples=8, deadline=None)

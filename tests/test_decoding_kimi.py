@@ -10,7 +10,7 @@ import torch
 
 from linattn.models.decoding import fused_decoding_obstacle
 
-from .test_decoding import assert_close_steps, make_model, prompts, run_both, states
+from .test_decoding import check_fused_equals_eager, make_model, prompts, run_both
 
 
 def _threads(n: int):
@@ -34,15 +34,7 @@ def _kda_model(dtype=torch.float32, **kw):
 def test_kda_fused_step_equals_eager_step(threads, output_gate):
     model = _kda_model(output_gate=output_gate)
     assert fused_decoding_obstacle(model) is None
-    ids, mask = prompts(3, 7, padded=True)
-    before = _threads(threads)
-    try:
-        out, eager, fused = run_both(model, ids, mask, 6)
-    finally:
-        torch.set_num_threads(before)
-    assert_close_steps(out)
-    for a, b in zip(states(eager), states(fused)):
-        torch.testing.assert_close(b, a, atol=2e-6, rtol=1e-5)
+    check_fused_equals_eager(model, threads=threads)
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -70,15 +62,7 @@ MLA = [dict(kv_lora_rank=8, q_lora_rank=6, shared_k_dim=4, qk_dim=12, v_dim=10),
 def test_mla_fused_step_equals_eager_step(opts, threads):
     model = make_model(attention=["kda", "softmax"], positions="none", kind_options={"softmax": dict(opts)})
     assert model.blocks[1].attn.latent and fused_decoding_obstacle(model) is None
-    ids, mask = prompts(3, 7, padded=True)
-    before = _threads(threads)
-    try:
-        out, eager, fused = run_both(model, ids, mask, 6)
-    finally:
-        torch.set_num_threads(before)
-    assert_close_steps(out)
-    for a, b in zip(states(eager), states(fused)):
-        torch.testing.assert_close(b, a, atol=2e-6, rtol=1e-5)
+    check_fused_equals_eager(model, threads=threads)
 
 
 def test_mla_bfloat16_fused_step_within_one_rounding_of_eager():
@@ -96,6 +80,7 @@ def test_converted_kimi_linear_generates_fused_and_equals_transformers(monkeypat
     import linattn.hf as H
     from linattn.models.decoding import FusedDecoder
 
+    from . import test_hf_hybrid as hh
     from . import test_hf_kimi as hk
 
     calls = []
@@ -104,12 +89,7 @@ def test_converted_kimi_linear_generates_fused_and_equals_transformers(monkeypat
     m = hk.kimi_model()
     fast = H.accelerate(m)
     assert fused_decoding_obstacle(fast.model) is None
-    x = hk.ids(b=2, n=8, seed=4)
-    mask = torch.ones_like(x)
-    mask[0, :3] = 0
-    x[0, :3] = 0
-    a = m.generate(x, attention_mask=mask, max_new_tokens=8, do_sample=False)
-    b = fast.generate(x, attention_mask=mask, max_new_tokens=8, do_sample=False)
+    a, b, _ = hh.greedy_left_padded(m, fast)
     assert b.tolist() == a.tolist()
     assert len(calls) >= 6  # the decoding steps after the prefill ran fused
 

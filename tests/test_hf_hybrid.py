@@ -39,6 +39,18 @@ def ids(b=2, n=13, seed=0):
     return torch.randint(3, 97, (b, n), generator=torch.Generator().manual_seed(seed))
 
 
+def greedy_left_padded(m, fast, new_tokens: int = 8):
+    """transformers' model `m` and its accelerated form `fast` generate greedily from one batch of two
+    8-token rows, the first left-padded by 3: (m's sequences, fast's, the input ids)."""
+    x = ids(b=2, n=8, seed=4)
+    mask = torch.ones_like(x)
+    mask[0, :3] = 0
+    x[0, :3] = 0
+    a = m.generate(x, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False)
+    b = fast.generate(x, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False)
+    return a, b, x
+
+
 def logits(lm, x, mask=None):
     out = lm(x, mask)
     return out[0] if isinstance(out, tuple) else out
@@ -192,12 +204,7 @@ def test_seeded_sampling_and_beam_search_equal_transformers():
 
 def test_left_padded_batch_equals_transformers():
     m, fast = accelerated()
-    x = ids(b=2, n=8, seed=4)
-    mask = torch.ones_like(x)
-    mask[0, :3] = 0
-    x[0, :3] = 0
-    a = m.generate(x, attention_mask=mask, max_new_tokens=8, do_sample=False)
-    b = fast.generate(x, attention_mask=mask, max_new_tokens=8, do_sample=False)
+    a, b, x = greedy_left_padded(m, fast)
     assert b.tolist() == a.tolist()
     alone = fast.generate(x[:1, 3:], max_new_tokens=8, do_sample=False)
     assert b[0, 3:3 + alone.shape[1]].tolist() == alone[0].tolist()

@@ -14,6 +14,8 @@ from linattn.models.decoding import fused_decoding_obstacle  # noqa: E402
 from linattn.nn.mla import LatentQKV  # noqa: E402
 from linattn.nn.moe import MoEFeedForward  # noqa: E402
 
+from .test_hf_hybrid import greedy_left_padded  # noqa: E402
+
 LAYERS = ["linear_attention", "full_attention", "linear_attention", "full_attention"]
 MLPS = ["dense", "sparse", "sparse", "dense"]
 
@@ -186,12 +188,7 @@ def test_accelerate_greedy_generation_equals_transformers(tmp_path):
 def test_accelerate_left_padded_batch_and_sampling_equal_transformers():
     m = kimi_model()
     fast = H.accelerate(m)
-    x = ids(b=2, n=8, seed=4)
-    mask = torch.ones_like(x)
-    mask[0, :3] = 0
-    x[0, :3] = 0
-    a = m.generate(x, attention_mask=mask, max_new_tokens=8, do_sample=False)
-    b = fast.generate(x, attention_mask=mask, max_new_tokens=8, do_sample=False)
+    a, b, x = greedy_left_padded(m, fast)
     assert b.tolist() == a.tolist()
     alone = fast.generate(x[:1, 3:], max_new_tokens=8, do_sample=False)
     assert b[0, 3:3 + alone.shape[1]].tolist() == alone[0].tolist()
