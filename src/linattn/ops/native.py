@@ -186,7 +186,7 @@ def step(state, q, k, v, *, phi: int, normalize: bool, eps: float, angles=None, 
     kv, z = state
     c, s = (None, None) if angles is None else angles
     if inplace:
-        return torch.ops.linattn_cpu.step_.default(kv, z, q, k, v, phi, normalize, eps, c, s, kv.shape[1]), (kv, z)
+        return torch.ops.linattn_cpu.step_.default(kv, z, q, k, v, phi, normalize, eps, c, s, kv.shape[1]), state
     o, kv_new, z_new = torch.ops.linattn_cpu.step.default(kv, z, q, k, v, phi, normalize, eps, c, s, kv.shape[1])
     return o, (kv_new, z_new)
 

@@ -110,6 +110,8 @@ def check_inplace(state, *inputs) -> None:
     and no gradient wanted of it or of the inputs (an update in place is not differentiable)."""
     if state is None:
         raise ValueError("inplace=True needs a state to update (got None)")
+    if not torch.is_grad_enabled():  # decoding under no_grad / inference_mode: nothing can want a gradient
+        return
     tensors = _leaves(state) + [x for x in inputs if isinstance(x, torch.Tensor)]
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         raise ValueError("inplace=True updates the state without autograd: no input may require a gradient "
@@ -119,6 +121,8 @@ def check_inplace(state, *inputs) -> None:
 def write_into(state, new_state):
     """Copies new_state into state (tensor for tensor, in a tuple too; nothing where the step already
     updated it) and returns state."""
+    if new_state is state:
+        return state
     pairs = [(dst, src) for dst, src in zip(_leaves(state), _leaves(new_state)) if dst is not src]
     if pairs:
         with torch.no_grad():
