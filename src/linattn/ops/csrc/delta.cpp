@@ -244,11 +244,10 @@ LINATTN_CLONES void score_grads(Acc* __restrict__ DPA, const Acc* __restrict__ P
     Acc* __restrict__ Hi = H + int64_t(i) * c;
     const Acc* __restrict__ Ki = kkg + int64_t(i) * c;
     const Acc bi = beta[i];
-    Acc sb = 0;
     if (gam != nullptr) {
       const Acc* __restrict__ Pi = P + int64_t(i) * c;
       const Acc* __restrict__ Gi = gam + int64_t(i) * c;
-      Acc rows = 0;
+      Acc sb = 0, rows = 0;
 #pragma omp simd reduction(+ : sb, rows)
       for (int j = 0; j < i; ++j) {
         const Acc da = -Hi[j], t = da * Ki[j];
@@ -265,17 +264,12 @@ LINATTN_CLONES void score_grads(Acc* __restrict__ DPA, const Acc* __restrict__ P
         dPi[j] = dp * Gi[j];
       }
       db[i] += rows;
+      dbeta[i] += sb;
+      for (int j = i; j < c; ++j) Hi[j] = Acc(0);
+      for (int j = i + 1; j < c; ++j) dPi[j] = Acc(0);
     } else {
-#pragma omp simd reduction(+ : sb)
-      for (int j = 0; j < i; ++j) {
-        const Acc da = -Hi[j];
-        sb += da * Ki[j];
-        Hi[j] = da * bi;
-      }
+      dbeta[i] += ungated_cotangent_row(Hi, dPi, Ki, bi, i, c);
     }
-    dbeta[i] += sb;
-    for (int j = i; j < c; ++j) Hi[j] = Acc(0);
-    for (int j = i + 1; j < c; ++j) dPi[j] = Acc(0);
   }
   if (gam != nullptr) {
     for (int j = 0; j < c; ++j) db[j] -= col[j];

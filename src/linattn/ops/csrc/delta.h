@@ -193,4 +193,23 @@ LINATTN_CLONES void add_scaled_rows(const Acc* __restrict__ X, const Acc* __rest
   }
 }
 
+// The ungated score cotangents of row i of a chunk (c wide): with H_i the cotangent of the row's
+// solved scores, H_ij ← −β_i H_ij below the diagonal (j < i), returning Σ_j −H_ij (k̂_i·k̂_j) (the row's
+// part of ∂L/∂β_i; Ki: the row of k̂k̂ᵀ); H_ij = 0 from the diagonal on, and the score row P_i's
+// cotangent zeroed above it (j > i). Shared by the delta rule's and KDA's backward.
+template <typename Acc>
+inline Acc ungated_cotangent_row(Acc* __restrict__ Hi, Acc* __restrict__ dPi, const Acc* __restrict__ Ki, Acc bi,
+                                 int i, int c) {
+  Acc sb = 0;
+#pragma omp simd reduction(+ : sb)
+  for (int j = 0; j < i; ++j) {
+    const Acc da = -Hi[j];
+    sb += da * Ki[j];
+    Hi[j] = da * bi;
+  }
+  for (int j = i; j < c; ++j) Hi[j] = Acc(0);
+  for (int j = i + 1; j < c; ++j) dPi[j] = Acc(0);
+  return sb;
+}
+
 }  // namespace

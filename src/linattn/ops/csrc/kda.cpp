@@ -370,22 +370,8 @@ void score_grads(const KdaTerms<Acc>& ch, const Acc* dS, int c, int64_t D, GradB
 template <typename Acc>
 LINATTN_CLONES void score_cotangents(Acc* __restrict__ DPA, const Acc* __restrict__ kkg, const Acc* __restrict__ beta,
                                      Acc* __restrict__ dbeta, int c) {
-  for (int i = 0; i < c; ++i) {
-    Acc* __restrict__ Ti = DPA + int64_t(i) * c;
-    Acc* __restrict__ Pi = DPA + int64_t(c + i) * c;
-    const Acc* __restrict__ Ki = kkg + int64_t(i) * c;
-    const Acc bi = beta[i];
-    Acc sb = 0;
-#pragma omp simd reduction(+ : sb)
-    for (int j = 0; j < i; ++j) {
-      const Acc da = -Ti[j];
-      sb += da * Ki[j];
-      Ti[j] = bi * da;
-    }
-    dbeta[i] += sb;
-    for (int j = i; j < c; ++j) Ti[j] = Acc(0);
-    for (int j = i + 1; j < c; ++j) Pi[j] = Acc(0);
-  }
+  for (int i = 0; i < c; ++i)
+    dbeta[i] += ungated_cotangent_row(DPA + int64_t(i) * c, DPA + int64_t(c + i) * c, kkg + int64_t(i) * c, beta[i], i, c);
 }
 
 // The backward of one chunk (tokens [t0, t0 + c)): its terms ch and entering state S, R = ∂L/∂S after
