@@ -151,16 +151,7 @@ def test_int8_fused_step_equals_eager_step_over_configs(kinds, batch, prompt, no
                     p.add_(torch.randn(p.shape, generator=g) * 0.1)
     quantize_(model, Int8WeightOnlyConfig())
     assert fused_decoding_obstacle(model) is None
-    ids, mask = prompts(batch, prompt, padded=True)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        out, eager, fused = run_both(model, ids, mask, 4)
-    finally:
-        torch.set_num_threads(before)
-    assert_close_steps(out)
-    for a, b in zip(states(eager), states(fused)):
-        torch.testing.assert_close(b, a, atol=2e-6, rtol=1e-5)
+    check_fused_equals_eager(model, threads=threads, batch=batch, n=prompt, steps=4)
 
 
 @pytest.mark.parametrize("kind", ["linear", "gated_deltanet"])
