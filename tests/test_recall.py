@@ -68,7 +68,10 @@ def test_query_only_logits_project_only_the_queries(monkeypatch):
     model = LinearTransformerLM(ModelConfig.from_dict({**recall.RECALL_PRESET.model, "d_model": 16, "vocab_size": 64,
                                                        "max_len": 32, "attention": ["softmax"]}))
     rows = []
-    monkeypatch.setattr(model.lm_head, "forward", lambda h, f=model.lm_head.forward: rows.append(h.shape) or f(h))
+    from linattn.models import lm
+
+    original = lm.linear_cross_entropy
+    monkeypatch.setattr(lm, "linear_cross_entropy", lambda h, *a, **kw: rows.append(h.shape) or original(h, *a, **kw))
     _mqar_task().loss_stats(model, _mqar_task().train_batch(0))
     assert rows == [torch.Size([6, 4, 16])]  # n_pairs rows per sequence, not seq_len
 

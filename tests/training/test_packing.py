@@ -71,9 +71,9 @@ def test_packed_loss_is_the_documents_loss(docs):
         begin = batch.starts[r].nonzero().reshape(-1).tolist() + [batch.inputs.shape[1]]
         for s, e in zip(begin, begin[1:]):
             logits, _ = model(batch.inputs[r:r + 1, s:e])
-            want = want + torch.nn.functional.cross_entropy(logits[0].float(), batch.targets[r, s:e],
+            want = want + torch.nn.functional.cross_entropy(logits[0], batch.targets[r, s:e],
                                                             ignore_index=D.IGNORE_INDEX, reduction="sum")
-    torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(loss, want, rtol=1e-10, atol=1e-10)
     assert task.scored(batch) == int((batch.targets != D.IGNORE_INDEX).sum())
 
 

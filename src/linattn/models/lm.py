@@ -28,6 +28,7 @@ from torch.utils.checkpoint import checkpoint
 
 from .._checks import check_positions, check_positive_int
 from ..nn.base import OutputGate
+from ..ops.cross_entropy import linear_cross_entropy
 from ..nn.blocks import Block, ConvMixerBlock
 from ..nn.caches import PositionCounter, token_positions
 from ..nn.norms import make_norm
@@ -262,8 +263,11 @@ class LinearTransformerLM(_Transformer):
     positions: the tokens' global indices, needed under sequence parallelism (see
     set_sequence_parallel_group).
     targets: the ids each logit should predict, of the logits' shape without V (IGNORE_INDEX: not
-    scored); then forward returns (logits, Σ cross-entropy in float32) instead of (logits, cache) —
-    the loss the training tasks use (`loss` takes its mean over the next-token targets of ids).
+    scored); then forward returns (logits, Σ cross-entropy in float32, float64 in a float64 model) instead of (logits, cache) —
+    the loss the training tasks use (`loss` takes its mean over the next-token targets of ids). With
+    return_logits=False it returns (the number of scored targets that are their logits' argmax, that
+    loss) and the (…, V) logits are never held: linattn.ops.cross_entropy runs the head and the loss
+    over row blocks (the plain logits path under autocast or with a wrapped head, e.g. LoRA).
     cu_seqlens: packed documents (design §17, linattn.ops.packed): ids (1, T) holds N documents end to
     end, cu_seqlens the 1-D integer tensor [N+1] of their cumulative lengths. Every layer keeps them
     apart (states reset, convolution taps and softmax attention stay inside a document) and RoPE and
@@ -287,7 +291,9 @@ class LinearTransformerLM(_Transformer):
     def forward(self, ids: torch.Tensor, mask: torch.Tensor | None = None, cache: ModelCache | None = None,
                 last_only: bool = False, positions: torch.Tensor | None = None,
                 logits_at: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None,
-                targets: torch.Tensor | None = None):
+                targets: torch.Tensor | None = None, return_logits: bool = True):
+        if not return_logits and targets is None:
+            raise ValueError("return_logits=False: pass targets (it returns their loss instead of the logits)")
         if logits_at is not None:
             if last_only:
                 raise ValueError("pass last_only or logits_at, not both")
@@ -299,10 +305,15 @@ class LinearTransformerLM(_Transformer):
             h = h[:, -1:]
         elif logits_at is not None:
             h = h.gather(1, logits_at[..., None].expand(-1, -1, h.shape[-1]))
+        if not return_logits and type(self.lm_head) is nn.Linear and not torch.is_autocast_enabled(h.device.type):
+            loss, correct = linear_cross_entropy(h, self.lm_head.weight, self.lm_head.bias, targets,
+                                                 ignore_index=IGNORE_INDEX)
+            return correct, loss
         logits = self.lm_head(h)
         if targets is None:
             return logits, cache
-        return logits, summed_cross_entropy(logits, targets)
+        loss = summed_cross_entropy(logits, targets)
+        return (logits, loss) if return_logits else (correct_predictions(logits, targets), loss)
 
     def loss(self, ids: torch.Tensor, mask: torch.Tensor | None = None,
              cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
@@ -341,14 +352,22 @@ class LinearTransformerLM(_Transformer):
                       seed=seed, stop_tokens=stop_tokens, mask=mask, fused=fused)
 
 
+def correct_predictions(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """How many of the scored targets (≠ IGNORE_INDEX) are the argmax of their logits (…, V)."""
+    keep = targets != IGNORE_INDEX
+    return (logits.detach().argmax(-1)[keep] == targets[keep]).sum()
+
+
 def summed_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Σ cross-entropy of logits (…, V) against targets (…) over the targets ≠ IGNORE_INDEX, in float32:
+    """Σ cross-entropy of logits (…, V) against targets (…) over the targets ≠ IGNORE_INDEX, in float32
+    (float64 for float64 logits):
     the loss of a model's forward with targets (the training tasks divide by their count)."""
     if not isinstance(targets, torch.Tensor) or tuple(targets.shape) != tuple(logits.shape[:-1]):
         got = tuple(targets.shape) if isinstance(targets, torch.Tensor) else type(targets).__name__
         raise ValueError(f"targets must be a tensor of the logits' shape without V, {tuple(logits.shape[:-1])}, "
                          f"got {got}")
-    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1),
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
                            ignore_index=IGNORE_INDEX, reduction="sum")
 
 
@@ -464,5 +483,6 @@ __all__ = [
     "ModelCache",
     "ModelConfig",
     "load_pretrained",
+    "correct_predictions",
     "summed_cross_entropy",
 ]

@@ -31,9 +31,9 @@ from torch import nn
 from ..models.checkpoint import CheckpointError
 from ..models.config import ModelConfig
 from ..models.linearized import DEFAULT_RECIPE, RECIPES, linearized_layers, student_config, student_from_teacher
-from ..models.lm import LinearTransformerLM
+from ..models.lm import LinearTransformerLM, correct_predictions
 from . import data as D, packing as P
-from .tasks import BytesTask, correct_predictions
+from .tasks import BytesTask
 
 #: the modules LoRA adapts: the fused q/k/v projection and the output projection of every layer
 LORA_TARGETS = r"blocks\.\d+\.attn\.(qkv|out)"
@@ -212,14 +212,16 @@ class LinearizedFinetuneTask(_LinearizeTask):
     def loss_stats(self, model, batch, positions=None):
         ids, kw = _lm_inputs(batch)
         targets = batch.targets.reshape(ids.shape)
+        if not (self.kl_weight and model.training):
+            correct, loss = model(ids, targets=targets, return_logits=False, **kw)
+            return loss, correct
         logits, loss = model(ids, targets=targets, **kw)
-        if self.kl_weight and model.training:
-            keep = targets.flatten() != D.IGNORE_INDEX
-            with torch.no_grad():
-                t_logits, _ = self._teacher_to(ids.device)(ids, **kw)
-            t_logp = F.log_softmax(t_logits.float().flatten(0, 1)[keep], -1)
-            s_logp = F.log_softmax(logits.float().flatten(0, 1)[keep], -1)
-            loss = loss + self.kl_weight * F.kl_div(s_logp, t_logp, log_target=True, reduction="sum")
+        keep = targets.flatten() != D.IGNORE_INDEX
+        with torch.no_grad():
+            t_logits, _ = self._teacher_to(ids.device)(ids, **kw)
+        t_logp = F.log_softmax(t_logits.float().flatten(0, 1)[keep], -1)
+        s_logp = F.log_softmax(logits.float().flatten(0, 1)[keep], -1)
+        loss = loss + self.kl_weight * F.kl_div(s_logp, t_logp, log_target=True, reduction="sum")
         return loss, correct_predictions(logits, targets)
 
 

@@ -29,7 +29,7 @@ from torch import nn
 from . import data as D, packing as P
 from ..models.checkpoint import CheckpointError
 from .data import mix_seed
-from ..models.lm import LinearTransformerEncoder, LinearTransformerLM, ModelConfig
+from ..models.lm import LinearTransformerEncoder, LinearTransformerLM, ModelConfig, correct_predictions
 
 _CORPUS_CACHE: dict = {}
 
@@ -169,11 +169,11 @@ class LMTask(Task):
     def loss_stats(self, model, batch, positions=None):
         if isinstance(batch, P.PackedBatch):  # the rows as one row of packed documents
             targets = batch.targets.reshape(1, -1)
-            logits, loss = model(batch.inputs.reshape(1, -1), cu_seqlens=batch.cu_seqlens(), targets=targets)
+            correct, loss = model(batch.inputs.reshape(1, -1), cu_seqlens=batch.cu_seqlens(), targets=targets,
+                                  return_logits=False)
         else:
-            targets = batch.targets
-            logits, loss = model(batch.inputs, positions=positions, targets=targets)
-        return loss, correct_predictions(logits, targets)
+            correct, loss = model(batch.inputs, positions=positions, targets=batch.targets, return_logits=False)
+        return loss, correct
 
     def rows(self, batch, start, end):
         if isinstance(batch, P.PackedBatch):
@@ -334,8 +334,8 @@ class MqarTask(_GeneratedTask, LMTask):
             return super().loss_stats(model, batch, positions)
         index = keep.nonzero()[:, 1].view(keep.shape[0], -1)  # nonzero is row-major: each row's in order
         targets = batch.targets.gather(1, index)
-        logits, loss = model(batch.inputs, positions=positions, logits_at=index, targets=targets)
-        return loss, correct_predictions(logits, targets)
+        correct, loss = model(batch.inputs, positions=positions, logits_at=index, targets=targets, return_logits=False)
+        return loss, correct
 
 
 class ListOpsTask(_GeneratedTask, Task):
@@ -365,12 +365,6 @@ class ListOpsTask(_GeneratedTask, Task):
     def rows(self, batch, start, end):
         return D.ClassificationBatch(batch.inputs[start:end], batch.mask[start:end], batch.labels[start:end],
                                      batch.cls_index[start:end], batch.vocab_size, batch.num_classes)
-
-
-def correct_predictions(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """How many of the scored targets (≠ IGNORE_INDEX) are the argmax of their logits (…, V)."""
-    keep = targets != D.IGNORE_INDEX
-    return (logits.detach().argmax(-1)[keep] == targets[keep]).sum()
 
 
 #: The tasks a TrainConfig names, by name.

@@ -1,0 +1,124 @@
+"""The output projection and cross-entropy in one pass over row blocks, without the (M, V) logits.
+
+For rows h (M, d) of the last hidden states, the head W (V, d) (bias b (V) optional) and targets t (M):
+
+    z_m = W h_m + b,    loss = Σ_{m: t_m ≠ ignore} (logsumexp(z_m) − z_m[t_m]),
+    correct = #{m : t_m ≠ ignore, argmax z_m = t_m}
+
+computed over blocks of rows so that a block's logits (rows × V) stay in cache: each block's
+product, maximum (and its index: the prediction), one exp(z − max) pass for the log-sum-exp and the
+gradient, and the target logit are read from the same few MB. The loss is a plain sum,
+so its gradient is known up to the upstream scalar g before backward runs: when a gradient is wanted,
+the forward turns each block's logits in place into
+
+    ∂loss/∂z_m = softmax(z_m) − e_{t_m}  (0 for ignored rows),
+    ∂h_m = Wᵀ ∂z_m,   ∂W = Σ_m ∂z_m h_mᵀ,   ∂b = Σ_m ∂z_m,
+
+and keeps ∂h, ∂W, ∂b (h's and the head's sizes, not the logits'); backward multiplies them by g.
+Three products in all, as on the plain path, each over a block in cache. The plain path — z = h Wᵀ (M, V) in memory, then
+F.cross_entropy — writes and reads the logits several times (product, log-softmax and its backward,
+the zero-filled gradient, the argmax): with the recall preset's V = 8,192 and M = 1,024 query rows
+that is 34 MB a pass, and those passes were about half of a training step (profile in design §16).
+
+The arithmetic is in h's dtype promoted to at least float32 (float64 stays float64: the test oracle).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .autodiff import first_order, refuse_forward_ad
+
+#: logits of a row block: about this many bytes (rows × V in float32: 32 rows of V = 8,192 were the
+#: fastest of 16…256 on one AMD EPYC core for the recall preset's M = 1,024, d = 64)
+BLOCK_BYTES = 1 << 20
+
+
+def block_rows(vocab: int) -> int:
+    """Rows per block for a vocabulary of `vocab` entries (≥ 1)."""
+    return max(1, BLOCK_BYTES // (4 * vocab))
+
+
+def _logits(h, weight, bias, acc):
+    z = h @ weight.t() if bias is None else torch.addmm(bias, h, weight.t())
+    return z.to(acc)
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h, weight, bias, targets, ignore_index: int, rows: int):
+        acc = torch.promote_types(h.dtype, torch.float32)
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        keep = targets != ignore_index
+        safe = torch.where(keep, targets, 0)
+        loss = torch.zeros((), dtype=acc, device=h.device)
+        correct = torch.zeros((), dtype=torch.long, device=h.device)
+        dh = torch.empty_like(h) if need_h else None
+        dw = torch.zeros(weight.shape, dtype=acc, device=h.device) if need_w else None
+        db = torch.zeros(weight.shape[0], dtype=acc, device=h.device) if need_b else None
+        for s in range(0, h.shape[0], rows):
+            e = min(s + rows, h.shape[0])
+            z = _logits(h[s:e], weight, bias, acc)
+            picked = z.gather(1, safe[s:e, None])[:, 0]
+            top, predicted = z.max(-1)
+            correct += ((predicted == targets[s:e]) & keep[s:e]).sum()
+            total = z.sub_(top[:, None]).exp_().sum(-1)  # z ← exp(z − max): one exp pass for the loss and its gradient
+            loss += torch.where(keep[s:e], top + total.log() - picked, 0).sum()
+            if need_h or need_w or need_b:
+                _softmax_gradient_(z, total, safe[s:e], keep[s:e])
+                if need_h:
+                    dh[s:e] = (z.to(weight.dtype) @ weight).to(h.dtype)
+                if need_w:
+                    rows_h = h[s:e] if bool(keep[s:e].all()) else h[s:e].masked_fill(~keep[s:e, None], 0.0)
+                    dw.addmm_(z.t(), rows_h.to(acc))
+                if need_b:
+                    db += z.sum(0)
+        ctx.mark_non_differentiable(correct)
+        ctx.save_for_backward(dh, None if dw is None else dw.to(weight.dtype),
+                              None if db is None else db.to(bias.dtype))
+        return loss, correct
+
+    @staticmethod
+    @first_order("linear_cross_entropy")
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_loss, _grad_correct):
+        grads = [None if g is None else g * grad_loss.to(g.dtype) for g in ctx.saved_tensors]
+        return (*grads, None, None, None)
+
+
+def _softmax_gradient_(e, total, safe, keep) -> None:
+    """e (rows, V) = exp(z − max z) with row sums `total` ← ∂loss/∂z = softmax(z) − e_t per row (0 on
+    ignored rows), in place."""
+    e.mul_(total.reciprocal()[:, None])
+    e[torch.arange(e.shape[0], device=e.device), safe] -= 1.0
+    if not bool(keep.all()):  # an ignored row's non-finite logits must not reach the gradients
+        e.masked_fill_(~keep[:, None], 0.0)
+
+
+def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
+                         *, ignore_index: int = -100, rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(Σ cross-entropy, number correct) of the logits h Wᵀ + b against targets (module docstring),
+    without materializing them. h (…, d), weight (V, d), bias (V) or None, targets (…) integer ids in
+    [0, V) or ignore_index; rows: rows per block (default block_rows(V)). The loss is a scalar in h's
+    dtype promoted to float32, differentiable in h, weight and bias (first order, reverse mode); the
+    count is an int64 scalar."""
+    if h.dim() < 1 or weight.dim() != 2 or h.shape[-1] != weight.shape[1]:
+        raise ValueError(f"h (…, d) and weight (V, d) must share d, got {tuple(h.shape)} and {tuple(weight.shape)}")
+    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+        raise ValueError(f"bias must have shape (V,) = ({weight.shape[0]},), got {tuple(bias.shape)}")
+    if not isinstance(targets, torch.Tensor) or tuple(targets.shape) != tuple(h.shape[:-1]) \
+            or targets.dtype.is_floating_point or targets.dtype == torch.bool:
+        got = f"{tuple(targets.shape)} {targets.dtype}" if isinstance(targets, torch.Tensor) else type(targets).__name__
+        raise ValueError(f"targets must be an integer tensor of h's shape without d, {tuple(h.shape[:-1])}, got {got}")
+    if rows is not None and (isinstance(rows, bool) or not isinstance(rows, int) or rows < 1):
+        raise ValueError(f"rows must be a positive integer, got {rows!r}")
+    refuse_forward_ad("linear_cross_entropy", h, weight, bias)
+    flat_t = targets.reshape(-1).long()
+    scored = flat_t[flat_t != ignore_index]
+    if scored.numel() and (int(scored.min()) < 0 or int(scored.max()) >= weight.shape[0]):
+        raise ValueError(f"targets must lie in [0, {weight.shape[0]}) or be ignore_index ({ignore_index})")
+    return _LinearCrossEntropy.apply(h.reshape(-1, h.shape[-1]), weight, bias, flat_t, ignore_index,
+                                     rows or block_rows(weight.shape[0]))
+
+
+__all__ = ["BLOCK_BYTES", "block_rows", "linear_cross_entropy"]
