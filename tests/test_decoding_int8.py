@@ -233,12 +233,14 @@ def test_refuses_per_group_scales_and_runs_eager():
     assert model.generate([1, 2, 3], 4, temperature=0) == model.generate([1, 2, 3], 4, temperature=0, fused=False)
 
 
-def test_refuses_dynamic_activation_quantization():
-    from torchao.quantization import Int8DynamicActivationInt8WeightConfig
+def test_refuses_asymmetric_activation_quantization():
+    """Dynamic int8 activations are read (tests/test_decoding_int8_dynamic.py), asymmetric ones are not."""
+    from torchao.quantization import Int8DynamicActivationInt8WeightConfig, MappingType
 
-    model = quantized(config=Int8DynamicActivationInt8WeightConfig(), attention=["linear"])
+    model = quantized(config=Int8DynamicActivationInt8WeightConfig(act_mapping_type=MappingType.ASYMMETRIC),
+                      attention=["linear"])
     why = fused_decoding_obstacle(model)
-    assert why is not None and "weight-only" in why and ".weight" in why
+    assert why is not None and "asymmetrically" in why and ".weight" in why
 
 
 def test_refuses_a_quantized_embedding():

@@ -30,8 +30,9 @@ linattn.models.session.DecodingSession.
 What the fused step takes (`fused_decoding_obstacle` says why a model is refused; generation then
 runs the eager step): CPU LinearTransformerLM models in float32 or bfloat16 with transformer blocks
 (pre- or post-norm; dense or mixture-of-experts FFN, linattn.nn.moe) or conv_mixer blocks, their
-nn.Linear weights float or 8-bit weight-only quantized by torchao (Int8WeightOnlyConfig, per-row or
-per-tensor scales: read in place, linattn.models.weights); every attention kind of
+nn.Linear weights float or 8-bit quantized by torchao (Int8WeightOnlyConfig, per-row or per-tensor
+scales: read in place, linattn.models.weights; or Int8DynamicActivationInt8WeightConfig in float32
+models: the activations rounded to int8 as torchao rounds them, integer products); every attention kind of
 linattn.models.KINDS with a fused mixer (Kind.fused: linear with every φ that has a native code,
 softmax with its KV cache and MLA's latent projections, the gated and delta-rule kinds, KDA's
 per-key-channel decay included); RoPE (whole or partial, rope_dim), learned
@@ -55,7 +56,7 @@ from ..nn.caches import KVCache
 from ..nn.norms import native_norm_code
 from ..ops import native
 from .kinds import kind_of
-from .weights import float_weight, plan_weight, quantization_obstacle
+from .weights import activation_quantization, float_weight, plan_weight, quantization_obstacle
 
 #: the epilogues of a product (csrc/model_ops.h): store, add to x, SwiGLU, GELU, Zoology's gated convolution,
 #: store unrounded (float32 results of a bf16 model)
@@ -219,7 +220,8 @@ class FusedDecoder:
     def product(self, linear: nn.Linear, out: torch.Tensor, epilogue: str = "store", **tensors) -> None:
         """out ← (or +=, or an activation of) linear(the group's input); `tensors`: the epilogue's own."""
         t, kn = plan_weight(linear, self.dtype)
-        self._add("product", {**t, "out": out, **tensors}, {"kn": kn, "epilogue": _EPILOGUES[epilogue]})
+        self._add("product", {**t, "out": out, **tensors},
+                  {"kn": kn, "epilogue": _EPILOGUES[epilogue], "act_quant": activation_quantization(linear)})
 
     def project(self, linear: nn.Linear) -> torch.Tensor:
         """A new buffer holding linear(the group's input)."""

@@ -1,5 +1,5 @@
 """The weight matrices the fused decoder reads (linattn.models.decoding, csrc/matvec.h): float (fp32,
-bf16) tensors, or 8-bit weight-only quantized ones (torchao).
+bf16) tensors, or 8-bit quantized ones (torchao: weight-only, or with dynamically quantized activations).
 
 int8 weight-only quantization is what `torchao.quantization.quantize_(model, Int8WeightOnlyConfig())`
 (and transformers' `TorchAoConfig("int8_weight_only")`) does to every nn.Linear of a model: its weight
@@ -16,10 +16,17 @@ dtype (a bf16 model rounds x · qᵀ to bf16, then the product with bf16(s)). Th
 and the scales in place (`plan_weight`) and computes the same y_j = s_j · Σ_i x_i q_ji with float
 accumulation, so an int8 step streams a quarter of the fp32 step's bytes.
 
+torchao's dynamic int8 quantization (`Int8DynamicActivationInt8WeightConfig`, transformers'
+`TorchAoConfig("int8_dynamic_activation_int8_weight")`) holds the same int8 weights and also rounds
+each activation row (or the whole activation) to int8 with a symmetric scale before an integer
+product (act_quant_kwargs); the fused step does the same, with VNNI's integer dot products, in
+float32 models (`activation_quantization`; csrc/matvec_dynamic.h gives the arithmetic).
+
 What it does not read is refused (`quantization_obstacle`, naming the parameter): other torchao
 tensors (int4, float8, ...), per-group scales (block_size [1, G], G < K), nonzero zero points,
-dynamic activation quantization (act_quant_kwargs) or activation pre-scales, and quantized
-parameters of anything but an nn.Linear (e.g. an embedding). Then generation runs the eager step,
+asymmetric, reduced-range or static activation quantization, activation pre-scales, dynamic
+quantization in a bf16 model, and quantized parameters of anything but an nn.Linear (e.g. an
+embedding). Then generation runs the eager step,
 which takes any of them through torchao's own operators.
 """
 
@@ -50,14 +57,44 @@ def _int8_obstacle(w) -> str | None:
                 f"or per-tensor scales, not per-group ones")
     if s.numel() not in (1, n):
         return f"has {s.numel()} scales for {n} rows"
-    if getattr(w, "act_quant_kwargs", None) is not None or getattr(w, "act_pre_scale", None) is not None:
-        return "quantizes the activations too (int8 dynamic quantization); the fused step takes weight-only quantization"
+    if getattr(w, "act_pre_scale", None) is not None:
+        return "scales the activations before quantizing them (act_pre_scale); the fused step does not"
+    act = getattr(w, "act_quant_kwargs", None)
+    if act is not None:
+        why = _activation_obstacle(w, act)
+        if why is not None:
+            return why
     zero = getattr(w, "zero_point", None)
     if zero is not None and bool(torch.any(zero != 0)):
         return "has nonzero zero points (asymmetric quantization); the fused step reads symmetric int8 weights"
     if not (q.is_contiguous() or q.t().is_contiguous()):
         return f"holds int8 data of strides {q.stride()}; the fused step reads a row-major matrix or its transpose"
     return None
+
+
+def _activation_obstacle(w, act) -> str | None:
+    """Why the fused step cannot quantize the activations of `w` as torchao does (None: it can)."""
+    granularity = type(getattr(act, "granularity", None)).__name__
+    if type(act).__name__ != "QuantizeTensorToInt8Kwargs" or granularity not in ("PerRow", "PerTensor") or \
+            (granularity == "PerRow" and getattr(act.granularity, "dim", -1) != -1):
+        return (f"quantizes its activations by {type(act).__name__} ({granularity}); the fused step takes int8 "
+                f"per-row or per-tensor activation scales")
+    if getattr(act.mapping_type, "name", None) != "SYMMETRIC" or getattr(act, "reduce_range", False):
+        return "quantizes its activations asymmetrically or to a reduced range; the fused step takes symmetric int8"
+    if getattr(w, "act_quant_scale", None) is not None:
+        return "quantizes its activations with a static scale; the fused step takes dynamic activation quantization"
+    if w.dtype != torch.float32:
+        return f"quantizes the activations of a {w.dtype} model; the fused step does it in float32 models"
+    return None
+
+
+def activation_quantization(linear: nn.Linear) -> int:
+    """How the fused step quantizes the activations of `linear` (csrc/matvec_dynamic.h): 0 not at all
+    (float weights, int8 weight-only), 1 per row (torchao's dynamic int8, PerRow), 2 per tensor."""
+    act = getattr(linear.weight, "act_quant_kwargs", None)
+    if act is None:
+        return 0
+    return 1 if type(act.granularity).__name__ == "PerRow" else 2
 
 
 def quantization_obstacle(model: nn.Module) -> str | None:
@@ -106,4 +143,4 @@ def float_weight(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t.dequantize().to(dtype) if is_quantized(t) else t
 
 
-__all__ = ["float_weight", "is_quantized", "plan_weight", "quantization_obstacle"]
+__all__ = ["activation_quantization", "float_weight", "is_quantized", "plan_weight", "quantization_obstacle"]

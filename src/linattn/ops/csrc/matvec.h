@@ -8,8 +8,9 @@
 // int8 weights are weight-only quantized (torchao's Int8Tensor, linattn.models.weights): W[j, :] =
 // s_j · q[j, :] with one float scale s_j per output column j (per-row, or one for all). The kernels
 // multiply-add the integers q as floats, and `matvec` scales the finished sums: y_j = s_j · Σ_i x_i q_ji,
-// as torchao's weight-only F.linear computes (x · qᵀ) · s. The activations stay float (no int8 dot
-// products: VNNI would need quantized activations, a different model).
+// as torchao's weight-only F.linear computes (x · qᵀ) · s. The activations stay float. With torchao's
+// dynamic activation quantization (the activations rounded to int8 too, a different model) the
+// products are integer dot products instead (matvec_dynamic.h, VNNI).
 //
 // Two layouts, both row-major in memory:
 //   kn: Wt (K × N), the layout of linattn.layers.column_major weights (y_j = Σ_i x_i Wt[i, j]);
@@ -28,6 +29,7 @@
 #include <type_traits>
 
 #include "common.h"
+#include "matvec_dynamic.h"
 
 namespace {
 
@@ -264,6 +266,20 @@ struct Weights {
       s = scales.data_ptr<float>();
     }
   }
+  // int8 weights of torchao's dynamic activation quantization (matvec_dynamic.h): act 1 quantizes the
+  // activations per row, 2 per tensor; the weights' sums are computed here, once
+  int act = 0;
+  at::Tensor sums;
+  const int32_t* wsum = nullptr;
+  void quantize_activations_too(int mode) {
+    TORCH_CHECK(mode >= 0 && mode <= 2, "linattn_cpu::DecodePlan: act_quant must be 0, 1 (per row) or 2 (per tensor)");
+    TORCH_CHECK(mode == 0 || type == at::kChar, "linattn_cpu::DecodePlan: only int8 weights quantize the activations");
+    act = mode;
+    if (act != 0) {
+      sums = weight_sums(t, kn);
+      wsum = sums.data_ptr<int32_t>();
+    }
+  }
   // bytes a product reads: the matrix and its scales
   int64_t bytes() const {
     return t.numel() * static_cast<int64_t>(t.element_size()) + (scale.defined() ? scale.numel() * 4 : 0);
@@ -299,6 +315,9 @@ inline void matvec(const Weights& w, const float* x, int64_t B, float* y, int64_
     matvec_layout<float>(w, x, B, y, ldy, j0, j1);
   } else if (w.type == at::kBFloat16) {
     matvec_layout<at::BFloat16>(w, x, B, y, ldy, j0, j1);
+  } else if (w.act != 0) {
+    TORCH_CHECK(!bf16, "linattn_cpu::DecodePlan: dynamic activation quantization in a bf16 model");
+    matvec_dynamic(static_cast<const int8_t*>(w.p), w.kn, w.K, w.N, w.s, w.wsum, w.act, x, B, y, ldy, j0, j1);
   } else {
     matvec_layout<int8_t>(w, x, B, y, ldy, j0, j1);
     for (int64_t b = 0; b < B; ++b) {

@@ -374,6 +374,7 @@ class MatvecGroupOp : public Op {
     Product p;
     p.kn = a.integer("kn") != 0;
     p.w = Weights(a.tensor("weight"), p.kn, a.has("scale") ? a.tensor("scale") : at::Tensor());
+    p.w.quantize_activations_too(static_cast<int>(a.integer("act_quant", 0)));
     p.K = p.w.K;
     p.N = p.w.N;
     TORCH_CHECK(p.K == in_.ld, "linattn_cpu::DecodePlan: a weight takes ", p.K, " inputs, the buffer has ", in_.ld);
