@@ -288,7 +288,7 @@ void gated_backward_rows(const Rows& rows, const at::Tensor& q, const at::Tensor
           Acc* znext = normalize ? zc.data() + (j + 1) * F : nullptr;
           std::copy(Sc.begin() + j * F * E, Sc.begin() + (j + 1) * F * E, Snext);
           if (normalize) std::copy(zc.begin() + j * F, zc.begin() + (j + 1) * F, znext);
-          const M* V = input_as<M>(pv + t0 * E, wc.V, int64_t(c) * E);
+          const M* V = as_operand<M>(pv + t0 * E, wc.V, int64_t(c) * E);
           if (vector) {
             vector_chunk_forward<M>(wk, c, F, E, fb.Qa + c0 * F, fb.Ka + c0 * F, V, pg + t0 * F, Snext, znext, nullptr,
                                     normalize, Acc(0), nullptr);
@@ -303,9 +303,9 @@ void gated_backward_rows(const Rows& rows, const at::Tensor& q, const at::Tensor
           Span<M> sp{c,
                      fb.Q + c0 * F,
                      fb.K + c0 * F,
-                     input_as<M>(pv + t0 * E, wc.V, int64_t(c) * E),
-                     input_as<M>(pdo + t0 * E, wc.dO, int64_t(c) * E),
-                     input_as<M>(po + t0 * E, wc.O, int64_t(c) * E),
+                     as_operand<M>(pv + t0 * E, wc.V, int64_t(c) * E),
+                     as_operand<M>(pdo + t0 * E, wc.dO, int64_t(c) * E),
+                     as_operand<M>(po + t0 * E, wc.O, int64_t(c) * E),
                      fb.Qa + c0 * F,
                      fb.Ka + c0 * F,
                      fb.fQ == nullptr ? nullptr : fb.fQ + c0 * F,
