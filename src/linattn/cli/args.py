@@ -4,14 +4,15 @@ argparse error that says what to pass instead."""
 from __future__ import annotations
 
 import argparse
+import inspect
 
 import torch
 
 from .._checks import DTYPE_NAMES as DTYPES
 from .._checks import check_output_folder, resolve_device, torch_dtype
 
-__all__ = ["add_common_options", "device_arg", "dtype_arg", "float_in", "int_list", "output_folder", "positive_float",
-           "positive_int", "resolve_device", "torch_dtype", "utf8_text"]
+__all__ = ["add_command", "add_common_options", "device_arg", "dtype_arg", "float_in", "int_list", "output_folder",
+           "positive_float", "positive_int", "resolve_device", "torch_dtype", "utf8_text"]
 
 DEVICES = ("cpu", "cuda", "auto")
 
@@ -135,3 +136,14 @@ def add_common_options(parser: argparse.ArgumentParser, *, device: bool = True, 
         parser.add_argument("--out", metavar="DIR", default=None, type=output_folder,
                             help="output folder for the report (JSON, plots); created if missing "
                                  "(default: ./reports/<command>-<timestamp>)")
+
+
+def add_command(subparsers, name: str, run, *, help: str, epilog: str | None = None,
+                description_tail: str = "") -> argparse.ArgumentParser:
+    """The subparser of the command `name`, which runs `run(args) -> int` (set as its `func`). Its --help
+    description is run's docstring, then `description_tail` (argparse folds the white space of both into
+    one paragraph); `help` is its line in the parent's list, `epilog` what follows the options."""
+    description = " ".join(part for part in (inspect.getdoc(run), description_tail) if part)
+    parser = subparsers.add_parser(name, help=help, description=description, epilog=epilog)
+    parser.set_defaults(func=run)
+    return parser

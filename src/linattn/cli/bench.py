@@ -9,7 +9,8 @@ import sys
 import torch
 from rich.console import Console
 
-from .args import add_common_options, int_list, positive_float, positive_int, resolve_device, torch_dtype
+from .args import (add_command, add_common_options, int_list, positive_float, positive_int, resolve_device,
+                   torch_dtype)
 from ..ops.linear.chunked import DEFAULT_CHUNK_SIZE
 from ..report import args_dict, machine_info, make_console, output_dir, timestamp, write_json
 
@@ -29,15 +30,8 @@ def add_parser(subparsers) -> None:
                     "and prints tables.")
     sub = bench.add_subparsers(dest="bench_command", metavar="BENCHMARK", required=True)
 
-    ops = sub.add_parser(
-        "ops", help="operators vs sequence length: forward and fwd+bwd time, memory, GFLOP/s",
-        description="Sweeps the sequence length N for causal chunked linear attention (fp32 and bf16), "
-                    "non-causal linear, the recurrent loop, the quadratic reference and softmax SDPA "
-                    "(normalized elu+1), gated linear attention (scalar and vector gates) and the delta rule "
-                    "(DeltaNet, Gated DeltaNet). Times forward and forward+backward (median ±IQR), measures fwd+bwd "
-                    "peak memory and the chunked op's GFLOP/s against the measured bmm peak, marks the "
-                    "crossover with softmax. --dtype sets every method's dtype except the extra bf16 chunked "
-                    "column.")
+    ops = add_command(sub, "ops", run_ops_command,
+                      help="operators vs sequence length: forward and fwd+bwd time, memory, GFLOP/s")
     ops.add_argument("--lengths", type=int_list, default=DEFAULT_LENGTHS, metavar="N[,N...]",
                      help=f"sequence lengths to sweep, comma-separated (default: {','.join(map(str, DEFAULT_LENGTHS))})")
     _shape_options(ops)
@@ -59,16 +53,9 @@ def add_parser(subparsers) -> None:
                      help="--roofline's dtypes (default: fp32,bf16)")
     _run_options(ops)
     add_common_options(ops)
-    ops.set_defaults(func=run_ops_command)
 
-    dec = sub.add_parser(
-        "decode", help="per-token decode latency vs context: linear RNN step vs softmax with/without KV cache",
-        description="Per-token latency against context length: a linear-attention RNN step and the gated "
-                    "(scalar, vector g), DeltaNet and Gated DeltaNet steps (constant), "
-                    "softmax attention of one query against a KV cache, and softmax recomputed over the whole "
-                    "context without a cache. One layer of H heads. Then whole LMs (--models): the eager and the "
-                    "fused decoding step (linattn.models.decoding) beside the weight-streaming time measured in the same run "
-                    "(every matrix-vector product of the step once), at each --model-contexts and --model-batches.")
+    dec = add_command(sub, "decode", run_decode_command,
+                      help="per-token decode latency vs context: linear RNN step vs softmax with/without KV cache")
     dec.add_argument("--contexts", type=int_list, default=DEFAULT_CONTEXTS, metavar="N[,N...]",
                      help=f"context lengths to sweep, comma-separated (default: {','.join(map(str, DEFAULT_CONTEXTS))})")
     _shape_options(dec, chunk=False)
@@ -77,7 +64,6 @@ def add_parser(subparsers) -> None:
     _model_options(dec)
     _run_options(dec)
     add_common_options(dec)
-    dec.set_defaults(func=run_decode_command)
 
     _add_generate_parser(sub)
     _add_hf_parser(sub)
@@ -86,14 +72,8 @@ def add_parser(subparsers) -> None:
 def _add_hf_parser(sub) -> None:
     from ..bench.hf import SHAPES
 
-    hf = sub.add_parser(
-        "hf", help="transformers' Qwen3.5: its torch path vs use_linattn_kernels() vs linattn.hf.accelerate()",
-        description="Random Qwen3.5-shaped transformers models (nothing downloaded), fp32, batch 1: prefill "
-                    "tokens/s, decode ms/token beside the fp32 gemv floor measured in the same run (every Linear "
-                    "weight read once by the fused decoder's kernels) and one training step, on transformers' own "
-                    "torch path, under linattn.hf.use_linattn_kernels() and converted by linattn.hf.accelerate() "
-                    "(n/a where this linattn lacks it); beside them the same model as GGUF F32 and Q8_0 run "
-                    "by llama.cpp, where llama-cpp-python and llama.cpp's converter are found. Needs the hf extra.")
+    hf = add_command(sub, "hf", run_hf_command,
+                     help="transformers' Qwen3.5: its torch path vs use_linattn_kernels() vs linattn.hf.accelerate()")
     hf.add_argument("--shapes", type=lambda v: _choices(v, SHAPES, "shapes"), default=["small"],
                     metavar="SHAPE[,...]", help=f"model shapes, from {','.join(SHAPES)} (default: small)")
     hf.add_argument("--threads", type=int_list, default=[1], metavar="T[,T...]",
@@ -113,7 +93,6 @@ def _add_hf_parser(sub) -> None:
     hf.add_argument("--no-llama-cpp", dest="llama_cpp", action="store_false",
                     help="skip the llama.cpp columns (no GGUF conversion)")
     add_common_options(hf)
-    hf.set_defaults(func=run_hf_command)
 
 
 def _choices(value: str, allowed, what: str) -> list[str]:
@@ -125,12 +104,14 @@ def _choices(value: str, allowed, what: str) -> list[str]:
 
 
 def _model_options(p) -> None:
-    from ..bench.decode_model import DEFAULT_MODEL_CONTEXTS, DEFAULT_MODEL_KINDS, DEFAULT_MODELS, MODEL_KINDS
+    from ..bench.decode_model import (DEFAULT_MODEL_CONTEXTS, DEFAULT_MODEL_KINDS, DEFAULT_MODELS, MODEL_KINDS,
+                                      WEIGHT_FORMATS)
 
     p.add_argument("--models", type=_model_list, default=DEFAULT_MODELS, metavar="dWxL[,...]|none",
                    help="LMs whose whole decoding step to time, d_model x layers, 8 heads, comma-separated; 'none' "
                         f"skips them (default: {','.join(DEFAULT_MODELS)})")
-    p.add_argument("--model-kinds", type=_kind_list, default=DEFAULT_MODEL_KINDS, metavar="KIND[,...]",
+    p.add_argument("--model-kinds", type=lambda v: _choices(v, MODEL_KINDS, "kinds"), default=DEFAULT_MODEL_KINDS,
+                   metavar="KIND[,...]",
                    help=f"attention kinds of those LMs, from {','.join(MODEL_KINDS)} (default: "
                         f"{','.join(DEFAULT_MODEL_KINDS)})")
     p.add_argument("--model-contexts", type=int_list, default=DEFAULT_MODEL_CONTEXTS, metavar="N[,N...]",
@@ -138,21 +119,11 @@ def _model_options(p) -> None:
                         f"{','.join(map(str, DEFAULT_MODEL_CONTEXTS))})")
     p.add_argument("--model-batches", type=int_list, default=[1, 8], metavar="B[,B...]",
                    help="batch sizes of the LM steps (default: 1,8)")
-    p.add_argument("--weights", type=_weight_formats, default=None, metavar="fp32|bf16|int8[,...]",
+    p.add_argument("--weights", type=lambda v: _choices(v, WEIGHT_FORMATS, "weight formats"), default=None,
+                   metavar="fp32|bf16|int8[,...]",
                    help="weight formats of those LMs, comma-separated: fp32, bf16, int8 (weight-only, torchao's "
                         "Int8WeightOnlyConfig; fp32 activations); each step beside the weight streaming of the same "
                         "weights (default: --dtype's)")
-
-
-def _weight_formats(value: str) -> list[str]:
-    """argparse type: weight formats of the decode bench's LMs, comma-separated."""
-    from ..bench.decode_model import WEIGHT_FORMATS
-
-    formats = [v.strip() for v in value.split(",") if v.strip()]
-    bad = [f for f in formats if f not in WEIGHT_FORMATS]
-    if bad or not formats:
-        raise argparse.ArgumentTypeError(f"weight formats must be among {','.join(WEIGHT_FORMATS)}, got {value!r}")
-    return formats
 
 
 def _model_list(value: str) -> list[str]:
@@ -168,17 +139,6 @@ def _model_list(value: str) -> list[str]:
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
     return specs
-
-
-def _kind_list(value: str) -> list[str]:
-    """argparse type: attention kinds of the decode bench's LMs, comma-separated."""
-    from ..bench.decode_model import MODEL_KINDS
-
-    kinds = [v.strip() for v in value.split(",") if v.strip()]
-    bad = [k for k in kinds if k not in MODEL_KINDS]
-    if bad or not kinds:
-        raise argparse.ArgumentTypeError(f"kinds must be among {','.join(MODEL_KINDS)}, got {value!r}")
-    return kinds
 
 
 def _shape_options(p, chunk: bool = True) -> None:
@@ -282,6 +242,11 @@ def run_roofline_command(args) -> int:
 
 
 def run_ops_command(args) -> int:
+    """Sweeps the sequence length N for causal chunked linear attention (fp32 and bf16), non-causal linear, the
+    recurrent loop, the quadratic reference and softmax SDPA (normalized elu+1), gated linear attention (scalar and
+    vector gates) and the delta rule (DeltaNet, Gated DeltaNet). Times forward and forward+backward (median ±IQR),
+    measures fwd+bwd peak memory and the chunked op's GFLOP/s against the measured bmm peak, marks the crossover
+    with softmax. --dtype sets every method's dtype except the extra bf16 chunked column."""
     from ..bench.ops import OpsConfig, check_ops, plot_ops, render_ops, run_ops
 
     if args.roofline:
@@ -294,6 +259,11 @@ def run_ops_command(args) -> int:
 
 
 def run_decode_command(args) -> int:
+    """Per-token latency against context length: a linear-attention RNN step and the gated (scalar, vector g),
+    DeltaNet and Gated DeltaNet steps (constant), softmax attention of one query against a KV cache, and softmax
+    recomputed over the whole context without a cache. One layer of H heads. Then whole LMs (--models): the eager
+    and the fused decoding step (linattn.models.decoding) beside the weight-streaming time measured in the same run
+    (every matrix-vector product of the step once), at each --model-contexts and --model-batches."""
     from ..bench.decode import DecodeConfig, check_decode, plot_decode, render_decode, run_decode
     from ..bench.decode_model import ModelDecodeConfig, run_model_decode
 
@@ -314,17 +284,10 @@ def run_decode_command(args) -> int:
 def _add_generate_parser(sub) -> None:
     from ..bench.generate import DATASETS, SCALES
 
-    gen = sub.add_parser(
-        "generate", help="image generation speed (Linear Transformer paper, Tables 1-2): images/s, linear vs softmax",
-        description="The image-generation speed experiment of Katharopoulos et al. 2020 ('Transformers are RNNs', "
-                    "Tables 1-2): generates whole MNIST-sized (784 tokens) and CIFAR-10-sized (3,072 tokens) images, "
-                    "one pixel value of 256 at a time, with the paper's model shapes (d_model 256, 8 heads, FFN 1024; "
-                    "8 layers for MNIST, 16 for CIFAR-10, divided by --scale) and untrained weights. Reports images/s "
-                    "of linear attention in RNN mode, softmax with a KV cache and softmax without a cache (the "
-                    "paper's baseline, extrapolated from a few prefix lengths for long images) and prints our "
-                    "speedups next to the paper's (317x and 4,462x vs softmax, ~56x vs stateful softmax).",
-        epilog="examples: linattn bench generate | linattn bench generate --scale paper --batches 1,16 | "
-               "linattn bench generate --datasets mnist --layers 2 --tokens 64 --batches 1")
+    gen = add_command(sub, "generate", run_generate_command,
+                      help="image generation speed (Linear Transformer paper, Tables 1-2): images/s, linear vs softmax",
+                      epilog="examples: linattn bench generate | linattn bench generate --scale paper --batches 1,16 | "
+                             "linattn bench generate --datasets mnist --layers 2 --tokens 64 --batches 1")
     gen.add_argument("--datasets", type=_dataset_list, default=list(DATASETS), metavar="NAME[,NAME]",
                      help=f"image sizes to generate, comma-separated from {', '.join(DATASETS)} "
                           f"(default: {','.join(DATASETS)})")
@@ -347,7 +310,6 @@ def _add_generate_parser(sub) -> None:
                      help="minimum measuring time per timed prefix length (default: %(default)s)")
     gen.add_argument("--threads", type=positive_int, metavar="T", default=None, help=_THREADS_HELP)
     add_common_options(gen)
-    gen.set_defaults(func=run_generate_command)
 
 
 def _dataset_list(value: str) -> list[str]:
@@ -374,6 +336,12 @@ def _at_least_two(value: str) -> int:
 
 
 def run_generate_command(args) -> int:
+    """The image-generation speed experiment of Katharopoulos et al. 2020 ('Transformers are RNNs', Tables 1-2):
+    generates whole MNIST-sized (784 tokens) and CIFAR-10-sized (3,072 tokens) images, one pixel value of 256 at a
+    time, with the paper's model shapes (d_model 256, 8 heads, FFN 1024; 8 layers for MNIST, 16 for CIFAR-10,
+    divided by --scale) and untrained weights. Reports images/s of linear attention in RNN mode, softmax with a KV
+    cache and softmax without a cache (the paper's baseline, extrapolated from a few prefix lengths for long images)
+    and prints our speedups next to the paper's (317x and 4,462x vs softmax, ~56x vs stateful softmax)."""
     from ..bench.generate import GenerateConfig, check_generate, plot_generate, render_generate, run_generate
 
     device, out, console = _setup(args, "bench-generate")
@@ -385,6 +353,12 @@ def run_generate_command(args) -> int:
 
 
 def run_hf_command(args) -> int:
+    """Random Qwen3.5-shaped transformers models (nothing downloaded), fp32, batch 1: prefill tokens/s, decode
+    ms/token beside the fp32 gemv floor measured in the same run (every Linear weight read once by the fused
+    decoder's kernels) and one training step, on transformers' own torch path, under
+    linattn.hf.use_linattn_kernels() and converted by linattn.hf.accelerate() (n/a where this linattn lacks it);
+    beside them the same model as GGUF F32 and Q8_0 run by llama.cpp, where llama-cpp-python and llama.cpp's
+    converter are found. Needs the hf extra."""
     from ..bench.hf import HfBenchConfig, check_hf, plot_hf, render_hf, run_hf
 
     args.threads_how = "--threads"

@@ -7,21 +7,14 @@ import sys
 
 import torch
 
-from .args import add_common_options, positive_float, positive_int, resolve_device, utf8_text
+from .args import add_command, add_common_options, positive_float, positive_int, resolve_device, utf8_text
 
 
 def add_parser(subparsers) -> None:
-    p = subparsers.add_parser(
-        "demo", help="the whole library in a few minutes: agreement, benchmarks, training, generation, report",
-        description="Runs, with no input and in a few minutes on a 2-core CPU: (1) an agreement check of the chunked "
-                    "(parallel) operator, the recurrent step loop and the quadratic oracle in float64 for every "
-                    "feature map; (2) a short operator benchmark sweep and a per-token decoding sweep; (3) about a "
-                    "minute of training of a tiny byte-level LM on the Python standard library's source (read from "
-                    "the running interpreter), with validation bits per byte before and after; (4) text generated in "
-                    "RNN mode from a prompt; (5) a report folder (summary.md, summary.json, PNG plots, the trained "
-                    "model's run folder) whose path it prints.",
-        epilog="examples: linattn demo | linattn demo --quick --out /tmp/demo | "
-               "linattn demo --train-seconds 120 --attention linear,linear,linear,softmax --threads 2")
+    p = add_command(subparsers, "demo", run_demo_command,
+                    help="the whole library in a few minutes: agreement, benchmarks, training, generation, report",
+                    epilog="examples: linattn demo | linattn demo --quick --out /tmp/demo | "
+                           "linattn demo --train-seconds 120 --attention linear,linear,linear,softmax --threads 2")
     p.add_argument("--quick", action="store_true",
                    help="tiny settings that finish in seconds (a smoke test; numbers are not meaningful)")
     p.add_argument("--train-seconds", type=positive_float, default=60.0, metavar="SECONDS",
@@ -37,7 +30,6 @@ def add_parser(subparsers) -> None:
     p.add_argument("--threads", type=positive_int, default=None, metavar="T",
                    help="torch intra-op threads (default: torch's choice, usually one per core)")
     add_common_options(p)
-    p.set_defaults(func=run_demo_command)
 
 
 def _pattern_error(pattern: str) -> str | None:
@@ -51,6 +43,12 @@ def _pattern_error(pattern: str) -> str | None:
 
 
 def run_demo_command(args) -> int:
+    """Runs, with no input and in a few minutes on a 2-core CPU: (1) an agreement check of the chunked (parallel)
+    operator, the recurrent step loop and the quadratic oracle in float64 for every feature map; (2) a short
+    operator benchmark sweep and a per-token decoding sweep; (3) about a minute of training of a tiny byte-level LM
+    on the Python standard library's source (read from the running interpreter), with validation bits per byte
+    before and after; (4) text generated in RNN mode from a prompt; (5) a report folder (summary.md, summary.json,
+    PNG plots, the trained model's run folder) whose path it prints."""
     from ..demo import DemoConfig, run_demo
     from ..report import make_console, output_dir
 

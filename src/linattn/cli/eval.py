@@ -6,7 +6,7 @@ import argparse
 import io
 import sys
 
-from .args import add_common_options, positive_int
+from .args import add_command, add_common_options, positive_int
 
 
 def _names(value: str) -> list[str]:
@@ -32,14 +32,10 @@ def add_parser(subparsers) -> None:
     from ..eval.recall_frontier import RECALL_PRESETS
 
     tasks = "; ".join(f"{name}: {','.join(t.name for t in pr.tasks)}" for name, pr in PRESETS.items())
-    p = subparsers.add_parser(
-        "eval", help="train and compare attention kinds on copy, MQAR, ListOps and byte-LM in one table",
-        description="Trains one small model per attention kind × task × seed (fixed seeds) and prints one table of "
-                    "mean ± sd over seeds, with notes comparing the results to the literature (MQAR: softmax and "
-                    "Taylor solve it, elu+1 / FAVOR+ / cosFormer do not; copy: linear attention reaches softmax's "
-                    "loss). Writes eval.md, eval.json and eval.png to --out.",
-        epilog="presets: " + "; ".join(f"{n}: {pr.description}" for n, pr in PRESETS.items())
-               + "; " + "; ".join(f"{n}: {pr.description}" for n, pr in RECALL_PRESETS.items()))
+    p = add_command(subparsers, "eval", run_eval_command,
+                    help="train and compare attention kinds on copy, MQAR, ListOps and byte-LM in one table",
+                    epilog="presets: " + "; ".join(f"{n}: {pr.description}" for n, pr in PRESETS.items())
+                           + "; " + "; ".join(f"{n}: {pr.description}" for n, pr in RECALL_PRESETS.items()))
     p.add_argument("--preset", choices=sorted(PRESETS) + sorted(RECALL_PRESETS), default="quick",
                    help="sizes and budgets (default: %(default)s); recall: associative recall (MQAR) by the "
                         "Zoology/Based recipe, every recall kind at every lr of its sweep and every seed "
@@ -64,10 +60,13 @@ def add_parser(subparsers) -> None:
                    help="recall presets: ignore the runs already in --out's recall-runs.jsonl and run everything "
                         "again (default: a re-run with the same --out skips the runs it finished)")
     add_common_options(p, dtype=False, seed=False)
-    p.set_defaults(func=run_eval_command)
 
 
 def run_eval_command(args) -> int:
+    """Trains one small model per attention kind × task × seed (fixed seeds) and prints one table of mean ± sd over
+    seeds, with notes comparing the results to the literature (MQAR: softmax and Taylor solve it, elu+1 / FAVOR+ /
+    cosFormer do not; copy: linear attention reaches softmax's loss). Writes eval.md, eval.json and eval.png to
+    --out."""
     import torch
     from rich.console import Console
 

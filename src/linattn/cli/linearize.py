@@ -9,21 +9,15 @@ from __future__ import annotations
 
 import sys
 
-from .args import add_common_options, int_list, positive_float, positive_int
+from .args import add_command, add_common_options, int_list, positive_float, positive_int
 
 
 def add_parser(subparsers) -> None:
     from ..models.linearized import DEFAULT_RECIPE, RECIPES
 
-    p = subparsers.add_parser(
-        "linearize", help="convert a softmax Transformer into a linear-attention model (LoLCATs, Liger, T2R)",
-        description="Keeps the teacher's embeddings, norms, MLPs and q/k/v/o weights and replaces its softmax "
-                    "layers by the recipe's kind: stage 1 trains the new parameters to reproduce each layer's "
-                    "softmax output (attention transfer), stage 2 fine-tunes with LoRA (peft) or every weight. "
-                    "Writes --out/stage1, stage2 (training runs: the same command again resumes them), model "
-                    "(the linearized linattn LM) and linearize.{json,md,png}: teacher, naive swap, stage 1 and stage 2 "
-                    "by bits per byte, a recall probe, decode ms/token and cache size by context. Recipes: "
-                    + "; ".join(f"{r.name} ({r.cite})" for r in RECIPES.values()) + ".")
+    p = add_command(subparsers, "linearize", run_linearize_command,
+                    help="convert a softmax Transformer into a linear-attention model (LoLCATs, Liger, T2R)",
+                    description_tail="Recipes: " + "; ".join(f"{r.name} ({r.cite})" for r in RECIPES.values()) + ".")
     p.add_argument("--teacher", metavar="PATH", help="a linattn checkpoint or run folder with softmax layers")
     p.add_argument("--recipe", choices=sorted(RECIPES), default=DEFAULT_RECIPE, help="default: %(default)s")
     p.add_argument("--layers", type=int_list, default=None, metavar="I[,I...]",
@@ -57,10 +51,14 @@ def add_parser(subparsers) -> None:
     p.add_argument("--threads", type=positive_int, default=None, metavar="T", help="torch threads")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     add_common_options(p, dtype=False)
-    p.set_defaults(func=run_linearize_command)
 
 
 def run_linearize_command(args) -> int:
+    """Keeps the teacher's embeddings, norms, MLPs and q/k/v/o weights and replaces its softmax layers by the
+    recipe's kind: stage 1 trains the new parameters to reproduce each layer's softmax output (attention transfer),
+    stage 2 fine-tunes with LoRA (peft) or every weight. Writes --out/stage1, stage2 (training runs: the same
+    command again resumes them), model (the linearized linattn LM) and linearize.{json,md,png}: teacher, naive swap,
+    stage 1 and stage 2 by bits per byte, a recall probe, decode ms/token and cache size by context."""
     import torch
 
     from ..linearize import LinearizeConfig, LinearizeInterrupted, linearize

@@ -12,7 +12,7 @@ import json
 import os
 import sys
 
-from .args import add_common_options, positive_float, positive_int
+from .args import add_command, add_common_options, positive_float, positive_int
 
 
 def _nonneg_int(value: str) -> int:
@@ -50,17 +50,12 @@ _MODEL_FIELDS = ("d_model", "n_layers", "n_heads", "attention", "feature_map", "
 def add_parser(subparsers) -> None:
     from ..training import DISTRIBUTED, TASKS
 
-    p = subparsers.add_parser(
-        "train", help="train a linear-attention model (byte-level LM or a synthetic task)",
-        description="Trains a model: AdamW, warm-up + cosine schedule, gradient clipping and accumulation, optional "
-                    "bf16 autocast and activation checkpointing. Settings come from --config (TOML or JSON; keys are "
-                    "TrainConfig fields, with [model] and [task_options] tables) and are overridden by flags. Writes "
-                    "metrics.jsonl, loss.png, train_config.json and checkpoints/ (step-N folders, `last` -> latest) "
-                    "to --out. Ctrl-C saves a checkpoint and exits 130; a non-finite loss stops with exit 3. Under "
-                    "torchrun (WORLD_SIZE > 1) the run is data-parallel (DDP; gloo on CPU, NCCL on GPU).",
-        epilog="examples: linattn train --config configs/train_bytes.toml --out runs/bytes | "
-               "linattn train --out runs/bytes --resume | "
-               "torchrun --nproc-per-node 2 -m linattn.cli train --config configs/train_bytes.toml --out runs/ddp")
+    p = add_command(subparsers, "train", run_train_command,
+                    help="train a linear-attention model (byte-level LM or a synthetic task)",
+                    epilog="examples: linattn train --config configs/train_bytes.toml --out runs/bytes | "
+                           "linattn train --out runs/bytes --resume | "
+                           "torchrun --nproc-per-node 2 -m linattn.cli train --config configs/train_bytes.toml "
+                           "--out runs/ddp")
     p.add_argument("--config", metavar="FILE", help="TOML or JSON config file (see configs/)")
     p.add_argument("--resume", nargs="?", const="latest", default=None, metavar="PATH",
                    help="continue a run: without PATH from --out's latest checkpoint; PATH may be a run folder or a "
@@ -114,7 +109,7 @@ def add_parser(subparsers) -> None:
                    help="any other field: e.g. --set model.dropout=0.1 --set task_options.n_pairs=8 "
                         "(VALUE is parsed as JSON, else taken as a string)")
     add_common_options(p)
-    p.set_defaults(device=None, dtype=None, seed=None, func=run_train_command)
+    p.set_defaults(device=None, dtype=None, seed=None)
 
 
 def _config_fields(args) -> dict:
@@ -167,6 +162,12 @@ def _config_fields(args) -> dict:
 
 
 def run_train_command(args) -> int:
+    """Trains a model: AdamW, warm-up + cosine schedule, gradient clipping and accumulation, optional bf16 autocast
+    and activation checkpointing. Settings come from --config (TOML or JSON; keys are TrainConfig fields, with
+    [model] and [task_options] tables) and are overridden by flags. Writes metrics.jsonl, loss.png,
+    train_config.json and checkpoints/ (step-N folders, `last` -> latest) to --out. Ctrl-C saves a checkpoint and
+    exits 130; a non-finite loss stops with exit 3. Under torchrun (WORLD_SIZE > 1) the run is data-parallel (DDP;
+    gloo on CPU, NCCL on GPU)."""
     from ..models.checkpoint import CheckpointError
     from ..parallel.comm import SequenceParallelError
     from ..report import output_dir

@@ -21,6 +21,7 @@ unchanged, with a hint of the layout where they speak of a shape (`layout_hint`)
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import importlib
 import importlib.util
@@ -102,9 +103,7 @@ def beta_in(fn: str, beta, sigmoid: bool, allow_neg_eigval: bool):
     sigmoid(beta), with allow_neg_eigval β = 2·sigmoid(beta) ∈ [0, 2] (negative eigenvalues of the
     transition, design §13.2); computed in float32 or wider, as FLA's fused_beta_sigmoid does.
     allow_neg_eigval without the sigmoid is refused as FLA refuses it."""
-    for name, flag in (("use_beta_sigmoid_in_kernel", sigmoid), ("allow_neg_eigval", allow_neg_eigval)):
-        if not isinstance(flag, bool):
-            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
+    check_bools(use_beta_sigmoid_in_kernel=sigmoid, allow_neg_eigval=allow_neg_eigval)
     if allow_neg_eigval and not sigmoid:
         raise ValueError(f"linattn.compat.fla.{fn}: allow_neg_eigval=True requires use_beta_sigmoid_in_kernel=True "
                          "(as in FLA; a β already in [0, 2] may be passed as it is)")
@@ -112,6 +111,13 @@ def beta_in(fn: str, beta, sigmoid: bool, allow_neg_eigval: bool):
         return beta
     beta = torch.sigmoid(beta.to(torch.promote_types(beta.dtype, torch.float32)))
     return 2 * beta if allow_neg_eigval else beta
+
+
+def check_bools(**flags) -> None:
+    """TypeError naming the first of FLA's switches (keyword: value) that is not a bool."""
+    for name, flag in flags.items():
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
 
 
 def check_qkv(q, k, v) -> tuple[int, int]:
@@ -263,3 +269,51 @@ def state_out(state, wanted: bool, v_first: bool = False):
 def packed(cu_seqlens) -> dict:
     """The operators' keyword for packed sequences, only when there are some (linattn.ops.packed)."""
     return {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}
+
+
+@dataclasses.dataclass
+class Inputs:
+    """One call's q, k [B, T, H, K] and v [B, T, HV, V], checked in FLA's layout and cast to their common
+    dtype (`fla_inputs`), with what every family derives from them: HV, the states' N, o's dtype."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    hv: int
+    out_dtype: torch.dtype
+    cu_seqlens: torch.Tensor | None
+
+    @property
+    def n(self) -> int:
+        """N, the leading dim of the states (`state_count`)."""
+        return state_count(self.q, self.cu_seqlens)
+
+    def state(self, initial_state, v_first: bool = False):
+        """initial_state [N, HV, K, V] ([N, HV, V, K] with v_first) as the operator takes it (`state_in`)."""
+        return state_in("initial_state", initial_state, self.q, self.n, self.hv, self.q.shape[-1], self.v.shape[-1],
+                        v_first)
+
+    def heads_first(self) -> tuple:
+        """(q, k, v) as the operators take them, (B, HV, T, D): q and k repeated for grouped value heads
+        (`expand_heads`), views otherwise."""
+        q, k = expand_heads(self.q, self.k, self.hv)
+        return heads_first(q), heads_first(k), heads_first(self.v)
+
+    def scale(self, scale) -> float:
+        """FLA's scale, K^−1/2 by default (`resolve_scale`)."""
+        return resolve_scale(scale, self.k)
+
+    def output(self, o):
+        """The operator's o (B, HV, T, V) as FLA returns it: [B, T, HV, V] in `out_dtype`."""
+        return heads_first(o).to(self.out_dtype)
+
+
+def fla_inputs(q, k, v, cu_seqlens, *, o_like_q: bool, **flags) -> Inputs:
+    """What every family checks first, in this order: FLA's layout (`check_qkv`), o's dtype (q's where
+    o_like_q, else v's: `fla_output_dtype`), q, k, v in their common dtype (`in_common_dtype`), then the
+    bool switches `flags` (name: value, `check_bools`)."""
+    _, hv = check_qkv(q, k, v)
+    out_dtype = fla_output_dtype(q, v, o_like_q)
+    q, k, v = in_common_dtype(q, k, v)
+    check_bools(**flags)
+    return Inputs(q, k, v, hv, out_dtype, cu_seqlens)

@@ -23,20 +23,15 @@ from ...ops import delta_rule, delta_rule_step
 from ...ops.delta.gate import mamba2_gate
 from ._edge import (
     beta_in,
+    check_bools,
     check_head_vector,
     check_per_head,
-    check_qkv,
-    expand_heads,
-    fla_output_dtype,
+    fla_inputs,
     hands_over,
-    in_common_dtype,
     heads_first,
     layout_hint,
     packed,
     refuse,
-    resolve_scale,
-    state_count,
-    state_in,
     state_layout_alias,
     state_out,
     take_kwargs,
@@ -160,8 +155,7 @@ def _gate(g, q, v, use_gate_in_kernel, A_log, dt_bias):
     """g as the operator takes it: FLA's log-decay, or with use_gate_in_kernel Mamba2's gate of the raw
     input, −exp(A_log) · softplus(g + dt_bias) (linattn.ops.delta.gate.mamba2_gate; A_log required);
     A_log and dt_bias mean nothing without it, as in FLA."""
-    if not isinstance(use_gate_in_kernel, bool):
-        raise TypeError(f"use_gate_in_kernel must be a bool, got {type(use_gate_in_kernel).__name__}")
+    check_bools(use_gate_in_kernel=use_gate_in_kernel)
     if not use_gate_in_kernel or g is None:
         if use_gate_in_kernel:
             raise ValueError("use_gate_in_kernel=True needs g, the raw gate input [B, T, HV]")
@@ -186,22 +180,18 @@ def run_delta(q, k, v, beta, g, *, scale, initial_state, output_final_state: boo
     float32, v and the gates in half precision) run in their promotion, and o comes back in FLA's
     dtype: v's (its kernels allocate o like v), q's where o_like_q (fused_recurrent_delta_rule's
     kernel allocates it like q)."""
-    _, hv = check_qkv(q, k, v)
-    out_dtype, h_dtype = fla_output_dtype(q, v, o_like_q), k.dtype
-    q, k, v = in_common_dtype(q, k, v)
-    for name, flag in (("use_qk_l2norm_in_kernel", l2norm), ("state_v_first", state_v_first)):
-        if not isinstance(flag, bool):
-            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
-    b, t, _, kd = q.shape
+    h_dtype = k.dtype
+    x = fla_inputs(q, k, v, cu_seqlens, o_like_q=o_like_q, use_qk_l2norm_in_kernel=l2norm,
+                   state_v_first=state_v_first)
+    b, t, _, kd = x.q.shape
     if g is not None or per_channel:
-        check_per_head("g", g, q, hv, last=kd if per_channel else None)
+        check_per_head("g", g, x.q, x.hv, last=kd if per_channel else None)
     if beta is None:
-        beta = q.new_ones(b, t, hv)
-    check_per_head("beta", beta, q, hv)
-    S0 = state_in("initial_state", initial_state, q, state_count(q, cu_seqlens), hv, kd, v.shape[-1], state_v_first)
-    q, k = expand_heads(q, k, hv)
-    args = (heads_first(q), heads_first(k), heads_first(v), heads_first(beta))
-    opts = dict(g=heads_first(g), scale=resolve_scale(scale, k), qk_l2norm=l2norm)
+        beta = x.q.new_ones(b, t, x.hv)
+    check_per_head("beta", beta, x.q, x.hv)
+    S0 = x.state(initial_state, state_v_first)
+    args = (*x.heads_first(), heads_first(beta))
+    opts = dict(g=heads_first(g), scale=x.scale(scale), qk_l2norm=l2norm)
     with layout_hint():
         if chunk_states:
             o, S, h = with_chunk_states(*args, S0, cu_seqlens, chunk_size, **opts)
@@ -212,8 +202,8 @@ def run_delta(q, k, v, beta, g, *, scale, initial_state, output_final_state: boo
                               **packed(cu_seqlens))
     if chunk_states:
         h = h.transpose(-1, -2) if state_v_first else h
-        return heads_first(o).to(out_dtype), state_out(S, output_final_state, state_v_first), h.to(h_dtype)
-    return heads_first(o).to(out_dtype), state_out(S, output_final_state, state_v_first)
+        return x.output(o), state_out(S, output_final_state, state_v_first), h.to(h_dtype)
+    return x.output(o), state_out(S, output_final_state, state_v_first)
 
 
 def with_chunk_states(q, k, v, beta, S0, cu_seqlens, chunk: int, **opts):

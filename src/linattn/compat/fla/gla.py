@@ -21,18 +21,12 @@ from ...ops.linear.chunked import state_dtype
 from ._edge import (
     check_head_vector,
     check_per_head,
-    check_qkv,
-    expand_heads,
-    fla_output_dtype,
+    fla_inputs,
     hands_over,
     heads_first,
-    in_common_dtype,
     layout_hint,
     packed,
     refuse,
-    resolve_scale,
-    state_count,
-    state_in,
     state_layout_alias,
     state_out,
     take_kwargs,
@@ -144,24 +138,19 @@ def run_gated(q, k, v, g, g_gamma, *, scale, initial_state, output_final_state: 
     g_gamma [HV] (a fixed decay per head) or None. No gate at all is linear attention without a
     normalizer. q is scaled before the op (so that the fused kernels take it). Mixed dtypes run in
     their promotion; o comes back in FLA's dtype (`fla_output_dtype`; step: the fused_recurrent names)."""
-    _, hv = check_qkv(q, k, v)
-    out_dtype = fla_output_dtype(q, v, step)
-    q, k, v = in_common_dtype(q, k, v)
-    if not isinstance(state_v_first, bool):
-        raise TypeError(f"state_v_first must be a bool, got {type(state_v_first).__name__}")
-    b, t, _, kd = q.shape
+    x = fla_inputs(q, k, v, cu_seqlens, o_like_q=step, state_v_first=state_v_first)
+    b, t, _, kd = x.q.shape
     if g is not None and g_gamma is not None:
         raise ValueError(f"pass one of {gate_name} (per token) and g_gamma (fixed per head), not both")
     if g is not None:
-        check_per_head(gate_name, g, q, hv, kd if per_key else None)
+        check_per_head(gate_name, g, x.q, x.hv, kd if per_key else None)
         g = heads_first(g)
     elif g_gamma is not None:
-        check_head_vector("g_gamma", g_gamma, q, hv)
-        g = g_gamma.to(state_dtype(q.dtype)).reshape(1, hv, 1).expand(b, hv, t)
-    n = state_count(q, cu_seqlens)
-    S0 = state_in("initial_state", initial_state, q, n, hv, kd, v.shape[-1], state_v_first)
-    q, k = expand_heads(q, k, hv)
-    qs, k, v = heads_first(q * resolve_scale(scale, k)), heads_first(k), heads_first(v)
+        check_head_vector("g_gamma", g_gamma, x.q, x.hv)
+        g = g_gamma.to(state_dtype(x.q.dtype)).reshape(1, x.hv, 1).expand(b, x.hv, t)
+    S0 = x.state(initial_state, state_v_first)
+    q, k, v = x.heads_first()
+    qs = q * x.scale(scale)
     chunk = {} if chunk_size is None else {"chunk_size": chunk_size}
     with layout_hint():
         if g is None:
@@ -173,4 +162,4 @@ def run_gated(q, k, v, g, g_gamma, *, scale, initial_state, output_final_state: 
         else:
             o, S = gated_linear_attention(qs, k, v, g, initial_state=S0, return_state=True, **chunk,
                                           **packed(cu_seqlens))
-    return heads_first(o).to(out_dtype), state_out(S, output_final_state, state_v_first)
+    return x.output(o), state_out(S, output_final_state, state_v_first)

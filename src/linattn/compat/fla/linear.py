@@ -17,22 +17,7 @@ import torch
 
 from ...ops import linear_attention, linear_attention_step
 from ...ops.linear.chunked import state_dtype
-from ._edge import (
-    check_qkv,
-    common_dtype,
-    expand_heads,
-    fla_output_dtype,
-    hands_over,
-    heads_first,
-    in_common_dtype,
-    layout_hint,
-    packed,
-    refuse,
-    resolve_scale,
-    state_count,
-    state_in,
-    state_out,
-)
+from ._edge import common_dtype, fla_inputs, hands_over, layout_hint, packed, refuse, state_out
 
 #: FLA's normalizer epsilon (fla.ops.linear_attn: `... + 1e-10`)
 EPS = 1e-10
@@ -82,13 +67,9 @@ def run_linear(q, k, v, scale, initial_state, output_final_state: bool, normaliz
     """Both names on linattn's operator: checks in FLA's layout, GVA, scale, states in and out. Mixed
     dtypes run in their promotion; o comes back in FLA's dtype (`fla_output_dtype`, promoted with
     q's and k's by the normalizing division, as FLA divides by q·Σk)."""
-    _, hv = check_qkv(q, k, v)
-    if not isinstance(normalize, bool):
-        raise TypeError(f"normalize must be a bool, got {type(normalize).__name__}")
-    out_dtype = fla_output_dtype(q, v, step)
-    if normalize:
-        out_dtype = common_dtype(q, k, out_dtype)
-    q, k, v = in_common_dtype(q, k, v)
+    x = fla_inputs(q, k, v, cu_seqlens, o_like_q=step, normalize=normalize)
+    if normalize:  # FLA divides by q·Σk
+        x.out_dtype = common_dtype(q, k, x.out_dtype)
     if normalize and isinstance(initial_state, (tuple, list)):
         if len(initial_state) != 2:
             raise ValueError(f"initial_state must be the pair (S, z) with normalize=True, got {len(initial_state)} items")
@@ -98,25 +79,24 @@ def run_linear(q, k, v, scale, initial_state, output_final_state: bool, normaliz
     if isinstance(kv0, (tuple, list)):
         raise TypeError("initial_state must be the tensor S [N, HV, K, V] with normalize=False, got a "
                         f"{type(kv0).__name__} (the (S, z) pair of normalize=True)")
-    n, kd, vd = state_count(q, cu_seqlens), q.shape[-1], v.shape[-1]
-    kv0 = state_in("initial_state", kv0, q, n, hv, kd, vd)
-    z0 = None if z0 is None else _z_in(z0, q, n, hv, kd)
+    n, hv, kd, vd = x.n, x.hv, x.q.shape[-1], x.v.shape[-1]
+    kv0 = x.state(kv0)
+    z0 = None if z0 is None else _z_in(z0, x.q, n, hv, kd)
     state = None
     if kv0 is not None or z0 is not None:
         sdt = (kv0 if kv0 is not None else z0).dtype
-        kv0 = kv0 if kv0 is not None else q.new_zeros(n, hv, kd, vd, dtype=sdt)
-        z0 = z0 if z0 is not None else q.new_zeros(n, hv, kd, dtype=sdt)
+        kv0 = kv0 if kv0 is not None else x.q.new_zeros(n, hv, kd, vd, dtype=sdt)
+        z0 = z0 if z0 is not None else x.q.new_zeros(n, hv, kd, dtype=sdt)
         state = (kv0, z0)
-    q, k = expand_heads(q, k, hv)
-    qs = heads_first(q * resolve_scale(scale, k))
+    q, k, v = x.heads_first()
+    qs = q * x.scale(scale)
     with layout_hint():
-        if step and q.shape[1] == 1 and cu_seqlens is None:
-            o, (kv, z) = linear_attention_step(state, qs, heads_first(k), heads_first(v), normalize=normalize,
-                                               eps=EPS)
+        if step and x.q.shape[1] == 1 and cu_seqlens is None:
+            o, (kv, z) = linear_attention_step(state, qs, k, v, normalize=normalize, eps=EPS)
         else:
-            o, (kv, z) = linear_attention(qs, heads_first(k), heads_first(v), causal=True, normalize=normalize,
-                                          eps=EPS, initial_state=state, return_state=True, **packed(cu_seqlens))
-    o = heads_first(o).to(out_dtype)
+            o, (kv, z) = linear_attention(qs, k, v, causal=True, normalize=normalize, eps=EPS, initial_state=state,
+                                          return_state=True, **packed(cu_seqlens))
+    o = x.output(o)
     if normalize:
         return o, (state_out(kv, output_final_state), z.unsqueeze(1))
     return o, state_out(kv, output_final_state)

@@ -21,6 +21,13 @@ def retention_decays(heads: int, device=None) -> torch.Tensor:
     return torch.log1p(-torch.exp2(-5.0 - h))
 
 
+def _run_retention(q, k, v, **opts):
+    """`run_gated` with g_gamma the decays of v's HV heads (none where v is not [B, T, HV, V]: run_gated
+    says what is wrong with it)."""
+    gamma = retention_decays(v.shape[2], v.device) if isinstance(v, torch.Tensor) and v.dim() == 4 else None
+    return run_gated(q, k, v, None, gamma, per_key=False, **opts)
+
+
 @hands_over("fla.ops.retention", "chunk_retention")
 def chunk_retention(
     q: torch.Tensor,
@@ -35,10 +42,8 @@ def chunk_retention(
     """Retention over whole sequences (module docstring); kwargs: chunk_size. Returns (o, final
     state or None)."""
     extra = take_kwargs("chunk_retention", kwargs, ("chunk_size",))
-    gamma = retention_decays(v.shape[2], v.device) if isinstance(v, torch.Tensor) and v.dim() == 4 else None
-    return run_gated(q, k, v, None, gamma, scale=scale, initial_state=initial_state,
-                     output_final_state=output_final_state, state_v_first=False, cu_seqlens=cu_seqlens,
-                     per_key=False, **extra)
+    return _run_retention(q, k, v, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+                          state_v_first=False, cu_seqlens=cu_seqlens, **extra)
 
 
 @hands_over("fla.ops.retention", "fused_recurrent_retention")
@@ -58,7 +63,5 @@ def fused_recurrent_retention(
     reverse=True is refused."""
     refuse("fused_recurrent_retention", reverse=reverse)
     state_v_first = _state_layout_alias("fused_recurrent_retention", state_v_first, kwargs)
-    gamma = retention_decays(v.shape[2], v.device) if isinstance(v, torch.Tensor) and v.dim() == 4 else None
-    return run_gated(q, k, v, None, gamma, scale=scale, initial_state=initial_state,
-                     output_final_state=output_final_state, state_v_first=state_v_first, cu_seqlens=cu_seqlens,
-                     per_key=False, step=True)
+    return _run_retention(q, k, v, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+                          state_v_first=state_v_first, cu_seqlens=cu_seqlens, step=True)

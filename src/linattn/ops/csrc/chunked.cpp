@@ -81,7 +81,7 @@ void chunked_rows(const Rows& rows, const at::Tensor& q, const at::Tensor& k, co
           const int c = static_cast<int>(std::min(chunk, m - c0)), f = static_cast<int>(F), e = static_cast<int>(E);
           const M* Qc = fb.Q + c0 * F;
           const M* Kc = fb.K + c0 * F;
-          const M* Vc = input_as<M>(pv + (t_row + s + c0) * E, Vw, int64_t(c) * E);
+          const M* Vc = as_operand<M>(pv + (t_row + s + c0) * E, Vw, int64_t(c) * E);
           T* Oc = po + (t_row + s + c0) * E;
           prefetch_ahead(pq, pk, pv, po, t_row, s + c0, std::min(N, s + c0 + chunk), block, N, F, E);
           gemm_rm<M>(false, true, c, c, f, Qc, f, Kc, f, Acc(0), A.data(), c);  // A = Q̃K̃ᵀ
@@ -188,14 +188,14 @@ void chunked_backward_rows(const Rows& rows, const at::Tensor& q, const at::Tens
           const int c = static_cast<int>(std::min(chunk, m - j * chunk));
           std::copy(Sc.begin() + j * F * E, Sc.begin() + (j + 1) * F * E, Sc.begin() + (j + 1) * F * E);
           std::copy(zc.begin() + j * F, zc.begin() + (j + 1) * F, zc.begin() + (j + 1) * F);
-          const M* Vj = input_as<M>(pv + (t_row + s + j * chunk) * E, Vw, int64_t(c) * E);
+          const M* Vj = as_operand<M>(pv + (t_row + s + j * chunk) * E, Vw, int64_t(c) * E);
           gemm_rm<M>(true, false, f, e, c, K + j * chunk * F, f, Vj, e, Acc(1), Sc.data() + (j + 1) * F * E, e);
           add_column_sums(zc.data() + (j + 1) * F, fb.Ka + j * chunk * F, c, F);
         }
         for (int64_t j = nch - 1; j >= 0; --j) {
           const int64_t c0 = j * chunk, t0 = t_row + s + c0;
           const int c = static_cast<int>(std::min(chunk, m - c0));
-          const M *Qc = Q + c0 * F, *Kc = K + c0 * F, *Vc = input_as<M>(pv + t0 * E, Vw, int64_t(c) * E);
+          const M *Qc = Q + c0 * F, *Kc = K + c0 * F, *Vc = as_operand<M>(pv + t0 * E, Vw, int64_t(c) * E);
           const Acc *S = Sc.data() + j * F * E, *z = zc.data() + j * F;
           gemm_rm<M>(false, true, c, c, f, Qc, f, Kc, f, Acc(0), A.data(), c);  // A = Q̃K̃ᵀ
           mask_upper(A.data(), c);

@@ -108,25 +108,18 @@ LINATTN_CLONES void chain_features(const Acc* __restrict__ grad, const Acc* __re
   }
 }
 
-// Acc operands as T (a copy only for bf16)
-template <typename T, typename Acc>
-inline const T* as_operand(const Acc* src, Aligned<T>& buf, int64_t n) {
-  if constexpr (std::is_same<T, Acc>::value) {
+// n values of src as gemm operands of type M: src itself when the types agree, else a copy in buf, rounded
+// to bf16 (Acc = float values as bf16 operands) or widened to float (bf16 inputs on the fp32 path)
+template <typename M, typename From>
+inline const M* as_operand(const From* src, Aligned<M>& buf, int64_t n) {
+  if constexpr (std::is_same<M, From>::value) {
     return src;
   } else {
-    narrow_bf16(src, buf.data(), n);
-    return buf.data();
-  }
-}
-
-// n values of an input of type T as gemm operands of type M: the input itself (M = T), or bf16
-// widened into buf (M = float, the fp32 path for bf16 inputs)
-template <typename M, typename T>
-inline const M* input_as(const T* src, Aligned<M>& buf, int64_t n) {
-  if constexpr (std::is_same<T, M>::value) {
-    return src;
-  } else {
-    widen_bf16(src, buf.data(), n);
+    if constexpr (std::is_same<M, float>::value) {
+      widen_bf16(src, buf.data(), n);
+    } else {
+      narrow_bf16(src, buf.data(), n);
+    }
     return buf.data();
   }
 }

@@ -168,14 +168,12 @@ void forward_rows(const Rows& rows, const at::Tensor& q, const at::Tensor& k, co
                   const at::Tensor& beta, const at::Tensor* g, at::Tensor& o, at::Tensor& S_all, at::Tensor* S_blocks,
                   double scale, bool l2norm, int64_t chunk) {
   using Acc = linattn_acc<T>;
-  const int64_t D = q.size(3), E = v.size(3), block = block_tokens(chunk);
-  const T *pq = q.data_ptr<T>(), *pk = k.data_ptr<T>(), *pv = v.data_ptr<T>();
-  const Acc* pb = beta.data_ptr<Acc>();
-  const Acc* pg = g != nullptr ? g->data_ptr<Acc>() : nullptr;
+  const int64_t D = q.size(3), E = v.size(3);
+  const RowInputs<T, Acc> x(q, k, v, beta, g, 1);
   T* po = o.data_ptr<T>();
   Acc* pS = S_all.data_ptr<Acc>();
   Acc* pSb = S_blocks != nullptr ? S_blocks->data_ptr<Acc>() : nullptr;
-  const bool gated = pg != nullptr;
+  const bool gated = g != nullptr;
   const Acc s = static_cast<Acc>(scale);
   at::parallel_for(0, rows.count(), 1, [&](int64_t i0, int64_t i1) {
     const SequentialBlas one_thread;
@@ -183,47 +181,21 @@ void forward_rows(const Rows& rows, const at::Tensor& q, const at::Tensor& k, co
     FrontBuffers<Acc> buf(chunk, D, E);
     Aligned<Acc> tmp(gated ? chunk * E : 0);
     for (int64_t i = i0; i < i1; ++i) {
-      const int64_t r = rows.row(i), N = rows.length(r), t = rows.start(r), first = rows.first_block(r);
-      const Row<T, Acc> in{pq + t * D, pk + t * D, pv + t * E, pb + t, gated ? pg + t : nullptr};
-      Acc* S = pS + r * D * E;
-      for (int64_t t0 = 0; t0 < N; t0 += chunk) {
-        if (pSb != nullptr && t0 % block == 0) std::copy(S, S + D * E, pSb + (first + t0 / block) * D * E);
-        const int c = static_cast<int>(std::min(chunk, N - t0));
-        ChunkTerms<Acc> ch = buf.terms();
-        chunk_front(in, t0, c, D, E, l2norm, S, ch, buf.SK.data(), buf.row.data(), true);
-        // O = diag(e^b) Q̂S + P V'
-        Acc* O = buf.SK.data() + c * E;
-        if (gated) scale_rows(O, ch.eb, O, c, E);
-        gemm_rm<Acc>(false, false, c, static_cast<int>(E), c, ch.AP + c * c, c, ch.Vp, static_cast<int>(E), Acc(1), O,
-                     static_cast<int>(E));
-        store_scaled<T, Acc>(O, s, po + (t + t0) * E, int64_t(c) * E);
-        update_state(S, ch, gated, c, D, E, tmp.data());
-      }
+      row_forward(
+          rows, rows.row(i), x, pS, pSb, chunk, [&](const Row<T, Acc>& in, Acc* S, int64_t t0, int c, int64_t tok) {
+            ChunkTerms<Acc> ch = buf.terms();
+            chunk_front(in, t0, c, D, E, l2norm, S, ch, buf.SK.data(), buf.row.data(), true);
+            // O = diag(e^b) Q̂S + P V'
+            Acc* O = buf.SK.data() + c * E;
+            if (gated) scale_rows(O, ch.eb, O, c, E);
+            gemm_rm<Acc>(false, false, c, static_cast<int>(E), c, ch.AP + c * c, c, ch.Vp, static_cast<int>(E), Acc(1),
+                         O, static_cast<int>(E));
+            store_scaled<T, Acc>(O, s, po + tok * E, int64_t(c) * E);
+            update_state(S, ch, gated, c, D, E, tmp.data());
+          });
     }
   });
 }
-
-// q, k (B, H, N, D), v (B, H, N, E) of one dtype; β, g (B, H, N) and S (D×E matrices: one per row, the
-// initial states, or the saved block states when saved) in Acc (state_error: what to say when their
-// number does not match). Returns the rows (rows.h) of the call.
-Rows check_inputs(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& beta,
-                  const c10::optional<at::Tensor>& g, const at::Tensor& S, bool saved, int64_t chunk,
-                  const c10::optional<at::Tensor>& cu_seqlens, const char* state_error) {
-  TORCH_CHECK(q.dim() == 4 && k.sizes() == q.sizes() && v.dim() == 4 && v.sizes().slice(0, 3) == q.sizes().slice(0, 3),
-              op, " expects q, k (B, H, N, D) and v (B, H, N, E)");
-  TORCH_CHECK(chunk > 0, op, ": chunk must be positive");
-  TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(), op, ": q, k, v must share a dtype");
-  const auto acc = q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-  TORCH_CHECK(beta.scalar_type() == acc && S.scalar_type() == acc && (!g.has_value() || g->scalar_type() == acc), op,
-              ": beta, g and the state must be float64 for float64 inputs, else float32");
-  TORCH_CHECK(beta.numel() == q.size(0) * q.size(1) * q.size(2) && (!g.has_value() || g->numel() == beta.numel()), op,
-              ": beta and g must be (B, H, N)");
-  TORCH_CHECK(delta_has_blas(), op, ": no BLAS gemm/trsm found in torch");
-  Rows rows(op, q, cu_seqlens, block_tokens(chunk));
-  TORCH_CHECK(S.numel() == (saved ? rows.blocks() : rows.count()) * q.size(3) * v.size(3), op, ": ", state_error);
-  return rows;
-}
-
 
 // The score gradients of a chunk, from DPA = [dO' V'ᵀ; Z V'ᵀ] (2c×c) in place, with P, K̂K̂ᵀ ⊙ Γ and Γ
 // of the forward (gam = nullptr: no gate):
@@ -395,43 +367,31 @@ void backward_rows(const Rows& rows, const at::Tensor& q, const at::Tensor& k, c
                    double scale, bool l2norm, int64_t chunk) {
   using Acc = linattn_acc<T>;
   const int64_t D = q.size(3), E = v.size(3), block = block_tokens(chunk), per = block / chunk;
-  const T *pq = q.data_ptr<T>(), *pk = k.data_ptr<T>(), *pv = v.data_ptr<T>(), *pdo = dO.data_ptr<T>();
-  const Acc *pb = beta.data_ptr<Acc>(), *pg = g != nullptr ? g->data_ptr<Acc>() : nullptr;
+  const RowInputs<T, Acc> x(q, k, v, beta, g, 1);
+  const RowGradOutputs<T, Acc> dx(dO, dq, dk, dv, dbeta, dg, 1);
   const Acc* pSb = S_blocks.data_ptr<Acc>();
-  T *pdq = dq.data_ptr<T>(), *pdk = dk.data_ptr<T>(), *pdv = dv.data_ptr<T>();
-  Acc *pdb = dbeta.data_ptr<Acc>(), *pdg = dg != nullptr ? dg->data_ptr<Acc>() : nullptr, *pR = R_all.data_ptr<Acc>();
-  const bool gated = pg != nullptr;
+  Acc* pR = R_all.data_ptr<Acc>();
+  const bool gated = g != nullptr;
   at::parallel_for(0, rows.count(), 1, [&](int64_t i0, int64_t i1) {
     const SequentialBlas one_thread;
     const FlushDenormals flush;
     BackBuffers<Acc> w(chunk, D, E, per, gated);
     for (int64_t i = i0; i < i1; ++i) {
-      const int64_t r = rows.row(i), N = rows.length(r), t = rows.start(r), first = rows.first_block(r);
-      const Row<T, Acc> in{pq + t * D, pk + t * D, pv + t * E, pb + t, gated ? pg + t : nullptr};
-      const RowGrads<T, Acc> out{pdo + t * E, pdq + t * D, pdk + t * D, pdv + t * E, pdb + t,
-                                 gated ? pdg + t : nullptr};
-      Acc* R = pR + r * D * E;
-      for (int64_t blk = (N + block - 1) / block - 1; blk >= 0; --blk) {
-        const int64_t s = blk * block, nch = (std::min(N, s + block) - s + chunk - 1) / chunk;
-        std::copy(pSb + (first + blk) * D * E, pSb + (first + blk + 1) * D * E, w.state(0));
-        for (int64_t j = 0; j < nch; ++j) {  // the block's chunks again, keeping their terms
-          const int64_t t0 = s + j * chunk;
-          const int c = static_cast<int>(std::min(chunk, N - t0));
-          ChunkTerms<Acc> ch = w.terms(j, gated);
-          chunk_front(in, t0, c, D, E, l2norm, w.state(j), ch, w.SK.data(), w.row.data(), false);
-          if (j + 1 < nch) {
-            std::copy(w.state(j), w.state(j) + D * E, w.state(j + 1));
-            update_state(w.state(j + 1), ch, gated, c, D, E, w.tmp.data());
-          }
-        }
-        for (int64_t j = nch - 1; j >= 0; --j) {
-          const int64_t t0 = s + j * chunk;
-          const int c = static_cast<int>(std::min(chunk, N - t0));
-          ChunkTerms<Acc> ch = w.terms(j, gated);
-          if (gated) ch.elast = exp_nonpositive(static_cast<Acc>(ch.b[c - 1]));  // as chunk_gates returned it
-          chunk_backward(in, out, t0, c, l2norm, static_cast<Acc>(scale), ch, w.state(j), R, w);
-        }
-      }
+      row_backward(
+          rows, rows.row(i), x, dx, pSb, pR, chunk, w.state(0),
+          [&](const Row<T, Acc>& in, int64_t j, int64_t t0, int c, bool more) {  // the block's chunks again
+            ChunkTerms<Acc> ch = w.terms(j, gated);
+            chunk_front(in, t0, c, D, E, l2norm, w.state(j), ch, w.SK.data(), w.row.data(), false);
+            if (more) {
+              std::copy(w.state(j), w.state(j) + D * E, w.state(j + 1));
+              update_state(w.state(j + 1), ch, gated, c, D, E, w.tmp.data());
+            }
+          },
+          [&](const Row<T, Acc>& in, const RowGrads<T, Acc>& out, Acc* R, int64_t j, int64_t t0, int c) {
+            ChunkTerms<Acc> ch = w.terms(j, gated);
+            if (gated) ch.elast = exp_nonpositive(static_cast<Acc>(ch.b[c - 1]));  // as chunk_gates returned it
+            chunk_backward(in, out, t0, c, l2norm, static_cast<Acc>(scale), ch, w.state(j), R, w);
+          });
     }
   });
 }
@@ -442,24 +402,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
     const c10::optional<at::Tensor>& g_in, const at::Tensor& S_blocks_in, const at::Tensor& do_in,
     const c10::optional<at::Tensor>& dS, double scale, bool l2norm, int64_t chunk,
     const c10::optional<at::Tensor>& cu_seqlens) {
-  const Rows rows = check_inputs("linattn_cpu::delta_chunked_backward", q_in, k_in, v_in, beta_in, g_in, S_blocks_in,
-                                 true, chunk, cu_seqlens, "the saved block states do not match q, k, v");
-  const at::Tensor q = q_in.contiguous(), k = k_in.contiguous(), v = v_in.contiguous(), beta = beta_in.contiguous();
+  const char* op = "linattn_cpu::delta_chunked_backward";
+  const Rows rows = check_inputs(op, q_in, k_in, v_in, beta_in, g_in.has_value() ? &*g_in : nullptr, false,
+                                 S_blocks_in, true, chunk, cu_seqlens, "the saved block states do not match q, k, v");
+  BackwardTensors t(op, rows, q_in, k_in, v_in, beta_in, S_blocks_in, do_in, dS);
   const at::Tensor g = g_in.has_value() ? g_in->contiguous() : at::Tensor();
-  const at::Tensor dO = do_in.to(v.scalar_type()).contiguous(), S_blocks = S_blocks_in.contiguous();
-  TORCH_CHECK(dO.sizes() == v.sizes(), "linattn_cpu::delta_chunked_backward: do must be shaped like v");
-  const int64_t D = q.size(3), E = v.size(3), nr = rows.count();
-  const auto acc = S_blocks.options();
-  at::Tensor R = dS.has_value() ? dS->to(acc).contiguous().clone() : at::zeros({nr, D, E}, acc);
-  TORCH_CHECK(R.numel() == nr * D * E, "linattn_cpu::delta_chunked_backward: dS must be shaped like the state");
-  at::Tensor dq = empty_result(q.sizes(), q.options()), dk = empty_result(k.sizes(), k.options()),
-             dv = empty_result(v.sizes(), v.options());
-  at::Tensor dbeta = at::empty(beta.sizes(), acc), dg = at::empty(g.defined() ? g.sizes() : at::IntArrayRef{0}, acc);
-  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "linattn_cpu_delta_chunked_backward", [&] {
-    backward_rows<scalar_t>(rows, q, k, v, beta, g.defined() ? &g : nullptr, S_blocks, dO, dq, dk, dv, dbeta,
-                            g.defined() ? &dg : nullptr, R, scale, l2norm, chunk);
+  at::Tensor dg = at::empty(g.defined() ? g.sizes() : at::IntArrayRef{0}, t.S_blocks.options());
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, t.q.scalar_type(), "linattn_cpu_delta_chunked_backward", [&] {
+    backward_rows<scalar_t>(rows, t.q, t.k, t.v, t.beta, g.defined() ? &g : nullptr, t.S_blocks, t.dO, t.dq, t.dk,
+                            t.dv, t.dbeta, g.defined() ? &dg : nullptr, t.R, scale, l2norm, chunk);
   });
-  return {dq, dk, dv, dbeta, dg, R.view({rows.sequences(), q.size(1), D, E})};
+  return {t.dq, t.dk, t.dv, t.dbeta, dg, t.initial_state_grad(rows)};
 }
 
 // Returns (o, S, S_blocks); S_blocks (the saved blocks of every row, D, E) is empty unless save (training).
@@ -469,8 +422,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> delta_chunked(const at::Tensor& q
                                                              const at::Tensor& S0, double scale, bool l2norm,
                                                              int64_t chunk, bool save,
                                                              const c10::optional<at::Tensor>& cu_seqlens) {
-  const Rows rows = check_inputs("linattn_cpu::delta_chunked", q_in, k_in, v_in, beta_in, g_in, S0, false, chunk,
-                                 cu_seqlens, "the state must be (B, H, D, E) (S for B with cu_seqlens)");
+  const Rows rows = check_inputs("linattn_cpu::delta_chunked", q_in, k_in, v_in, beta_in,
+                                 g_in.has_value() ? &*g_in : nullptr, false, S0, false, chunk, cu_seqlens,
+                                 "the state must be (B, H, D, E) (S for B with cu_seqlens)");
   const at::Tensor q = q_in.contiguous(), k = k_in.contiguous(), v = v_in.contiguous(), beta = beta_in.contiguous();
   const at::Tensor g = g_in.has_value() ? g_in->contiguous() : at::Tensor();
   const int64_t D = q.size(3), E = v.size(3);

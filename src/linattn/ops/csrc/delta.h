@@ -1,7 +1,8 @@
 // The pieces of the delta family's fused chunked kernels shared by delta.cpp (no gate, one decay per
 // head) and kda.cpp (one decay per key channel): the saved-state block size, the strip triangular
-// solve, loading (and L2-normalizing) rows, the corrected values, row scalings and the chain through
-// the normalization. Internal linkage (one copy per file), like common.h.
+// solve, loading (and L2-normalizing) rows, the corrected values, row scalings, the chain through the
+// normalization, the checks and cotangents of the operators' entries and the backward's walk over the saved
+// blocks. Internal linkage (one copy per file), like common.h.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -13,6 +14,8 @@
 
 #include "blas.h"
 #include "common.h"
+#include "pool.h"
+#include "rows.h"
 #include "step_rows.h"
 
 namespace {
@@ -211,5 +214,138 @@ inline Acc ungated_cotangent_row(Acc* __restrict__ Hi, Acc* __restrict__ dPi, co
   for (int j = i + 1; j < c; ++j) dPi[j] = Acc(0);
   return sb;
 }
+
+// Where the rows of a call's inputs start: q, k (D values a token), v (E), β (1) and g (g_width: 1, or D
+// per key channel; none without a gate) over the flattened (B·H·N) tokens; row(t): the Row from token t.
+template <typename T, typename Acc>
+struct RowInputs {
+  const T *q, *k, *v;
+  const Acc *beta, *g;
+  int64_t D, E, g_width;
+
+  RowInputs(const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v_, const at::Tensor& beta_,
+            const at::Tensor* g_, int64_t g_width_)
+      : q(q_.data_ptr<T>()), k(k_.data_ptr<T>()), v(v_.data_ptr<T>()), beta(beta_.data_ptr<Acc>()),
+        g(g_ != nullptr ? g_->data_ptr<Acc>() : nullptr), D(q_.size(3)), E(v_.size(3)), g_width(g_width_) {}
+
+  Row<T, Acc> row(int64_t t) const {
+    return {q + t * D, k + t * D, v + t * E, beta + t, g != nullptr ? g + t * g_width : nullptr};
+  }
+};
+
+// The same for the backward's tensors: dO read, dq, dk, dv, dβ and dg (none without a gate) written
+template <typename T, typename Acc>
+struct RowGradOutputs {
+  const T* dO;
+  T *dq, *dk, *dv;
+  Acc *dbeta, *dg;
+  int64_t D, E, g_width;
+
+  RowGradOutputs(const at::Tensor& dO_, at::Tensor& dq_, at::Tensor& dk_, at::Tensor& dv_, at::Tensor& dbeta_,
+                 at::Tensor* dg_, int64_t g_width_)
+      : dO(dO_.data_ptr<T>()), dq(dq_.data_ptr<T>()), dk(dk_.data_ptr<T>()), dv(dv_.data_ptr<T>()),
+        dbeta(dbeta_.data_ptr<Acc>()), dg(dg_ != nullptr ? dg_->data_ptr<Acc>() : nullptr), D(dq_.size(3)),
+        E(dv_.size(3)), g_width(g_width_) {}
+
+  RowGrads<T, Acc> row(int64_t t) const {
+    return {dO + t * E, dq + t * D, dk + t * D, dv + t * E, dbeta + t, dg != nullptr ? dg + t * g_width : nullptr};
+  }
+};
+
+// The forward of row r chunk by chunk, in order: step(in, S, t0, c, tok) advances the row's state S (its
+// D·E values in S_all) over the row's tokens t0 … t0 + c − 1 (tok = the first one's index in the flattened
+// B·H·N tokens, where its outputs go); with saved_all (not null) S is first copied, at every block's start,
+// to the row's saved block states.
+template <typename T, typename Acc, typename Step>
+void row_forward(const Rows& rows, int64_t r, const RowInputs<T, Acc>& x, Acc* S_all, Acc* saved_all, int64_t chunk,
+                 Step&& step) {
+  const int64_t N = rows.length(r), DE = x.D * x.E, block = block_tokens(chunk);
+  const Row<T, Acc> in = x.row(rows.start(r));
+  Acc* S = S_all + r * DE;
+  Acc* saved = saved_all != nullptr ? saved_all + rows.first_block(r) * DE : nullptr;
+  for (int64_t t0 = 0; t0 < N; t0 += chunk) {
+    if (saved != nullptr && t0 % block == 0) std::copy(S, S + DE, saved + (t0 / block) * DE);
+    step(in, S, t0, static_cast<int>(std::min(chunk, N - t0)), rows.start(r) + t0);
+  }
+}
+
+// The backward of row r by its saved block states (saved_all, as row_forward saved them), last block first:
+// the block's state is copied to state0, forward(in, j, t0, c, more) recomputes its chunk j (the row's tokens
+// t0 … t0 + c − 1, chunks in order; more: another chunk of the block follows), then backward(in, out, R, j,
+// t0, c) walks the chunks back from the block's last, R the row's state cotangent (its D·E values in R_all).
+template <typename T, typename Acc, typename Forward, typename Backward>
+void row_backward(const Rows& rows, int64_t r, const RowInputs<T, Acc>& x, const RowGradOutputs<T, Acc>& dx,
+                  const Acc* saved_all, Acc* R_all, int64_t chunk, Acc* state0, Forward&& forward,
+                  Backward&& backward) {
+  const int64_t N = rows.length(r), DE = x.D * x.E, block = block_tokens(chunk);
+  const Row<T, Acc> in = x.row(rows.start(r));
+  const RowGrads<T, Acc> out = dx.row(rows.start(r));
+  const Acc* saved = saved_all + rows.first_block(r) * DE;
+  Acc* R = R_all + r * DE;
+  for (int64_t blk = (N + block - 1) / block - 1; blk >= 0; --blk) {
+    const int64_t s = blk * block, nch = (std::min(N, s + block) - s + chunk - 1) / chunk;
+    std::copy(saved + blk * DE, saved + (blk + 1) * DE, state0);
+    for (int64_t j = 0; j < nch; ++j) {
+      const int64_t t0 = s + j * chunk;
+      forward(in, j, t0, static_cast<int>(std::min(chunk, N - t0)), j + 1 < nch);
+    }
+    for (int64_t j = nch - 1; j >= 0; --j) {
+      const int64_t t0 = s + j * chunk;
+      backward(in, out, R, j, t0, static_cast<int>(std::min(chunk, N - t0)));
+    }
+  }
+}
+
+// q, k (B, H, N, D), v (B, H, N, E) of one dtype; β (B, H, N), g (B, H, N; per_channel: B, H, N, D) or
+// none, and S (D×E matrices: one per row, the initial states, or the saved block states when saved) in
+// Acc (state_error: what to say when their number does not match). Returns the rows (rows.h) of the call.
+inline Rows check_inputs(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                         const at::Tensor& beta, const at::Tensor* g, bool per_channel, const at::Tensor& S,
+                         bool saved, int64_t chunk, const c10::optional<at::Tensor>& cu_seqlens,
+                         const char* state_error) {
+  TORCH_CHECK(q.dim() == 4 && k.sizes() == q.sizes() && v.dim() == 4 && v.sizes().slice(0, 3) == q.sizes().slice(0, 3),
+              op, " expects q, k (B, H, N, D) and v (B, H, N, E)");
+  TORCH_CHECK(chunk > 0, op, ": chunk must be positive");
+  TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(), op, ": q, k, v must share a dtype");
+  const auto acc = q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  TORCH_CHECK(beta.scalar_type() == acc && S.scalar_type() == acc && (g == nullptr || g->scalar_type() == acc), op,
+              ": beta, g and the state must be float64 for float64 inputs, else float32");
+  const bool g_fits = g == nullptr || (per_channel ? g->sizes() == q.sizes() : g->numel() == beta.numel());
+  TORCH_CHECK(beta.numel() == q.size(0) * q.size(1) * q.size(2) && g_fits, op,
+              per_channel ? ": beta must be (B, H, N) and g (B, H, N, D)" : ": beta and g must be (B, H, N)");
+  TORCH_CHECK(delta_has_blas(), op, ": no BLAS gemm/trsm found in torch");
+  Rows rows(op, q, cu_seqlens, block_tokens(chunk));
+  TORCH_CHECK(S.numel() == (saved ? rows.blocks() : rows.count()) * q.size(3) * v.size(3), op, ": ", state_error);
+  return rows;
+}
+
+// The tensors of a chunked backward (delta_chunked_backward, kda_chunked_backward) after check_inputs: q, k,
+// v, β and the saved block states contiguous; dO, do in v's dtype, contiguous, shaped like v; R, the cotangent
+// of the rows' final states (a copy of dS, zeros without one) as D×E rows in the states' dtype, which the
+// backward turns into that of the initial states; the gradients to fill: dq, dk, dv like q, k, v and dβ like
+// β (op: the operator's name in errors).
+struct BackwardTensors {
+  at::Tensor q, k, v, beta, S_blocks, dO, R, dq, dk, dv, dbeta;
+
+  BackwardTensors(const char* op, const Rows& rows, const at::Tensor& q_in, const at::Tensor& k_in,
+                  const at::Tensor& v_in, const at::Tensor& beta_in, const at::Tensor& S_blocks_in,
+                  const at::Tensor& do_in, const c10::optional<at::Tensor>& dS)
+      : q(q_in.contiguous()), k(k_in.contiguous()), v(v_in.contiguous()), beta(beta_in.contiguous()),
+        S_blocks(S_blocks_in.contiguous()), dO(do_in.to(v.scalar_type()).contiguous()) {
+    TORCH_CHECK(dO.sizes() == v.sizes(), op, ": do must be shaped like v");
+    const int64_t nr = rows.count(), D = q.size(3), E = v.size(3);
+    R = dS.has_value() ? dS->to(S_blocks.options()).contiguous().clone() : at::zeros({nr, D, E}, S_blocks.options());
+    TORCH_CHECK(R.numel() == nr * D * E, op, ": dS must be shaped like the state");
+    dq = linattn_pool::empty_result(q.sizes(), q.options());
+    dk = linattn_pool::empty_result(k.sizes(), k.options());
+    dv = linattn_pool::empty_result(v.sizes(), v.options());
+    dbeta = at::empty(beta.sizes(), S_blocks.options());
+  }
+
+  // ∂L/∂S0 (S, H, D, E), S the states' leading dim (rows.h), once the backward has run
+  at::Tensor initial_state_grad(const Rows& rows) const {
+    return R.view({rows.sequences(), q.size(1), q.size(3), v.size(3)});
+  }
+};
 
 }  // namespace

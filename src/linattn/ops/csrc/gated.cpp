@@ -58,7 +58,7 @@ void gated_rows(const Rows& rows, const at::Tensor& q, const at::Tensor& k, cons
           const int64_t t0 = t_row + s + c0;
           Acc* den_out = saves != nullptr && normalize ? saves->den + t0 : nullptr;
           prefetch_ahead(pq, pk, pv, po, t_row, s + c0, std::min(N, s + c0 + chunk), block, N, F, E);
-          const M* V = input_as<M>(pv + t0 * E, Vw, int64_t(c) * E);
+          const M* V = as_operand<M>(pv + t0 * E, Vw, int64_t(c) * E);
           M* O;
           if constexpr (widen) {
             O = Ow.data();

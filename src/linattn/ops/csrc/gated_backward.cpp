@@ -59,22 +59,29 @@ void values_grad(Grads<T>& gr, const Span<T>& sp, int64_t F, int64_t E, const T*
   if constexpr (Work<T>::low) narrow_bf16(dV, sp.dv, int64_t(c) * E);
 }
 
-// The backward of one chunk of scalar gates from the state (S, z) entering it and (S_out, z_out) after
-// it; (R, r) the gradients flowing into the state after it, updated to those entering it.
+// The states around one chunk (or vector-gated piece) of the backward: (S, z) entering it and (S_out, z_out)
+// after it (z, z_out null without normalize); (R, r) the gradients flowing into the state after it, which
+// the chunk's backward updates to those entering it.
+template <typename Acc>
+struct ChunkStates {
+  const Acc *S, *z, *S_out, *z_out;
+  Acc *R, *r;
+};
+
+// The backward of one chunk of scalar gates (its states in st)
 template <typename T>
-void scalar_chunk_backward(Work<T>& wk, Grads<T>& gr, const Span<T>& sp, int64_t F, int64_t E, const linattn_acc<T>* S,
-                           const linattn_acc<T>* z, const linattn_acc<T>* S_out, const linattn_acc<T>* z_out,
-                           linattn_acc<T>* R, linattn_acc<T>* rr, bool normalize, double* carry) {
+void scalar_chunk_backward(Work<T>& wk, Grads<T>& gr, const Span<T>& sp, int64_t F, int64_t E,
+                           const ChunkStates<linattn_acc<T>>& st, bool normalize, double* carry) {
   using Acc = linattn_acc<T>;
   const int c = sp.c, f = static_cast<int>(F), e = static_cast<int>(E);
   const int64_t cc = int64_t(c) * c;
-  end_term(S_out, R, z_out, rr, F, E, false, carry);
+  end_term(st.S_out, st.R, st.z_out, st.r, F, E, false, carry);
   scalar_decays(sp.g, c, wk.beta.data(), wk.eb.data(), wk.w.data());
   gemm_rm<T>(false, true, c, c, f, sp.Q, f, sp.K, f, Acc(0), wk.A.data(), c);  // A = (Q̃K̃ᵀ) ⊙ D
   decay_scores(wk.A.data(), wk.D.data(), c, wk.beta.data());
   output_grads(sp.dO, sp.O, sp.den, normalize, gr.G.data(), gr.gd.data(), c, E);
   const T* G_op = as_operand<T>(gr.G.data(), gr.G_low, int64_t(c) * E);
-  const T* R_op = as_operand<T>(R, gr.R_low, F * E);
+  const T* R_op = as_operand<T>(st.R, gr.R_low, F * E);
   weighted_rows(sp.Ka, wk.w.data(), c, F, wk.Kv.data());  // K̂ = e^{λ−β} ⊙ K̃
   const T* Kw_op = as_operand<T>(wk.Kv.data(), wk.Kv_low, int64_t(c) * F);
   values_grad<T>(gr, sp, F, E, as_operand<T>(wk.A.data(), wk.A_low, cc), Kw_op, G_op, R_op);
@@ -83,46 +90,43 @@ void scalar_chunk_backward(Work<T>& wk, Grads<T>& gr, const Span<T>& sp, int64_t
   add_rows_and_decay(gr.P.data(), normalize ? gr.gd.data() : nullptr, wk.D.data(), c);
   const T* P_op = as_operand<T>(gr.P.data(), gr.P_low, cc);
   // dQ̃ = e^{β} ⊙ (G Sᵀ + g zᵀ) + P K̃
-  gemm_rm<T>(false, true, c, f, e, G_op, e, as_operand<T>(S, gr.S_low, F * E), e, Acc(0), gr.dQ.data(), f);
-  if (normalize) add_outer(gr.dQ.data(), gr.gd.data(), z, c, F);
+  gemm_rm<T>(false, true, c, f, e, G_op, e, as_operand<T>(st.S, gr.S_low, F * E), e, Acc(0), gr.dQ.data(), f);
+  if (normalize) add_outer(gr.dQ.data(), gr.gd.data(), st.z, c, F);
   scale_rows(gr.dQ.data(), wk.eb.data(), c, F);
   gemm_rm<T>(false, false, c, f, c, P_op, c, sp.K, f, Acc(1), gr.dQ.data(), f);
   // dK̃ = e^{λ−β} ⊙ (V Rᵀ + 1 rᵀ) + Pᵀ Q̃
   gemm_rm<T>(false, true, c, f, e, sp.V, e, R_op, e, Acc(0), gr.dK.data(), f);
-  if (normalize) add_outer<Acc>(gr.dK.data(), nullptr, rr, c, F);
+  if (normalize) add_outer<Acc>(gr.dK.data(), nullptr, st.r, c, F);
   scale_rows(gr.dK.data(), wk.w.data(), c, F);
   gemm_rm<T>(true, false, c, f, c, P_op, c, sp.Q, f, Acc(1), gr.dK.data(), f);
   gate_grads(sp.Qa, gr.dQ.data(), sp.Ka, gr.dK.data(), sp.g, c, F, false, carry, sp.dg);
   // (R, r) ← e^{λ} (R, r) + Q̃ᵀ (e^{β} ⊙ (G, g))
   const Acc ec = wk.eb.data()[c - 1];
   scale_rows(gr.G.data(), wk.eb.data(), c, E);
-  scale_all(R, F * E, ec);
-  gemm_rm<T>(true, false, f, e, c, sp.Q, f, as_operand<T>(gr.G.data(), gr.G_low, int64_t(c) * E), e, Acc(1), R, e);
+  scale_all(st.R, F * E, ec);
+  gemm_rm<T>(true, false, f, e, c, sp.Q, f, as_operand<T>(gr.G.data(), gr.G_low, int64_t(c) * E), e, Acc(1), st.R, e);
   if (normalize) {
     for (int i = 0; i < c; ++i) gr.gd.data()[i] *= wk.eb.data()[i];
-    scale_all(rr, F, ec);
-    add_weighted_rows(rr, gr.gd.data(), sp.Qa, c, F);
+    scale_all(st.r, F, ec);
+    add_weighted_rows(st.r, gr.gd.data(), sp.Qa, c, F);
   }
   chain_features(gr.dQ.data(), sp.fQ, sp.dq, int64_t(c) * F);
   chain_features(gr.dK.data(), sp.fK, sp.dk, int64_t(c) * F);
 }
 
-// The backward of one vector-gated piece (its γ in gam) from the states (S, z) entering and (S_out, z_out)
-// leaving it
+// The backward of one vector-gated piece (its γ in gam; its states in st)
 template <typename T>
 void piece_backward(Work<T>& wk, Grads<T>& gr, const Span<T>& sp, int64_t F, int64_t E, const double* gam,
-                    const linattn_acc<T>* S,
-                    const linattn_acc<T>* z, const linattn_acc<T>* S_out, const linattn_acc<T>* z_out,
-                    linattn_acc<T>* R, linattn_acc<T>* rr, bool normalize, double* carry) {
+                    const ChunkStates<linattn_acc<T>>& st, bool normalize, double* carry) {
   using Acc = linattn_acc<T>;
   const int c = sp.c, f = static_cast<int>(F), e = static_cast<int>(E);
   const int64_t cc = int64_t(c) * c;
-  end_term(S_out, R, z_out, rr, F, E, true, carry);
+  end_term(st.S_out, st.R, st.z_out, st.r, F, E, true, carry);
   piece_factors(sp.g, gam, c, F, sp.Qa, sp.Ka, wk.dec.data(), wk.w.data(), wk.Qv.data(), wk.Kv.data());
-  std::copy(S, S + F * E, wk.S_hat.begin());
+  std::copy(st.S, st.S + F * E, wk.S_hat.begin());
   decay_rows(wk.S_hat.data(), wk.dec.data(), F, E);  // Ŝ = e^{λ} ⊙ S
   if (normalize) {
-    std::copy(z, z + F, wk.z_hat.begin());
+    std::copy(st.z, st.z + F, wk.z_hat.begin());
     decay_rows(wk.z_hat.data(), wk.dec.data(), F, 1);
   }
   const T* Qop = as_operand<T>(wk.Qv.data(), wk.Qv_low, c * F);
@@ -131,7 +135,7 @@ void piece_backward(Work<T>& wk, Grads<T>& gr, const Span<T>& sp, int64_t F, int
   mask_upper(wk.A.data(), c);
   output_grads(sp.dO, sp.O, sp.den, normalize, gr.G.data(), gr.gd.data(), c, E);
   const T* G_op = as_operand<T>(gr.G.data(), gr.G_low, int64_t(c) * E);
-  const T* R_op = as_operand<T>(R, gr.R_low, F * E);
+  const T* R_op = as_operand<T>(st.R, gr.R_low, F * E);
   values_grad<T>(gr, sp, F, E, as_operand<T>(wk.A.data(), wk.A_low, cc), Kop, G_op, R_op);
   // P = M ⊙ (G Vᵀ + g 1ᵀ)
   gemm_rm<T>(false, true, c, c, e, G_op, e, sp.V, e, Acc(0), gr.P.data(), c);
@@ -148,15 +152,15 @@ void piece_backward(Work<T>& wk, Grads<T>& gr, const Span<T>& sp, int64_t F, int
   if (normalize) add_outer(gr.dQ.data(), gr.gd.data(), wk.z_hat.data(), c, F);
   gemm_rm<T>(true, false, c, f, c, P_op, c, Qop, f, Acc(0), gr.dK.data(), f);
   gemm_rm<T>(false, true, c, f, e, sp.V, e, R_op, e, Acc(1), gr.dK.data(), f);
-  if (normalize) add_outer<Acc>(gr.dK.data(), nullptr, rr, c, F);
+  if (normalize) add_outer<Acc>(gr.dK.data(), nullptr, st.r, c, F);
   // q ⊙ dq − k ⊙ dk = Q̌ ⊙ dQ̌ − K̂ ⊙ dK̂
   gate_grads(wk.Qv.data(), gr.dQ.data(), wk.Kv.data(), gr.dK.data(), sp.g, c, F, true, carry, sp.dg);
   // (R, r) ← e^{λ} ⊙ ((R, r) + Q̌ᵀ (G, g))
-  gemm_rm<T>(true, false, f, e, c, Qop, f, G_op, e, Acc(1), R, e);
-  decay_rows(R, wk.dec.data(), F, E);
+  gemm_rm<T>(true, false, f, e, c, Qop, f, G_op, e, Acc(1), st.R, e);
+  decay_rows(st.R, wk.dec.data(), F, E);
   if (normalize) {
-    add_weighted_rows(rr, gr.gd.data(), wk.Qv.data(), c, F);
-    decay_rows(rr, wk.dec.data(), F, 1);
+    add_weighted_rows(st.r, gr.gd.data(), wk.Qv.data(), c, F);
+    decay_rows(st.r, wk.dec.data(), F, 1);
   }
   unscale_grads(gr.dQ.data(), gr.dK.data(), wk.w.data(), int64_t(c) * F);
   chain_features(gr.dQ.data(), sp.fQ, sp.dq, int64_t(c) * F);
@@ -168,10 +172,9 @@ void piece_backward(Work<T>& wk, Grads<T>& gr, const Span<T>& sp, int64_t F, int
 // at row p of wk.gam
 template <typename T>
 void vector_chunk_backward(Work<T>& wk, Grads<T>& gr, const Span<T>& ch, int64_t F, int64_t E,
-                           const linattn_acc<T>* S, const linattn_acc<T>* z, const linattn_acc<T>* S_out,
-                           const linattn_acc<T>* z_out, linattn_acc<T>* R, linattn_acc<T>* rr,
-                           bool normalize, double* carry, std::vector<int>& starts, std::vector<linattn_acc<T>>& Sp,
-                           std::vector<linattn_acc<T>>& zp) {
+                           const ChunkStates<linattn_acc<T>>& st, bool normalize, double* carry,
+                           std::vector<int>& starts, std::vector<linattn_acc<T>>& Sp, std::vector<linattn_acc<T>>& zp) {
+  const auto [S, z, S_out, z_out, R, rr] = st;
   starts.clear();
   for (int p = 0; p < ch.c;) {
     starts.push_back(p);
@@ -215,9 +218,11 @@ void vector_chunk_backward(Work<T>& wk, Grads<T>& gr, const Span<T>& ch, int64_t
     sp.dv += p * E;
     sp.dg += p * F;
     const bool first = i == 0, last = i + 1 == np;
-    piece_backward<T>(wk, gr, sp, F, E, wk.gam.data() + p * F, first ? S : Sp.data() + i * F * E,
-                      first ? z : (normalize ? zp.data() + i * F : nullptr), last ? S_out : Sp.data() + (i + 1) * F * E,
-                      last ? z_out : (normalize ? zp.data() + (i + 1) * F : nullptr), R, rr, normalize, carry);
+    const ChunkStates<linattn_acc<T>> piece{first ? S : Sp.data() + i * F * E,
+                                            first ? z : (normalize ? zp.data() + i * F : nullptr),
+                                            last ? S_out : Sp.data() + (i + 1) * F * E,
+                                            last ? z_out : (normalize ? zp.data() + (i + 1) * F : nullptr), R, rr};
+    piece_backward<T>(wk, gr, sp, F, E, wk.gam.data() + p * F, piece, normalize, carry);
   }
 }
 
@@ -288,7 +293,7 @@ void gated_backward_rows(const Rows& rows, const at::Tensor& q, const at::Tensor
           Acc* znext = normalize ? zc.data() + (j + 1) * F : nullptr;
           std::copy(Sc.begin() + j * F * E, Sc.begin() + (j + 1) * F * E, Snext);
           if (normalize) std::copy(zc.begin() + j * F, zc.begin() + (j + 1) * F, znext);
-          const M* V = input_as<M>(pv + t0 * E, wc.V, int64_t(c) * E);
+          const M* V = as_operand<M>(pv + t0 * E, wc.V, int64_t(c) * E);
           if (vector) {
             vector_chunk_forward<M>(wk, c, F, E, fb.Qa + c0 * F, fb.Ka + c0 * F, V, pg + t0 * F, Snext, znext, nullptr,
                                     normalize, Acc(0), nullptr);
@@ -303,9 +308,9 @@ void gated_backward_rows(const Rows& rows, const at::Tensor& q, const at::Tensor
           Span<M> sp{c,
                      fb.Q + c0 * F,
                      fb.K + c0 * F,
-                     input_as<M>(pv + t0 * E, wc.V, int64_t(c) * E),
-                     input_as<M>(pdo + t0 * E, wc.dO, int64_t(c) * E),
-                     input_as<M>(po + t0 * E, wc.O, int64_t(c) * E),
+                     as_operand<M>(pv + t0 * E, wc.V, int64_t(c) * E),
+                     as_operand<M>(pdo + t0 * E, wc.dO, int64_t(c) * E),
+                     as_operand<M>(po + t0 * E, wc.O, int64_t(c) * E),
                      fb.Qa + c0 * F,
                      fb.Ka + c0 * F,
                      fb.fQ == nullptr ? nullptr : fb.fQ + c0 * F,
@@ -336,11 +341,11 @@ void gated_backward_rows(const Rows& rows, const at::Tensor& q, const at::Tensor
                              : j + 1 < nch  ? z + F
                              : last_block   ? pzN + r * F
                                             : pzb + (first + b + 1) * F;
+          const ChunkStates<Acc> st{S, z, S_out, z_out, R, rr};
           if (vector) {
-            vector_chunk_backward<M>(wk, gr, sp, F, E, S, z, S_out, z_out, R, rr, normalize, carry.data(), starts, Sp,
-                                     zp);
+            vector_chunk_backward<M>(wk, gr, sp, F, E, st, normalize, carry.data(), starts, Sp, zp);
           } else {
-            scalar_chunk_backward<M>(wk, gr, sp, F, E, S, z, S_out, z_out, R, rr, normalize, carry.data());
+            scalar_chunk_backward<M>(wk, gr, sp, F, E, st, normalize, carry.data());
           }
           if constexpr (widen) {
             narrow_bf16(sp.dq, pdq + t0 * F, int64_t(c) * F);

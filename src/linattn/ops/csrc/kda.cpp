@@ -289,9 +289,8 @@ void forward_rows(const Rows& rows, const at::Tensor& q, const at::Tensor& k, co
                   const at::Tensor& beta, const at::Tensor& g, at::Tensor& o, at::Tensor& S_all, at::Tensor* S_blocks,
                   double scale, bool l2norm, int64_t chunk) {
   using Acc = linattn_acc<T>;
-  const int64_t D = q.size(3), E = v.size(3), block = block_tokens(chunk);
-  const T *pq = q.data_ptr<T>(), *pk = k.data_ptr<T>(), *pv = v.data_ptr<T>();
-  const Acc *pb = beta.data_ptr<Acc>(), *pg = g.data_ptr<Acc>();
+  const int64_t D = q.size(3), E = v.size(3);
+  const RowInputs<T, Acc> x(q, k, v, beta, &g, D);
   T* po = o.data_ptr<T>();
   Acc* pS = S_all.data_ptr<Acc>();
   Acc* pSb = S_blocks != nullptr ? S_blocks->data_ptr<Acc>() : nullptr;
@@ -303,20 +302,16 @@ void forward_rows(const Rows& rows, const at::Tensor& q, const at::Tensor& k, co
     FactorBuffers<Acc> w(chunk, D);
     Aligned<Acc> SK(2 * chunk * E);
     for (int64_t i = i0; i < i1; ++i) {
-      const int64_t r = rows.row(i), N = rows.length(r), t = rows.start(r), first = rows.first_block(r);
-      const Row<T, Acc> in{pq + t * D, pk + t * D, pv + t * E, pb + t, pg + t * D};
-      Acc* S = pS + r * D * E;
-      for (int64_t t0 = 0; t0 < N; t0 += chunk) {
-        if (pSb != nullptr && t0 % block == 0) std::copy(S, S + D * E, pSb + (first + t0 / block) * D * E);
-        const int c = static_cast<int>(std::min(chunk, N - t0));
-        KdaTerms<Acc> ch = buf.terms(0);
-        kda_front(in, t0, c, D, E, l2norm, S, ch, SK.data(), w, true);
-        Acc* O = SK.data() + c * E;  // O = Q̂_b S + P V'
-        gemm_rm<Acc>(false, false, c, static_cast<int>(E), c, ch.AP + c * c, c, ch.Vp, static_cast<int>(E), Acc(1), O,
-                     static_cast<int>(E));
-        store_scaled<T, Acc>(O, s, po + (t + t0) * E, int64_t(c) * E);
-        kda_update_state(S, ch, c, D, E);
-      }
+      row_forward(
+          rows, rows.row(i), x, pS, pSb, chunk, [&](const Row<T, Acc>& in, Acc* S, int64_t t0, int c, int64_t tok) {
+            KdaTerms<Acc> ch = buf.terms(0);
+            kda_front(in, t0, c, D, E, l2norm, S, ch, SK.data(), w, true);
+            Acc* O = SK.data() + c * E;  // O = Q̂_b S + P V'
+            gemm_rm<Acc>(false, false, c, static_cast<int>(E), c, ch.AP + c * c, c, ch.Vp, static_cast<int>(E), Acc(1),
+                         O, static_cast<int>(E));
+            store_scaled<T, Acc>(O, s, po + tok * E, int64_t(c) * E);
+            kda_update_state(S, ch, c, D, E);
+          });
     }
   });
 }
@@ -451,65 +446,34 @@ void backward_rows(const Rows& rows, const at::Tensor& q, const at::Tensor& k, c
                    double scale, bool l2norm, int64_t chunk) {
   using Acc = linattn_acc<T>;
   const int64_t D = q.size(3), E = v.size(3), block = block_tokens(chunk), per = block / chunk;
-  const T *pq = q.data_ptr<T>(), *pk = k.data_ptr<T>(), *pv = v.data_ptr<T>(), *pdo = dO.data_ptr<T>();
-  const Acc *pb = beta.data_ptr<Acc>(), *pg = g.data_ptr<Acc>(), *pSb = S_blocks.data_ptr<Acc>();
-  T *pdq = dq.data_ptr<T>(), *pdk = dk.data_ptr<T>(), *pdv = dv.data_ptr<T>();
-  Acc *pdb = dbeta.data_ptr<Acc>(), *pdg = dg.data_ptr<Acc>(), *pR = R_all.data_ptr<Acc>();
+  const RowInputs<T, Acc> x(q, k, v, beta, &g, D);
+  const RowGradOutputs<T, Acc> dx(dO, dq, dk, dv, dbeta, &dg, D);
+  const Acc* pSb = S_blocks.data_ptr<Acc>();
+  Acc* pR = R_all.data_ptr<Acc>();
   at::parallel_for(0, rows.count(), 1, [&](int64_t i0, int64_t i1) {
     const SequentialBlas one_thread;
     const FlushDenormals flush;
     TermBuffers<Acc> terms(chunk, D, E, per, true);
     GradBuffers<Acc> w(chunk, D, E);
     for (int64_t i = i0; i < i1; ++i) {
-      const int64_t r = rows.row(i), N = rows.length(r), t = rows.start(r), first = rows.first_block(r);
-      const Row<T, Acc> in{pq + t * D, pk + t * D, pv + t * E, pb + t, pg + t * D};
-      const RowGrads<T, Acc> out{pdo + t * E, pdq + t * D, pdk + t * D, pdv + t * E, pdb + t, pdg + t * D};
-      Acc* R = pR + r * D * E;
-      for (int64_t blk = (N + block - 1) / block - 1; blk >= 0; --blk) {
-        const int64_t s = blk * block, nch = (std::min(N, s + block) - s + chunk - 1) / chunk;
-        std::copy(pSb + (first + blk) * D * E, pSb + (first + blk + 1) * D * E, terms.state(0));
-        for (int64_t j = 0; j < nch; ++j) {  // the block's chunks again, keeping their terms
-          const int64_t t0 = s + j * chunk;
-          const int c = static_cast<int>(std::min(chunk, N - t0));
-          KdaTerms<Acc> ch = terms.terms(j);
-          kda_front(in, t0, c, D, E, l2norm, terms.state(j), ch, w.SK.data(), w.f, false);
-          terms.nbs.data()[j] = ch.nb;
-          if (j + 1 < nch) {
-            std::copy(terms.state(j), terms.state(j) + D * E, terms.state(j + 1));
-            kda_update_state(terms.state(j + 1), ch, c, D, E);
-          }
-        }
-        for (int64_t j = nch - 1; j >= 0; --j) {
-          const int64_t t0 = s + j * chunk;
-          const int c = static_cast<int>(std::min(chunk, N - t0));
-          KdaTerms<Acc> ch = terms.terms(j);
-          ch.nb = terms.nbs.data()[j];
-          kda_chunk_backward(in, out, t0, c, D, E, l2norm, static_cast<Acc>(scale), ch, terms.state(j), R, w);
-        }
-      }
+      row_backward(
+          rows, rows.row(i), x, dx, pSb, pR, chunk, terms.state(0),
+          [&](const Row<T, Acc>& in, int64_t j, int64_t t0, int c, bool more) {  // the block's chunks again
+            KdaTerms<Acc> ch = terms.terms(j);
+            kda_front(in, t0, c, D, E, l2norm, terms.state(j), ch, w.SK.data(), w.f, false);
+            terms.nbs.data()[j] = ch.nb;
+            if (more) {
+              std::copy(terms.state(j), terms.state(j) + D * E, terms.state(j + 1));
+              kda_update_state(terms.state(j + 1), ch, c, D, E);
+            }
+          },
+          [&](const Row<T, Acc>& in, const RowGrads<T, Acc>& out, Acc* R, int64_t j, int64_t t0, int c) {
+            KdaTerms<Acc> ch = terms.terms(j);
+            ch.nb = terms.nbs.data()[j];
+            kda_chunk_backward(in, out, t0, c, D, E, l2norm, static_cast<Acc>(scale), ch, terms.state(j), R, w);
+          });
     }
   });
-}
-
-// q, k (B, H, N, D), v (B, H, N, E) of one dtype; β (B, H, N), g (B, H, N, D) and S (D×E matrices: one
-// per row, the initial states, or the saved block states when saved) in Acc (state_error: what to say
-// when their number does not match). Returns the rows (rows.h) of the call.
-Rows check_inputs(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& beta,
-                  const at::Tensor& g, const at::Tensor& S, bool saved, int64_t chunk,
-                  const c10::optional<at::Tensor>& cu_seqlens, const char* state_error) {
-  TORCH_CHECK(q.dim() == 4 && k.sizes() == q.sizes() && v.dim() == 4 && v.sizes().slice(0, 3) == q.sizes().slice(0, 3),
-              op, " expects q, k (B, H, N, D) and v (B, H, N, E)");
-  TORCH_CHECK(chunk > 0, op, ": chunk must be positive");
-  TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(), op, ": q, k, v must share a dtype");
-  const auto acc = q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-  TORCH_CHECK(beta.scalar_type() == acc && S.scalar_type() == acc && g.scalar_type() == acc, op,
-              ": beta, g and the state must be float64 for float64 inputs, else float32");
-  TORCH_CHECK(beta.numel() == q.size(0) * q.size(1) * q.size(2) && g.sizes() == q.sizes(), op,
-              ": beta must be (B, H, N) and g (B, H, N, D)");
-  TORCH_CHECK(delta_has_blas(), op, ": no BLAS gemm/trsm found in torch");
-  Rows rows(op, q, cu_seqlens, block_tokens(chunk));
-  TORCH_CHECK(S.numel() == (saved ? rows.blocks() : rows.count()) * q.size(3) * v.size(3), op, ": ", state_error);
-  return rows;
 }
 
 // Returns (o, S, S_blocks); S_blocks (the saved blocks of every row, D, E) is empty unless save (training).
@@ -518,7 +482,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> kda_chunked(const at::Tensor& q_i
                                                            const at::Tensor& g_in, const at::Tensor& S0, double scale,
                                                            bool l2norm, int64_t chunk, bool save,
                                                            const c10::optional<at::Tensor>& cu_seqlens) {
-  const Rows rows = check_inputs("linattn_cpu::kda_chunked", q_in, k_in, v_in, beta_in, g_in, S0, false, chunk,
+  const Rows rows = check_inputs("linattn_cpu::kda_chunked", q_in, k_in, v_in, beta_in, &g_in, true, S0, false, chunk,
                                  cu_seqlens, "the state must be (B, H, D, E) (S for B with cu_seqlens)");
   const at::Tensor q = q_in.contiguous(), k = k_in.contiguous(), v = v_in.contiguous(), beta = beta_in.contiguous();
   const at::Tensor g = g_in.contiguous();
@@ -538,23 +502,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
     const at::Tensor& g_in, const at::Tensor& S_blocks_in, const at::Tensor& do_in, const c10::optional<at::Tensor>& dS,
     double scale, bool l2norm, int64_t chunk,
     const c10::optional<at::Tensor>& cu_seqlens) {
-  const Rows rows = check_inputs("linattn_cpu::kda_chunked_backward", q_in, k_in, v_in, beta_in, g_in, S_blocks_in,
-                                 true, chunk, cu_seqlens, "the saved block states do not match q, k, v");
-  const at::Tensor q = q_in.contiguous(), k = k_in.contiguous(), v = v_in.contiguous(), beta = beta_in.contiguous();
+  const char* op = "linattn_cpu::kda_chunked_backward";
+  const Rows rows = check_inputs(op, q_in, k_in, v_in, beta_in, &g_in, true, S_blocks_in, true, chunk, cu_seqlens,
+                                 "the saved block states do not match q, k, v");
+  BackwardTensors t(op, rows, q_in, k_in, v_in, beta_in, S_blocks_in, do_in, dS);
   const at::Tensor g = g_in.contiguous();
-  const at::Tensor dO = do_in.to(v.scalar_type()).contiguous(), S_blocks = S_blocks_in.contiguous();
-  TORCH_CHECK(dO.sizes() == v.sizes(), "linattn_cpu::kda_chunked_backward: do must be shaped like v");
-  const int64_t D = q.size(3), E = v.size(3), nr = rows.count();
-  const auto acc = S_blocks.options();
-  at::Tensor R = dS.has_value() ? dS->to(acc).contiguous().clone() : at::zeros({nr, D, E}, acc);
-  TORCH_CHECK(R.numel() == nr * D * E, "linattn_cpu::kda_chunked_backward: dS must be shaped like the state");
-  at::Tensor dq = empty_result(q.sizes(), q.options()), dk = empty_result(k.sizes(), k.options()),
-             dv = empty_result(v.sizes(), v.options());
-  at::Tensor dbeta = at::empty(beta.sizes(), acc), dg = empty_result(g.sizes(), acc);
-  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "linattn_cpu_kda_chunked_backward", [&] {
-    backward_rows<scalar_t>(rows, q, k, v, beta, g, S_blocks, dO, dq, dk, dv, dbeta, dg, R, scale, l2norm, chunk);
+  at::Tensor dg = empty_result(g.sizes(), t.S_blocks.options());
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, t.q.scalar_type(), "linattn_cpu_kda_chunked_backward", [&] {
+    backward_rows<scalar_t>(rows, t.q, t.k, t.v, t.beta, g, t.S_blocks, t.dO, t.dq, t.dk, t.dv, t.dbeta, dg, t.R, scale,
+                            l2norm, chunk);
   });
-  return {dq, dk, dv, dbeta, dg, R.view({rows.sequences(), q.size(1), D, E})};
+  return {t.dq, t.dk, t.dv, t.dbeta, dg, t.initial_state_grad(rows)};
 }
 
 }  // namespace

@@ -132,6 +132,15 @@ class MaskTable:
         return self.blocked[b, flat % self.rows]
 
 
+def blocked_problem(q: torch.Tensor, window: int, chunk: int, cu_seqlens, key_padding_mask):
+    """(layout, mask table, compute dtype) of a call with q (B, H, N, D): the blocking of its rows into
+    query blocks of C = chunk rows and their key spans, the blocked entries of the window, and the
+    dtype the blocks are computed in: what every CPU forward of this package starts from."""
+    b, h, n, _ = q.shape
+    lay = Layout(b, h, n, chunk, window)
+    return lay, MaskTable(lay, window, cu_seqlens, key_padding_mask, q.device), compute_dtype(q.dtype)
+
+
 def _scores(qg, kg, mask, scale):
     s = torch.bmm(qg, kg.transpose(1, 2)).mul_(scale)
     return s.masked_fill_(mask, float("-inf"))
@@ -142,10 +151,7 @@ class SlidingWindowAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, window: int, scale: float, chunk: int, cu_seqlens, key_padding_mask):
-        b, h, n, _ = q.shape
-        cdt = compute_dtype(q.dtype)
-        lay = Layout(b, h, n, chunk, window)
-        table = MaskTable(lay, window, cu_seqlens, key_padding_mask, q.device)
+        lay, table, cdt = blocked_problem(q, window, chunk, cu_seqlens, key_padding_mask)
         qf, kf, vf = lay.pad(q, cdt), lay.pad(k, cdt), lay.pad(v, cdt)
         ks, vs = lay.spans(kf), lay.spans(vf)
         of = torch.zeros_like(vf)

@@ -30,7 +30,7 @@ import torch
 
 from .. import native
 from ..autodiff import first_order
-from .chunked import Layout, MaskTable, compute_dtype
+from .chunked import Layout, blocked_problem
 
 #: Whether fp32/fp64 CPU calls without a key-padding mask take linattn's kernels (csrc/swa.cpp) rather
 #: than torch's flash kernel on padded spans (same numbers up to rounding; tests and benchmarks switch).
@@ -106,10 +106,9 @@ class FusedSlidingWindowAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, window: int, scale: float, chunk: int, cu_seqlens, key_padding_mask):
-        b, h, n, _ = q.shape
-        cdt = compute_dtype(q.dtype)
-        lay = Layout(b, h, n, chunk, window)
-        blocked = MaskTable(lay, window, cu_seqlens, key_padding_mask, q.device).blocked[:, lay.p:]
+        lay, table, cdt = blocked_problem(q, window, chunk, cu_seqlens, key_padding_mask)
+        b, h, n = lay.b, lay.h, lay.n
+        blocked = table.blocked[:, lay.p:]
         bias = torch.zeros(blocked.shape, dtype=cdt, device=q.device).masked_fill_(blocked, float("-inf"))
         qb = _blocks(q, lay, cdt)
         kp, vp = (lay.pad(x, cdt).view(b, h, lay.rows * lay.c, -1) for x in (k, v))
