@@ -264,6 +264,11 @@ class _GeneratedTask:
     generate = None  # a linattn.training.data generator: (n, **options, seed) -> batch
     defaults: dict = {}
 
+    @staticmethod
+    def sizes(options: dict) -> tuple[int, int]:
+        """(vocab_size, seq_len) of the task's examples under `options`."""
+        raise NotImplementedError
+
     def __init__(self, options: dict | None = None, *, batch_size: int, seed: int, eval_samples: int,
                  eval_batch_size: int | None = None):
         super().__init__(batch_size=batch_size, seed=seed, eval_batch_size=eval_batch_size)
@@ -275,6 +280,7 @@ class _GeneratedTask:
             raise ValueError(f"task_options for {self.name!r}: {exc}") from None
         except (ValueError, RuntimeError) as exc:
             raise ValueError(f"task_options for {self.name!r} ({self.options}): {exc}") from None
+        self.vocab_size, self.seq_len = self.sizes(self.options)
         self._validation = None
 
     @classmethod
@@ -305,10 +311,9 @@ class CopyTask(_GeneratedTask, LMTask):
     generate = staticmethod(D.copy_task)
     defaults = {"max_len": 32, "n_symbols": 10, "min_len": 1}
 
-    def __init__(self, options=None, **kw):
-        super().__init__(options, **kw)
-        self.vocab_size = self.options["n_symbols"] + 2
-        self.seq_len = 2 * self.options["max_len"] + 1
+    @staticmethod
+    def sizes(options):
+        return options["n_symbols"] + 2, 2 * options["max_len"] + 1
 
 
 class MqarTask(_GeneratedTask, LMTask):
@@ -318,10 +323,9 @@ class MqarTask(_GeneratedTask, LMTask):
     generate = staticmethod(D.mqar_task)
     defaults = {"seq_len": 64, "n_pairs": 4, "vocab_size": 8192}
 
-    def __init__(self, options=None, **kw):
-        super().__init__(options, **kw)
-        self.vocab_size = self.options["vocab_size"]
-        self.seq_len = self.options["seq_len"]
+    @staticmethod
+    def sizes(options):
+        return options["vocab_size"], options["seq_len"]
 
     def loss_stats(self, model, batch, positions=None):
         """As LMTask's, with logits computed only at the query positions (Zoology's cheap logits: P =
@@ -348,9 +352,9 @@ class ListOpsTask(_GeneratedTask, Task):
     vocab_size = len(D.LISTOPS_TOKENS)
     num_classes = 10
 
-    def __init__(self, options=None, **kw):
-        super().__init__(options, **kw)
-        self.seq_len = self.options["max_len"] + 1
+    @staticmethod
+    def sizes(options):
+        return len(D.LISTOPS_TOKENS), options["max_len"] + 1
 
     def build_model(self, config):
         return LinearTransformerEncoder(config)
