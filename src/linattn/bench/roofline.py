@@ -14,10 +14,13 @@ fwd+bwd is counted as 3× forward.
     linear, gated (scalar or per channel)    2·N·(2·K·V + C·K + C·V)
         (Q S and Kᵀ V per token; the intra-chunk scores Q Kᵀ and their product with V; the gates'
         rescaling of q and k is elementwise and not counted)
-    delta rule, Gated DeltaNet, KDA (WY/UT form)    2·N·(3·C·K + 2·C·V + 3·K·V + C²/3)
-        (A = K Kᵀ, W and U, v_new = U − W S, Q S, (Q Kᵀ) v_new, the state update, the triangular
-        inverse; KDA's per-channel decays rescale k and q elementwise, its sub-chunked products cost
-        what the dense ones do)
+    delta rule, Gated DeltaNet, KDA (UT form, solved)    2·N·(2·C·K + 3·K·V + 1.5·C·V)
+        (what csrc/delta.cpp runs per chunk of C tokens: [K; Q] Kᵀ, one 2C×K×C gemm (A and P);
+        [K; Q] S, one 2C×K×V gemm; V' = (I + A)⁻¹ diag(β) X, a unit lower-triangular solve of V
+        columns (C²/2 each); P V', a C×C×V gemm; the state update Kᵀ V', K×C×V. The WY form of the
+        torch path, which builds W and U explicitly, costs more and is not what runs here. KDA's
+        per-channel decays rescale k and q elementwise, its sub-chunked products cost what the dense
+        ones do)
     sliding window, window W, query blocks of C    2·N·S·(K + V),  S = (⌈(W − 1)/C⌉ + 1)·C
         (each block of C queries against its span of S keys, as linattn.ops.swa's flash and torch-op
         paths run it; linattn's CPU kernels, fp32, read C + W − 1 keys: 127 of the 128 counted at
@@ -51,7 +54,7 @@ def linear_flops(n: int, k: int, v: int, c: int) -> float:
 
 
 def delta_flops(n: int, k: int, v: int, c: int) -> float:
-    return 2.0 * n * (3 * c * k + 2 * c * v + 3 * k * v + c * c / 3)
+    return 2.0 * n * (2 * c * k + 3 * k * v + 1.5 * c * v)
 
 
 def window_flops(n: int, k: int, v: int, c: int, window: int) -> float:
