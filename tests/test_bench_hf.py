@@ -26,7 +26,7 @@ def test_bench_hf_tiny_table(tmp_path, capsys):
     data, printed = run_tiny(tmp_path, capsys, "--no-llama-cpp")
     rows = data["results"]
     base = ("prefill 16", "decode", "train 16")
-    low = ("decode bf16", "decode int8")
+    low = ("decode bf16", "decode int8", "decode int8 dyn")
     assert [(r["shape"], r["threads"], r["metric"]) for r in rows] == [
         ("tiny", t, m) for t in (1, 2) for m in base + low]
     linears = [m.weight.numel() for m in qwen_model("tiny", 0).modules() if isinstance(m, nn.Linear)]

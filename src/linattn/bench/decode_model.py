@@ -97,13 +97,14 @@ def build_model(spec: str, kind: str, cfg: ModelDecodeConfig, weights: str | Non
     return model
 
 
-def quantize_int8(model) -> None:
-    """Quantizes every nn.Linear of `model` to int8 weight-only (torchao's Int8WeightOnlyConfig), in place."""
+def quantize_int8(model, dynamic: bool = False) -> None:
+    """Quantizes every nn.Linear of `model` to int8 weight-only (torchao's Int8WeightOnlyConfig), or with
+    dynamic int8 activations (Int8DynamicActivationInt8WeightConfig), in place."""
     try:
-        from torchao.quantization import Int8WeightOnlyConfig, quantize_
+        from torchao.quantization import Int8DynamicActivationInt8WeightConfig, Int8WeightOnlyConfig, quantize_
     except ImportError as exc:
         raise ValueError("int8 weights need torchao: pip install 'linattn[quant]'") from exc
-    quantize_(model, Int8WeightOnlyConfig())
+    quantize_(model, Int8DynamicActivationInt8WeightConfig() if dynamic else Int8WeightOnlyConfig())
 
 
 def cache_at_context(model, batch: int, ctx: int, prefill: int, seed: int):

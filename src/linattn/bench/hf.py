@@ -16,9 +16,12 @@ and the metrics
                    model read once by the fused decoder's matrix-vector kernels (csrc/matvec.h), the
                    bound a decoding step at B = 1 cannot beat
     train T        seconds of one training step (forward with labels = inputs, backward) over T tokens
-    decode bf16 / decode int8   (accelerate only) the same decode with the converted model's weights in
-                   bf16, or int8 weight-only by torchao's Int8WeightOnlyConfig (fp32 activations), each
-                   beside the gemv floor of those weights
+    decode bf16 / decode int8 / decode int8 dyn   (accelerate only) the same decode with the converted
+                   model's weights in bf16, int8 weight-only by torchao's Int8WeightOnlyConfig (fp32
+                   activations), or int8 with int8 activations by Int8DynamicActivationInt8WeightConfig
+                   (activations rounded per token, integer products: csrc/matvec_dynamic.h; llama.cpp's
+                   Q8_0 also rounds the activations, in blocks of 32), each beside the gemv floor of
+                   those weights
 
 and, where llama-cpp-python imports and llama.cpp's converter is found (bench.llamacpp), the same model
 converted to GGUF F32 and Q8_0 and run by llama.cpp on the same threads: the columns "llama.cpp F32" and
@@ -74,7 +77,7 @@ class HfBenchConfig:
     train_len: int = 1024
     min_run_time: float = 0.5
     seed: int = 0
-    #: also decode the accelerated model with bf16 and with int8 weight-only (torchao) weights
+    #: also decode the accelerated model with bf16, int8 weight-only and int8 dynamic (torchao) weights
     low_precision: bool = True
     #: also convert the model to GGUF F32 / Q8_0 and run it by llama.cpp (where available)
     llama_cpp: bool = True
@@ -124,8 +127,9 @@ def torch_path():
 def gemv_floor(model: nn.Module, min_run_time: float, dtype: torch.dtype = torch.float32) -> tuple[float, int]:
     """(seconds, bytes) to read every nn.Linear weight of `model` once with the fused decoder's
     matrix-vector kernels at B = 1 (one product per weight, as a fused step runs them: fp32
-    activations, the weights as they are, fp32, bf16 (dtype bfloat16) or torchao int8)."""
-    from ..models.weights import plan_weight
+    activations, the weights as they are, fp32, bf16 (dtype bfloat16) or torchao int8; with torchao's
+    dynamic int8, the activations rounded to int8 and integer products)."""
+    from ..models.weights import activation_quantization, plan_weight
     from ..ops import native
 
     if not (native.enabled() and native.load()):
@@ -135,9 +139,10 @@ def gemv_floor(model: nn.Module, min_run_time: float, dtype: torch.dtype = torch
     for lin in (m for m in model.modules() if isinstance(m, nn.Linear)):
         t, kn = plan_weight(lin, dtype)
         t.pop("bias", None)
+        act = activation_quantization(lin)
         x, out = torch.zeros(1, lin.in_features), torch.zeros(1, lin.out_features)  # fp32, as the plan's buffers
         plan.add("group", {"input": x}, {"_": 0}, {"_": 0.0})
-        plan.add("product", {**t, "out": out}, {"kn": kn, "epilogue": 0}, {"_": 0.0})
+        plan.add("product", {**t, "out": out}, {"kn": kn, "epilogue": 0, "act_quant": act}, {"_": 0.0})
         keep.append((t, x, out))
     total = int(plan.weight_bytes())
     return measure(plan.stream, min_run_time=min_run_time).median, total
@@ -183,7 +188,7 @@ def _decode(model, cfg: HfBenchConfig, vocab: int, g: torch.Generator) -> float:
 
 
 def _low_precision_decodes(acc, cfg: HfBenchConfig, vocab: int) -> list[dict]:
-    """The accelerated model's decode with bf16 and with int8 weight-only (torchao) weights, each
+    """The accelerated model's decode with bf16, int8 weight-only and int8 dynamic (torchao) weights, each
     beside the gemv floor of the same weights: [{"weights", "decode_s", "floor_s", "weight_bytes",
     "note"}]."""
     import copy
@@ -191,14 +196,14 @@ def _low_precision_decodes(acc, cfg: HfBenchConfig, vocab: int) -> list[dict]:
     from .decode_model import quantize_int8
 
     out = []
-    for fmt in ("bf16", "int8"):
+    for fmt in ("bf16", "int8", "int8 dyn"):
         row = {"weights": fmt, "decode_s": None, "floor_s": None, "weight_bytes": None, "note": None}
         try:
             m = copy.deepcopy(acc)
             if fmt == "bf16":
                 m = m.to(torch.bfloat16)
             else:
-                quantize_int8(m)
+                quantize_int8(m, dynamic=fmt == "int8 dyn")
             dtype = torch.bfloat16 if fmt == "bf16" else torch.float32
             row["floor_s"], row["weight_bytes"] = gemv_floor(m, cfg.min_run_time, dtype)
             row["decode_s"] = _decode(m, cfg, vocab, torch.Generator().manual_seed(cfg.seed))
@@ -300,9 +305,9 @@ def _shown(metric: str, seconds: float | None) -> str:
 
 def _vs_llama(rows: list[dict], r: dict, col: str) -> str:
     """How many times faster accelerate is than llama.cpp column `col` on row `r`; the int8 decode is
-    set against llama.cpp's Q8_0 decode (both int8 weights)."""
+    set against llama.cpp's Q8_0 decode (both int8 weights), and so is the int8 dynamic one."""
     theirs = r[col]
-    if r["metric"] == "decode int8" and col == "llama.cpp Q8_0":
+    if r["metric"] in ("decode int8", "decode int8 dyn") and col == "llama.cpp Q8_0":
         theirs = next((o[col] for o in rows if (o["shape"], o["threads"], o["metric"]) ==
                        (r["shape"], r["threads"], "decode")), None)
     elif r["metric"].startswith("decode "):
