@@ -138,9 +138,11 @@ LINATTN_VNNI_TARGET void dynamic_kn_vnni(const int8_t* Wt, int64_t K, int64_t N,
     for (int64_t p0 = j0; p0 < j1; p0 += panel) {
       const int64_t p1 = std::min(j1, p0 + panel);
       for (int b = 0; b < bb; ++b) std::fill(acc[b], acc[b] + panel, 0);
-      for (int64_t i0 = 0; i0 < K; i0 += 16) {  // 16 weight rows at a time, their sums in registers
-        const int quads = static_cast<int>((std::min<int64_t>(16, K - i0) + 3) / 4);
-        __m512i x[4][4];
+      // 8 weight rows at a time, their sums in registers (rows a power of two apart share an L1 set, and
+      // L1 has 8 ways: 16 rows at a time thrashed it)
+      for (int64_t i0 = 0; i0 < K; i0 += 8) {
+        const int quads = static_cast<int>((std::min<int64_t>(8, K - i0) + 3) / 4);
+        __m512i x[2][4];
         for (int u = 0; u < quads; ++u) {
           const int64_t i = i0 + 4 * u;
           const int rows = static_cast<int>(std::min<int64_t>(4, K - i));
