@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from linattn.models.decoding import FusedDecoder, fused_decoding_obstacle
 from linattn.models.linearized import student_from_teacher
@@ -27,7 +29,8 @@ def window_model(kinds, window: int = 4, dtype=torch.float32, **kw):
     """A model of `kinds` (one layer each) whose window kinds see `window` tokens; LoLCATs' feature maps
     and window factors moved off their initialization (the identity map, γ = 0.1)."""
     options = {k: {"window": window} for k in kinds if k in WINDOW_KINDS}
-    model = make_model(attention=list(kinds), n_layers=len(kinds), kind_options=options, positions="rope", **kw)
+    kw = {"positions": "rope", **kw}
+    model = make_model(attention=list(kinds), n_layers=len(kinds), kind_options=options, **kw)
     g = torch.Generator().manual_seed(7)
     with torch.no_grad():
         for block in model.blocks:
@@ -35,7 +38,8 @@ def window_model(kinds, window: int = 4, dtype=torch.float32, **kw):
             if hasattr(attn, "window_factor_logit"):
                 attn.window_factor_logit.add_(torch.randn(attn.window_factor_logit.shape, generator=g))
                 for fm in (attn.feature_map_q, attn.feature_map_k):
-                    fm.weight.add_(0.3 * torch.randn(fm.weight.shape, generator=g))
+                    if isinstance(getattr(fm, "weight", None), torch.nn.Parameter):  # Hedgehog's W
+                        fm.weight.add_(0.3 * torch.randn(fm.weight.shape, generator=g))
     return model.to(dtype)
 
 
@@ -65,6 +69,15 @@ def test_window_kinds_fused_equals_eager(kind, case, threads):
     assert fused_decoding_obstacle(model) is None
     eager, fused = check_fused_equals_eager(model, threads=threads, batch=3, n=n, steps=6)
     rings_in_step(eager, fused)
+
+
+@pytest.mark.parametrize("feature_map", ["elu", "relu", "favor", "trig", "cosformer", "taylor"])
+def test_lolcats_with_other_feature_maps(feature_map):
+    """φ_q and φ_k of any map the linear mixer has (model_features.h), each read under its own prefix."""
+    model = make_model(attention=["lolcats"], positions="rope", qk_dim=4 if feature_map == "taylor" else None,
+                       kind_options={"lolcats": {"window": 3, "feature_map": feature_map}})
+    assert fused_decoding_obstacle(model) is None
+    check_fused_equals_eager(model, batch=3, n=6, steps=6)
 
 
 @pytest.mark.parametrize("positions", ["rope", "none"])
@@ -133,3 +146,21 @@ def test_greedy_generation_same_tokens_fused_and_eager():
     eager = model.generate(ps, 12, temperature=0, fused=False)
     assert model.generate(ps, 12, temperature=0, fused=True) == eager
     assert model.generate(ps, 12, temperature=0) == eager  # the default takes the fused step
+
+
+@settings(max_examples=10, deadline=None)
+@given(kinds=st.lists(st.sampled_from(WINDOW_KINDS + ["hgrn2", "softmax"]), min_size=1, max_size=2),
+       window=st.integers(1, 6), prompt=st.integers(1, 9), batch=st.integers(1, 3),
+       positions=st.sampled_from(["rope", "none"]), short_conv=st.sampled_from([0, 3]),
+       gate=st.sampled_from([True, False]), qk_dim=st.sampled_from([None, 8]), bias=st.booleans(),
+       threads=st.sampled_from([1, 2]))
+def test_window_kinds_over_configs(kinds, window, prompt, batch, positions, short_conv, gate, qk_dim, bias, threads):
+    model = window_model(kinds, window, short_conv=short_conv, output_gate=gate, qk_dim=qk_dim, bias=bias,
+                         positions=positions)
+    if bias:  # nonzero biases (the model starts them at zero)
+        with torch.no_grad():
+            g = torch.Generator().manual_seed(5)
+            for name, p in model.named_parameters():
+                if name.endswith("bias"):
+                    p.add_(torch.randn(p.shape, generator=g) * 0.1)
+    check_fused_equals_eager(model, threads=threads, batch=batch, n=prompt, steps=5)
