@@ -140,6 +140,26 @@ def test_eager_and_fused_steps_continue_each_other():
     rings_in_step(eager, mixed)
 
 
+@pytest.mark.parametrize("kind", WINDOW_KINDS)
+def test_position_counters_moved_on_alone(kind):
+    """`linattn bench decode` times long contexts on a short prefill whose position counters it moves on
+    (the ring keeps its own count, which the eager step writes by): the fused step does the same."""
+    model = window_model([kind], window=4)
+    ids, _ = prompts(2, 6)
+    toks = torch.tensor([[3, 4], [5, 6], [7, 8], [9, 10]])
+    with torch.no_grad():
+        caches = [model(ids, cache=model.new_cache())[1] for _ in range(2)]
+        for cache in caches:
+            for counter in (cache, *cache.layers):
+                counter.length = 100
+        eager, fused = caches
+        decoder = FusedDecoder(model, fused, reserve=len(toks))
+        for t in toks:
+            le, _ = model(t[:, None], cache=eager)
+            torch.testing.assert_close(decoder.step(t), le[:, -1], atol=2e-6, rtol=1e-5)
+    assert ring_of(fused.layers[0]).length == ring_of(eager.layers[0]).length == 6 + len(toks)
+
+
 def test_greedy_generation_same_tokens_fused_and_eager():
     model = window_model(["lolcats", "softmax"], window=3)
     ps = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13, 14, 15]]

@@ -78,15 +78,18 @@ class SlidingWindowAttention(Attention):
 
     def plan_window(self, plan, cache, tensors: dict, ints: dict) -> None:
         """What the window mixer (csrc/model_window.h) reads for every window kind: the ring buffer's
-        keys, values and validity mask (updated in place), the RoPE tables of q and k; after each fused
-        step the ring's WindowState is moved on by one token (`plan.after_step`)."""
+        keys, values and validity mask (updated in place), the RoPE tables of q and k, and the ring's
+        token count relative to the cache's (0, unless the cache's position counters were moved on alone,
+        as `linattn bench decode` does to time long contexts: the eager step then also writes the ring
+        by its own count); after each fused step the ring's WindowState is moved on by one token
+        (`plan.after_step`)."""
         ring = ring_of(cache)
         if ring is None:
             raise ValueError("fused decoding: a window cache is empty; run the prefill first")
-        if ring.length != cache.length or not (ring.k.is_contiguous() and ring.v.is_contiguous()):
-            raise ValueError(f"fused decoding: the ring buffer ({ring.length} tokens) is out of step with its "
-                             f"cache ({cache.length})")
+        if not (ring.k.is_contiguous() and ring.v.is_contiguous()):
+            raise ValueError("fused decoding: the window's ring buffer must be contiguous")
         tensors.update(window_k=ring.k, window_v=ring.v)
+        ints["ring_offset"] = ring.length - cache.length
         if ring.valid is not None:
             tensors["window_valid"] = ring.valid
         self.plan_qk_rope(plan, tensors)

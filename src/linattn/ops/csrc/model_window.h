@@ -1,7 +1,9 @@
 // The window family's mixer of the fused decoding step ("window": the kinds swa, lolcats and liger of
 // linattn.models.kinds; the other families' mixers are in model_mixers.h), per (batch row, head), on the
 // layer's ring buffer of the last W keys and values (linattn.ops.swa.WindowState: token t in slot t mod W,
-// in the model's dtype; the buffer's length is the cache's, the step's `length`):
+// in the model's dtype; the ring's token count t is the step's `length` plus `ring_offset`, the
+// difference the layer found between the ring's count and its cache's when the plan was built: 0, but
+// for a cache whose position counters were moved on alone, as linattn bench decode's are):
 //
 //   swa      the new k, v into slot t mod W; o = softmax(q·K/√D) V over the filled slots whose keys are
 //            real (a slot of a padded prompt token is not)                          (linattn.ops.swa)
@@ -35,7 +37,7 @@ class WindowMixOp : public AttentionMixOp {
  public:
   WindowMixOp(const Args& a, bool bf16)
       : AttentionMixOp(a, bf16), k_(a.tensor("window_k")), v_(a.tensor("window_v")),
-        beyond_(static_cast<int>(a.integer("beyond", kBeyondNothing))),
+        beyond_(static_cast<int>(a.integer("beyond", kBeyondNothing))), ring_offset_(a.integer("ring_offset", 0)),
         scale_(static_cast<float>(1.0 / std::sqrt(double(dq_)))) {
     const int64_t B = a.integer("batch");
     W_ = k_.t.dim() == 4 ? k_.t.size(2) : 0;
@@ -73,6 +75,7 @@ class WindowMixOp : public AttentionMixOp {
   }
 
   void check(const StepInfo& info) const override {
+    TORCH_CHECK(info.length + ring_offset_ >= 0, "linattn_cpu::DecodePlan: the ring buffer's count went negative");
     if (beyond_ != kBeyondLinear) return;
     phi_q_.check(info);
     phi_k_.check(info);
@@ -91,7 +94,7 @@ class WindowMixOp : public AttentionMixOp {
     float* s = tmp;
     float* acc = s + W_;
     float* extra = acc + dv_ + 16;
-    const int64_t row = b * heads_ + h, t = info.length, slot = t % W_;
+    const int64_t row = b * heads_ + h, t = info.length + ring_offset_, slot = t % W_;
     if (beyond_ == kBeyondGated) {
       gated(b, h, q, k, v, extra);  // o_g into extra[3D, 3D + E)
       rotate_qk(b, q, k, extra + 3 * dq_ + dv_);
@@ -164,6 +167,7 @@ class WindowMixOp : public AttentionMixOp {
 
   Held k_, v_;
   int beyond_;
+  int64_t ring_offset_;
   float scale_;
   int64_t W_ = 0;
   at::Tensor valid_;
