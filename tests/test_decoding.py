@@ -104,7 +104,11 @@ def check_fused_equals_eager(model, *, threads: int = 1, batch: int = 3, n: int 
         torch.set_num_threads(before)
     assert_close_steps(out)
     for a, b in zip(states(eager), states(fused)):
-        torch.testing.assert_close(b, a, atol=2e-6, rtol=1e-5)
+        # float32 rounding of sums is relative to their terms: a state's entry near 0 beside entries of
+        # ~10² (FAVOR+'s kv, z) differs by ~1e-5 (a hypothesis example found 3e-6 at 0.02, before and
+        # after the window mixer)
+        scale = max(1.0, a.abs().max().item()) if a.is_floating_point() and a.numel() else 1.0
+        torch.testing.assert_close(b, a, atol=2e-6 * scale, rtol=1e-5)
     return eager, fused
 
 
