@@ -42,7 +42,8 @@ from ..nn.recurrent import (
 FAMILIES = ("linear", "softmax", "gated", "delta", "window")
 #: the softmax kind's options of multi-head latent attention (linattn.nn.mla; off by default)
 MLA_OPTIONS = {"q_lora_rank": None, "kv_lora_rank": None, "shared_k_dim": 0, "latent_eps": 1e-6}
-#: the mixers of the fused decoder (csrc/model_mixers.h) a kind can name
+#: the mixers of the fused decoder a kind can name (csrc/model_mixers.h, csrc/model_window.h; the table in
+#: csrc/model_step.cpp, DecodePlan.mixers())
 FUSED_MIXERS = ("linear", "softmax", "gated", "delta", "window")
 
 
