@@ -44,13 +44,20 @@ def prompts(batch: int, n: int, seed: int = 0, padded: bool = False):
     return ids, mask
 
 
+def tensors_of(obj) -> list[torch.Tensor]:
+    """The tensors of a state: a tensor, or a (nested, named) tuple of them (a WindowState's keys,
+    values and validity, a HybridState's ring, key features and linear state)."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    return [t for part in obj for t in tensors_of(part)] if isinstance(obj, tuple) else []
+
+
 def states(cache) -> list[torch.Tensor]:
-    """Every tensor of a ModelCache's layers (states, tails, valid KV entries)."""
+    """Every tensor of a ModelCache's layers (states, window rings, tails, valid KV entries)."""
     out = []
     for lc in cache.layers:
         lc = getattr(lc, "attn", lc)
-        state = getattr(lc, "state", None)
-        out += list(state) if isinstance(state, tuple) else ([state] if state is not None else [])
+        out += tensors_of(getattr(lc, "state", None)) + tensors_of(getattr(lc, "window", None))
         if getattr(lc, "k", None) is not None:
             out += [lc.k[:, :, : lc.length], lc.v[:, :, : lc.length]]
         if lc.conv is not None:
@@ -97,7 +104,11 @@ def check_fused_equals_eager(model, *, threads: int = 1, batch: int = 3, n: int 
         torch.set_num_threads(before)
     assert_close_steps(out)
     for a, b in zip(states(eager), states(fused)):
-        torch.testing.assert_close(b, a, atol=2e-6, rtol=1e-5)
+        # float32 rounding of sums is relative to their terms: a state's entry near 0 beside entries of
+        # ~10² (FAVOR+'s kv, z) differs by ~1e-5 (a hypothesis example found 3e-6 at 0.02, before and
+        # after the window mixer)
+        scale = max(1.0, a.abs().max().item()) if a.is_floating_point() and a.numel() else 1.0
+        torch.testing.assert_close(b, a, atol=2e-6 * scale, rtol=1e-5)
     return eager, fused
 
 

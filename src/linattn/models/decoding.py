@@ -13,10 +13,13 @@ builds, once per decoding run, a plan of the model's step from its modules and i
 Each block plans its own part (`plan_step(decoder, cache)`, linattn.nn.blocks; its attention layer's
 `Attention.plan_step` and, per kind, `plan_mixer`: the kind's state, gates and tensors), with the
 decoder's small vocabulary — `x`, `buffer`, `group`, `product`, `project`, `gather`, `rope`, `state`,
-`reserve_kv`, `mixer`, `norm_add`, `moe` —, so the decoder reads no layer's parameters by name and a kind's fused
-arguments live beside its eager code. `step(ids)` runs the plan: no tensor is allocated per token, the caches (linear (kv, z), gated and
-delta-rule S, short-convolution and gated-convolution tails, KV caches) are updated in place, so the model's ModelCache
-stays the one the eager path would hold and either path can continue it. The eager path is the
+`reserve_kv`, `mixer`, `after_step`, `norm_add`, `moe` —, so the decoder reads no layer's parameters by
+name and a kind's fused arguments live beside its eager code. `step(ids)` runs the plan: no tensor is
+allocated per token, the caches (linear (kv, z), gated and delta-rule S, short-convolution and
+gated-convolution tails, KV caches, window ring buffers) are updated in place, so the model's
+ModelCache stays the one the eager path would hold and either path can continue it (what a cache holds
+outside tensors — a window kind's ring buffer counts its tokens in an immutable WindowState — is moved
+on by the `after_step` updates its layer registered). The eager path is the
 reference: the fused step computes the same values, in float32 (the state dtype), and differs only by
 the order of the float sums (tests/test_decoding.py).
 
@@ -35,7 +38,8 @@ scales: read in place, linattn.models.weights; or Int8DynamicActivationInt8Weigh
 models: the activations rounded to int8 as torchao rounds them, integer products); every attention kind of
 linattn.models.KINDS with a fused mixer (Kind.fused: linear with every φ that has a native code,
 softmax with its KV cache and MLA's latent projections, the gated and delta-rule kinds, KDA's
-per-key-channel decay included); RoPE (whole or partial, rope_dim), learned
+per-key-channel decay and HGRN2's key decay included, the window kinds swa, lolcats and liger on
+their ring buffers); RoPE (whole or partial, rope_dim), learned
 or no positions; short convolutions on q, k, v; q/k RMSNorms (qk_norm: per head, or across the heads
 where no short convolution comes first); the output gate (RMSNorm and swish, KDA's RMSNorm and
 sigmoid, or gated attention's sigmoid); value heads of any width (v_dim); β ∈ (0, 2)
@@ -52,7 +56,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..nn.caches import KVCache
+from ..nn.caches import KVCache, first_tensor
 from ..nn.norms import native_norm_code
 from ..ops import native
 from .kinds import kind_of
@@ -150,6 +154,7 @@ class FusedDecoder:
         self.logits = torch.zeros(b, c.vocab_size, dtype=self.dtype)
         self._ropes: dict = {}
         self._ops: list = []  # (kind, tensors, ints, floats) in order, the RoPE tables' ops before them
+        self._after: list = []  # what runs after each step (`after_step`)
         self._reserve = reserve
         emb = {"table": model.tok_emb.weight.detach(), "x": self.x}
         if model.pos_emb is not None:
@@ -172,7 +177,8 @@ class FusedDecoder:
         for lc in self.cache.layers:
             for part in (lc, getattr(lc, "attn", None)):
                 if part is not None:
-                    parts += [getattr(part, name, None) for name in ("length", "state", "conv", "k", "v", "mask")]
+                    parts += [getattr(part, name, None)
+                              for name in ("length", "state", "window", "conv", "k", "v", "mask")]
         return tuple(parts)
 
     def _in_sync(self) -> bool:
@@ -184,12 +190,10 @@ class FusedDecoder:
     # ---- building
     @staticmethod
     def _batch(cache) -> int:
-        for lc in cache.layers:
-            lc = getattr(lc, "attn", lc)  # a conv_mixer block's attention cache
-            state = getattr(lc, "state", None) if not isinstance(lc, KVCache) else lc.k
-            if state is not None:
-                return (state[0] if isinstance(state, tuple) else state).shape[0]
-        raise ValueError("fused decoding: the cache is empty; run the prefill (model(ids, cache=...)) first")
+        state = first_tensor(cache.layers)  # every cache tensor is batch-first
+        if state is None:
+            raise ValueError("fused decoding: the cache is empty; run the prefill (model(ids, cache=...)) first")
+        return state.shape[0]
 
     def _add(self, kind: str, tensors: dict, ints: dict | None = None, floats: dict | None = None):
         self._ops.append((kind, tensors, ints, floats))
@@ -246,6 +250,12 @@ class FusedDecoder:
         t, i, f = _norm("norm", norm)
         self._add("moe", {**tensors, **t}, {**ints, **i}, {**(floats or {}), **f})
 
+    def after_step(self, update) -> None:
+        """`update()` is called after each fused step, once the plan has run: what the cache holds
+        outside the tensors the plan updates in place (a window kind's ring buffer counts its tokens in
+        an immutable WindowState, linattn.nn.swa)."""
+        self._after.append(update)
+
     def mixer(self, name: str, tensors: dict, ints: dict, floats: dict) -> None:
         """The call of a family's mixer (Kind.fused, csrc/model_mixers.h) on a layer's cached state
         (a quantized matrix it reads itself is handed over dequantized: linattn.models.weights.float_weight)."""
@@ -301,6 +311,8 @@ class FusedDecoder:
         else:
             self.positions.copy_(cache.seen)
         self.plan.step(ids, self.positions, cache.length)
+        for update in self._after:
+            update()
         for counter in (cache, *(getattr(lc, "attn", lc) for lc in cache.layers)):
             counter.advance(1, None)
         self._reserve = max(self._reserve - 1, 0)

@@ -4,12 +4,15 @@ A kind is what `ModelConfig.attention` names per layer. Its record says which la
 (linattn.nn), how it is labelled in tables and plots, whether it decodes as an RNN (a fixed-size
 state) or with a KV cache, whether it is causal only, its default short convolution and output
 gate, the positions its paper uses, the options its layer takes from `ModelConfig.kind_options`,
-and the mixer of the fused decoder (csrc/model_mixers.h) that runs its step — or None, and then
-generation takes the eager step for models with that kind (and says so once).
+and the mixer of the fused decoder that runs its step — or None, and then generation takes the eager
+step for models with that kind (and says so once). Every kind has one today: a family's kinds share
+their family's mixer ("linear", "softmax", "gated" (HGRN2 with the key decay and its tied input
+gate), "delta", in csrc/model_mixers.h; "window", csrc/model_window.h: swa's ring buffer alone,
+LoLCATs' with the linear state of the tokens that left it, Liger's with the gated state).
 
 Adding a kind (docs/design.md §10.1): its layer in linattn.nn (its parameters, its operator family's
-record and `mix`; to decode fused, `plan_mixer`, the arguments of its family's C++ mixer in
-csrc/model_mixers.h), and one row here.
+record and `mix`; to decode fused, `plan_mixer`, the arguments of its family's C++ mixer), and one
+row here.
 """
 
 from __future__ import annotations
@@ -39,8 +42,9 @@ from ..nn.recurrent import (
 FAMILIES = ("linear", "softmax", "gated", "delta", "window")
 #: the softmax kind's options of multi-head latent attention (linattn.nn.mla; off by default)
 MLA_OPTIONS = {"q_lora_rank": None, "kv_lora_rank": None, "shared_k_dim": 0, "latent_eps": 1e-6}
-#: the mixers of the fused decoder (csrc/model_mixers.h) a kind can name
-FUSED_MIXERS = ("linear", "softmax", "gated", "delta")
+#: the mixers of the fused decoder a kind can name (csrc/model_mixers.h, csrc/model_window.h; the table in
+#: csrc/model_step.cpp, DecodePlan.mixers())
+FUSED_MIXERS = ("linear", "softmax", "gated", "delta", "window")
 
 
 def _chunked(config, layer: int, causal: bool) -> dict:
@@ -114,13 +118,15 @@ _ROWS = (
          output_gate=True, positions="none", options={"dt_init_range": DT_INIT_RANGE}, fused="delta"),
     Kind("kda", KimiDeltaAttention, "KDA", "delta", rnn=True, causal_only=True, short_conv=4, output_gate=True,
          positions="none", options={"dt_init_range": KDA_DT_INIT_RANGE}, fused="delta"),
-    Kind("hgrn2", HGRN2Attention, "HGRN2", "gated", rnn=True, causal_only=True, output_gate=True, positions="none"),
+    Kind("hgrn2", HGRN2Attention, "HGRN2", "gated", rnn=True, causal_only=True, output_gate=True, positions="none",
+         fused="gated"),
     Kind("swa", SlidingWindowAttention, "sliding window", "window", rnn=True, causal_only=True, positions="rope",
-         options={"window": DEFAULT_WINDOW}, build=_windowed),
+         options={"window": DEFAULT_WINDOW}, fused="window", build=_windowed),
     Kind("lolcats", LoLCATsAttention, "LoLCATs (window + linear)", "window", rnn=True, causal_only=True,
-         positions="rope", options={"window": DEFAULT_WINDOW, "feature_map": "hedgehog"}, build=_windowed),
+         positions="rope", options={"window": DEFAULT_WINDOW, "feature_map": "hedgehog"}, fused="window",
+         build=_windowed),
     Kind("liger", LigerAttention, "Liger (window + gated)", "window", rnn=True, causal_only=True, positions="rope",
-         options={"window": DEFAULT_WINDOW}, build=_windowed),
+         options={"window": DEFAULT_WINDOW}, fused="window", build=_windowed),
 )
 
 #: kind name -> Kind, in table order

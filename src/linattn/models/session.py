@@ -31,6 +31,7 @@ import dataclasses
 import torch
 
 from .._checks import check_bool
+from ..nn.caches import first_tensor
 from .decoding import FusedDecoder, fused_decoding_obstacle
 
 #: KV room of a plan built without an announced number of tokens (at least; else the context so far)
@@ -53,23 +54,6 @@ def select_rows(obj, index: torch.Tensor):
         for f in dataclasses.fields(obj):
             setattr(obj, f.name, select_rows(getattr(obj, f.name), index))
     return obj
-
-
-def first_tensor(obj) -> torch.Tensor | None:
-    """The first tensor of at least one dimension that `obj` holds (as `select_rows` walks it), or None."""
-    if isinstance(obj, torch.Tensor):
-        return obj if obj.dim() else None
-    if isinstance(obj, (tuple, list)):
-        items = obj
-    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        items = [getattr(obj, f.name) for f in dataclasses.fields(obj)]
-    else:
-        return None
-    for item in items:
-        t = first_tensor(item)
-        if t is not None:
-            return t
-    return None
 
 
 class DecodingSession:

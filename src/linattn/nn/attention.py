@@ -18,7 +18,7 @@ from ..ops.features import native_code
 from ..ops.linear.chunked import DEFAULT_CHUNK_SIZE
 from .base import Attention
 from .families import LINEAR, SOFTMAX, LinearMix, SoftmaxMix
-from .feature_maps import make_feature_map
+from .feature_maps import make_feature_map, plan_feature_map
 from .mla import LatentQKV
 from .positional import RotaryEmbedding
 
@@ -74,15 +74,11 @@ class LinearAttention(Attention):
 
     def plan_mixer(self, plan, cache, tensors: dict, ints: dict, floats: dict) -> None:
         """(kv, z), φ's code and tensors; RoPE on φ's features, in the dtype the eager path holds them."""
-        fm = self.feature_map
         kv, z = plan.state(cache)
         tensors.update(kv=kv, z=z)
-        features_bf16 = plan.bf16 and not fm.float32_features
-        ints.update(feature_map=native_code(fm), feature_dim=fm.feature_dim, normalize=int(self.normalize),
-                    features_bf16=int(features_bf16), stabilize=int(getattr(fm, "stabilize", False)),
-                    max_len=int(getattr(fm, "max_len", 0)))
-        floats.update(eps=self.eps, map_eps=float(getattr(fm, "eps", 0.0)))
-        tensors.update(fm.native_tensors())
+        features_bf16 = plan_feature_map(self.feature_map, plan, tensors, ints, floats)
+        ints["normalize"] = int(self.normalize)
+        floats["eps"] = self.eps
         if self.rope is not None:
             tensors["feature_rope_cos"], tensors["feature_rope_sin"] = plan.rope(self.rope.dim, self.rope.base,
                                                                                  features_bf16)

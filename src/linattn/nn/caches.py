@@ -18,7 +18,7 @@ States are float32 (float64 for float64 models), None before the first call.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, is_dataclass
 
 import torch
 
@@ -183,6 +183,25 @@ class LigerCache(SlidingWindowCache):
     state: torch.Tensor | None = None
 
 
+def first_tensor(obj) -> torch.Tensor | None:
+    """The first tensor of at least one dimension that `obj` holds (dataclass fields, lists, tuples, nested,
+    as linattn.models.session.select_rows walks it), or None: of a cache's layers, one whose dim 0 is the
+    batch (every linattn cache tensor is batch-first)."""
+    if isinstance(obj, torch.Tensor):
+        return obj if obj.dim() else None
+    if isinstance(obj, (tuple, list)):
+        items = obj
+    elif is_dataclass(obj) and not isinstance(obj, type):
+        items = [getattr(obj, f.name) for f in fields(obj)]
+    else:
+        return None
+    for item in items:
+        t = first_tensor(item)
+        if t is not None:
+            return t
+    return None
+
+
 __all__ = [
     "KVCache",
     "LayerCache",
@@ -192,6 +211,7 @@ __all__ = [
     "PositionCounter",
     "RecurrentCache",
     "SlidingWindowCache",
+    "first_tensor",
     "nbytes",
     "token_positions",
 ]

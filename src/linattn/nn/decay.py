@@ -63,6 +63,17 @@ def retnet_log_decays(n_heads: int) -> torch.Tensor:
     return torch.log1p(-torch.pow(2.0, -5.0 - h))
 
 
+#: the fused decoder's code of the key decay (csrc/model_decay.h): g = logsigmoid(k) / τ per key channel from
+#: the layer's own k before RoPE (Liger, τ = 16; HGRN2, τ = 1), a decay with no module of its own
+KEY_DECAY_CODE = 5
+
+
+def plan_key_decay(ints: dict, floats: dict, temperature: float) -> None:
+    """The key decay g = logsigmoid(k) / temperature in a fused decoder's mixer call (KEY_DECAY_CODE)."""
+    ints["decay"] = KEY_DECAY_CODE
+    floats["temperature"] = float(temperature)
+
+
 def plan_decay(decay: nn.Module | None, plan, tensors: dict, ints: dict, floats: dict) -> None:
     """A recurrent layer's decay in the fused decoder's mixer call (csrc/model_mixers.h): its code
     (`native_code`: 1 fixed, 2 scalar, 3 per feature; none given: no decay) and its tensors, the
@@ -171,4 +182,5 @@ class FeatureDecay(nn.Module):
         return f"n_heads={self.n_heads}, key_dim={self.key_dim}, temperature={self.temperature:g}"
 
 
-__all__ = ["FeatureDecay", "FixedDecay", "ScalarDecay", "plan_decay", "retnet_log_decays"]
+__all__ = ["KEY_DECAY_CODE", "FeatureDecay", "FixedDecay", "ScalarDecay", "plan_decay", "plan_key_decay",
+           "retnet_log_decays"]

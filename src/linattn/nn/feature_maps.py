@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from ..ops.features import elu_plus_one, elu_plus_one_derivative_
+from ..ops.features import elu_plus_one, elu_plus_one_derivative_, native_code
 
 from .._checks import check_eps, check_positive_int
 from .positional import broadcast_positions
@@ -384,6 +384,21 @@ class T2R(FeatureMap):
     def forward(self, x, *, is_query: bool = True, positions=None):
         self._check(x)
         return F.relu(F.linear(x, self.weight.to(x.dtype), self.bias.to(x.dtype)))
+
+
+def plan_feature_map(fm: nn.Module, plan, tensors: dict, ints: dict, floats: dict, prefix: str = "") -> bool:
+    """φ's arguments of a fused decoder's mixer (csrc/model_features.h reads them), each name led by
+    `prefix`: its code (`native_code`), feature dim, options, tensors (`native_tensors`) and whether its
+    features are rounded to bf16 (a bf16 model's maps but those with float32 features), which it returns.
+    The linear kind's φ (no prefix), LoLCATs' φ_q and φ_k ("q_", "k_")."""
+    features_bf16 = plan.bf16 and not fm.float32_features
+    ints.update({prefix + "feature_map": native_code(fm), prefix + "feature_dim": fm.feature_dim,
+                 prefix + "features_bf16": int(features_bf16),
+                 prefix + "stabilize": int(getattr(fm, "stabilize", False)),
+                 prefix + "max_len": int(getattr(fm, "max_len", 0))})
+    floats[prefix + "map_eps"] = float(getattr(fm, "eps", 0.0))
+    tensors.update({prefix + name: t for name, t in fm.native_tensors().items()})
+    return features_bf16
 
 
 FEATURE_MAPS: dict[str, type[FeatureMap]] = {

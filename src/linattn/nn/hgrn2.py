@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from ..ops.linear.chunked import state_dtype
+from .decay import plan_key_decay
 from .families import GATED, GatedMix
 from .recurrent import RecurrentAttention
 
@@ -38,6 +39,13 @@ class HGRN2Attention(RecurrentAttention):
         g = F.logsigmoid(k.to(state_dtype(x.dtype)))  # the k block holds the forget logits f
         q, k = self.rotate(F.silu(q), (-torch.expm1(g)).to(v.dtype), positions)
         return GatedMix(q * self.scale, k, v, g, chunk_size=self.chunk_size)
+
+    def plan_mixer(self, plan, cache, tensors: dict, ints: dict, floats: dict) -> None:
+        """The gated mixer's arguments (`plan_state`) with the key decay g = logsigmoid(k) and the tied
+        input gate k ← 1 − e^g, SiLU(q) (csrc/model_mixers.h's GatedMixOp)."""
+        self.plan_state(plan, cache, tensors, ints, floats)
+        plan_key_decay(ints, floats, 1.0)
+        ints["tied_input"] = 1
 
 
 __all__ = ["HGRN2Attention"]

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from .caches import LigerCache
+from .decay import plan_key_decay
 from .families import WINDOW_GATED, GatedMix, WindowMix
 from .swa import SlidingWindowAttention
 
@@ -50,6 +51,14 @@ class LigerAttention(SlidingWindowAttention):
         rq, rk = self.rotate(q, k, positions)
         return (WindowMix(rq, rk, v, self.window, self.chunk_size),
                 GatedMix(fq, fk, v, g, chunk_size=self.chunk_size, scale=1.0))
+
+    def plan_mixer(self, plan, cache, tensors: dict, ints: dict, floats: dict) -> None:
+        """The window mixer's arguments: the ring buffer (`plan_window`), the gated state S and its key
+        decay g = logsigmoid(k) / 16 (csrc/model_window.h)."""
+        self.plan_window(plan, cache, tensors, ints)
+        tensors["state"] = plan.state(cache)
+        ints["beyond"] = 2  # a gated state (model_window.h's kBeyondGated)
+        plan_key_decay(ints, floats, GATE_NORMALIZER)
 
 
 __all__ = ["GATE_NORMALIZER", "LigerAttention", "LigerCache"]

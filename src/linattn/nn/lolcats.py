@@ -21,13 +21,14 @@ import torch
 from torch import nn
 
 from .._checks import check_int, check_number
+from ..ops.features import native_code
 from ..ops.linear.chunked import DEFAULT_CHUNK_SIZE
 from .base import Attention
 from .caches import LoLCATsCache
 from .families import WINDOW_LINEAR, HybridMix
-from .feature_maps import make_feature_map
+from .feature_maps import make_feature_map, plan_feature_map
 from .positional import RotaryEmbedding
-from .swa import DEFAULT_WINDOW
+from .swa import DEFAULT_WINDOW, SlidingWindowAttention
 
 #: LoLCATs' initial window-factor logit: sigmoid(−2.1972) = 0.1.
 DEFAULT_WINDOW_FACTOR_LOGIT = -2.1972245773362196
@@ -87,6 +88,27 @@ class LoLCATsAttention(Attention):
         qf = self.feature_map_q(q, is_query=True, positions=positions)
         kf = self.feature_map_k(k, is_query=False, positions=positions)
         return HybridMix(q, k, qf, kf, v, self.window, self.window_factor.to(q.dtype), self.chunk_size)
+
+    def step_obstacle(self) -> str | None:
+        for fm in (self.feature_map_q, self.feature_map_k):
+            if native_code(fm) is None:
+                return f"feature map {type(fm).__name__} takes the eager path"
+        return super().step_obstacle()
+
+    def plan_mixer(self, plan, cache, tensors: dict, ints: dict, floats: dict) -> None:
+        """The window mixer's arguments (csrc/model_window.h): the ring buffer (SlidingWindowAttention's
+        `plan_window`) with its key features, the linear state (kv, z), φ_q and φ_k, the window factors γ
+        (in the model's dtype, as the eager step rounds them)."""
+        SlidingWindowAttention.plan_window(self, plan, cache, tensors, ints)
+        state = cache.state
+        if any(t.dtype != torch.float32 or not t.is_contiguous() for t in (state.kv, state.z)) \
+                or not state.kf.is_contiguous():
+            raise ValueError("fused decoding: LoLCATs' linear state must be contiguous float32")
+        tensors.update(window_kf=state.kf, kv=state.kv, z=state.z,
+                       window_factor=self.window_factor.detach().to(plan.dtype))
+        plan_feature_map(self.feature_map_q, plan, tensors, ints, floats, "q_")
+        plan_feature_map(self.feature_map_k, plan, tensors, ints, floats, "k_")
+        ints["beyond"] = 1  # a linear state (model_window.h's kBeyondLinear)
 
     def extra_repr(self) -> str:
         return (f"d_model={self.d_model}, n_heads={self.n_heads}, qk_dim={self.qk_dim}, window={self.window}, "

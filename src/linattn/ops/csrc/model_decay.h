@@ -6,6 +6,7 @@
 //   scalar   Mamba2       g_h = −e^{A_log_h} · softplus((W_α x)_h + dt_bias_h)
 //   feature  GLA          g_{h,f} = logsigmoid((W₂ W₁ x)_{h,f} + b_{h,f}) / τ                 (f < F)
 //   channel  KDA          g_{h,d} = −e^{A_log_h} · softplus((F_b F_a x)_{h,d} + dt_bias_{h,d})  (d < D)
+//   key      Liger, HGRN2 g_{h,d} = logsigmoid(k_{h,d}) / τ, from the head's own key (unrotated)  (d < D)
 //
 // in float, from the products rounded as the eager Linear's outputs are (bf16 models). Internal linkage.
 #pragma once
@@ -18,7 +19,7 @@
 
 namespace {
 
-enum DecayKind { kNoDecay = 0, kFixedDecay = 1, kScalarDecay = 2, kFeatureDecay = 3, kChannelDecay = 4 };
+enum DecayKind { kNoDecay = 0, kFixedDecay = 1, kScalarDecay = 2, kFeatureDecay = 3, kChannelDecay = 4, kKeyDecay = 5 };
 
 struct Decay {
   int kind = kNoDecay;
@@ -27,7 +28,7 @@ struct Decay {
   at::Tensor a_log, dt_bias;  // (H) floats; KDA's dt_bias (H·D)
   Buffer down;                // GLA: W₁ x (B, rank)
   at::Tensor up_w, up_b;      // W₂ (H·F, rank), b (H·F), floats
-  float temperature = 1;
+  float temperature = 1;      // GLA's and the key decay's τ
 
   static Decay from(const Args& a) {
     Decay d;
@@ -44,11 +45,13 @@ struct Decay {
       d.up_b = a.tensor("decay_up_bias").to(at::kFloat).contiguous();
       d.temperature = static_cast<float>(a.real("temperature"));
     }
+    if (d.kind == kKeyDecay) d.temperature = static_cast<float>(a.real("temperature"));
     return d;
   }
 
-  // g of head h at batch row b: one value (returns 1), or F values for GLA and KDA (returns F)
-  int64_t log_decay(int64_t b, int64_t h, int64_t F, const Rounder& R, float* g) const {
+  // g of head h at batch row b: one value (returns 1), or F values for GLA, KDA and the key decay (returns
+  // F); key: the head's k (F values: the key decay's input)
+  int64_t log_decay(int64_t b, int64_t h, int64_t F, const Rounder& R, float* g, const float* key = nullptr) const {
     if (kind == kFixedDecay) {
       g[0] = fixed.data_ptr<float>()[h];
       return 1;
@@ -63,6 +66,10 @@ struct Decay {
       const float* bias = dt_bias.data_ptr<float>() + h * F;
       const float a = -std::exp(a_log.data_ptr<float>()[h]);
       for (int64_t f = 0; f < F; ++f) g[f] = a * softplus(p[f] + bias[f]);
+      return F;
+    }
+    if (kind == kKeyDecay) {  // g = logsigmoid(k) / τ, in float from the key as the eager layer holds it
+      for (int64_t f = 0; f < F; ++f) g[f] = logsigmoid(key[f]) / temperature;
       return F;
     }
     // GLA: g = logsigmoid(W₂ W₁ x + b) / τ

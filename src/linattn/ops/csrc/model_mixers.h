@@ -6,13 +6,16 @@
 //
 //   linear           φ (elu, relu, favor, trig, cosformer, taylor, hedgehog), RoPE on the features,
 //                    kv += k̃ᵣ vᵀ, z += k̃, o = q̃ᵣᵀ kv / (q̃ · z + ε)                        (design §3–6)
-//   gated            q·D^{−1/2}, S = diag(e^g) S + k vᵀ, o = Sᵀ q; g RetNet's, Mamba2's or GLA's (§8, §12)
+//   gated            q·D^{−1/2}, S = diag(e^g) S + k vᵀ, o = Sᵀ q; g RetNet's, Mamba2's or GLA's (§8, §12),
+//                    or HGRN2's logsigmoid of the k block with k ← 1 − e^g
 //   delta            SiLU, S = α (I − β k̂k̂ᵀ) S + β k̂ vᵀ, o = D^{−1/2} Sᵀ q̂                        (§13)
 //                    (KDA: S = (I − β k̂k̂ᵀ) Diag(α) S + β k̂ vᵀ, α per key channel, §13.8)
 //   softmax          the new k, v appended to the KV cache, o = softmax(q·K/√D) V                   (§8)
 //
-// Each computes what linattn's eager layers compute, in float, with the bf16 roundings of a bf16 model
-// where the eager path holds bf16 tensors (model_ops.h). Internal linkage.
+// The window family's mixer (swa, LoLCATs, Liger) is in model_window.h, the feature maps of the linear one
+// in model_features.h; model_step.cpp's `mixer_table()` names them all. Each computes what linattn's
+// eager layers compute, in float, with the bf16 roundings of a bf16 model where the eager path holds bf16
+// tensors (model_ops.h). Internal linkage.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -25,6 +28,7 @@
 #include <vector>
 
 #include "model_decay.h"
+#include "model_features.h"
 #include "model_ops.h"
 #include "step_rows.h"
 
@@ -83,12 +87,7 @@ class AttentionMixOp : public Op {
       load_head(b, h, q, k, v);
       if (q_norm_w_.defined()) norm_qk(b, h, q, k);
       activate(q, k, v);
-      if (rope_c_.defined()) {
-        rotate(q, rope_c_.p + b * rope_c_.ld, rope_s_.p + b * rope_s_.ld, tmp, rope_dim_, R_);
-        std::copy(tmp, tmp + rope_dim_, q);
-        rotate(k, rope_c_.p + b * rope_c_.ld, rope_s_.p + b * rope_s_.ld, tmp, rope_dim_, R_);
-        std::copy(tmp, tmp + rope_dim_, k);
-      }
+      if (!rotates_itself_) rotate_qk(b, q, k, tmp);
       mix(info, b, h, q, k, v, o, tmp);
       float* out = o_.p + b * o_.ld + h * dv_;
       if (gate_.defined() && sigmoid_gate_) {  // o ← o ⊙ sigmoid(W_g x): linattn.nn.base.SigmoidGate
@@ -115,6 +114,19 @@ class AttentionMixOp : public Op {
   virtual void mix(const StepInfo& info, int64_t b, int64_t h, float* q, float* k, float* v, float* o,
                    float* tmp) = 0;
   virtual void activate(float*, float*, float*) {}
+
+  // q and k of batch row b rotated by RoPE, in place (nothing without RoPE); tmp: rope_dim floats. run()
+  // rotates them before `mix`, unless the mixer reads them unrotated too (rotates_itself_: Liger's gated
+  // part, HGRN2's gates), and then calls this itself
+  void rotate_qk(int64_t b, float* q, float* k, float* tmp) const {
+    if (!rope_c_.defined()) return;
+    const float* c = rope_c_.p + b * rope_c_.ld;
+    const float* s = rope_s_.p + b * rope_s_.ld;
+    rotate(q, c, s, tmp, rope_dim_, R_);
+    std::copy(tmp, tmp + rope_dim_, q);
+    rotate(k, c, s, tmp, rope_dim_, R_);
+    std::copy(tmp, tmp + rope_dim_, k);
+  }
 
   // q, k of head h of row b through their RMSNorms, per head or across the heads (the row's H·D
   // values of the projection, 1/rms recomputed by each head: H·D reads)
@@ -150,6 +162,7 @@ class AttentionMixOp : public Op {
   Buffer qkv_, o_;
   int64_t heads_, dq_, dv_;
   Rounder R_;
+  bool rotates_itself_ = false;
 
  private:
   at::Tensor conv_w_;
@@ -165,42 +178,25 @@ class AttentionMixOp : public Op {
 };
 
 // ----------------------------------------------------------------------------------------------
-// linear attention with a feature map
-
-enum FeatureMap { kElu = 1, kReLU = 2, kFavor = 3, kTrig = 4, kCosFormer = 5, kTaylor = 6, kHedgehog = 7 };
+// linear attention with a feature map (model_features.h)
 
 class LinearMixOp : public AttentionMixOp {
  public:
   LinearMixOp(const Args& a, bool bf16)
-      : AttentionMixOp(a, bf16), map_(static_cast<int>(a.integer("feature_map"))), F_(a.integer("feature_dim")),
-        normalize_(a.integer("normalize") != 0), eps_(static_cast<float>(a.real("eps"))),
-        Rf_{bf16 && a.integer("features_bf16") != 0} {
+      : AttentionMixOp(a, bf16), phi_(a, dq_, bf16), F_(phi_.dim()), normalize_(a.integer("normalize") != 0),
+        eps_(static_cast<float>(a.real("eps"))) {
     state_ = a.tensor("kv");
     z_t_ = a.tensor("z");
     kv_ = state_ptr(a, "kv", a.integer("batch") * heads_ * F_ * dv_);
     z_ = state_ptr(a, "z", a.integer("batch") * heads_ * F_);
     rope_f_c_ = maybe_buffer(a, "feature_rope_cos");
     rope_f_s_ = maybe_buffer(a, "feature_rope_sin");
-    map_eps_ = static_cast<float>(a.real("map_eps", 0.0));
-    max_len_ = a.integer("max_len", 0);
-    stabilize_ = a.integer("stabilize", 0) != 0;
-    if (a.has("projection")) {  // FAVOR+ / trig ω, Hedgehog's W: (m, D)
-      proj_ = a.tensor("projection").to(at::kFloat).contiguous();
-      m_ = proj_.size(0);
-      if (map_ == kFavor) pair_shift();
-    }
   }
 
-  void check(const StepInfo& info) const override {
-    if (map_ != kCosFormer) return;
-    for (int64_t b = 0; b < info.batch; ++b) {
-      TORCH_CHECK_VALUE(info.pos[b] >= 0 && info.pos[b] < max_len_, "cosFormer positions must lie in [0, max_len=",
-                        max_len_, "), got ", info.pos[b]);
-    }
-  }
+  void check(const StepInfo& info) const override { phi_.check(info); }
 
  protected:
-  size_t row_scratch(const StepInfo&) const override { return 4 * F_ + m_ + dq_ + 16; }
+  size_t row_scratch(const StepInfo&) const override { return 4 * F_ + phi_.work() + 16; }
 
   void mix(const StepInfo& info, int64_t b, int64_t h, float* q, float* k, float* v, float* o, float* tmp) override {
     float* fq = tmp;
@@ -208,13 +204,13 @@ class LinearMixOp : public AttentionMixOp {
     float* qr = fk + F_;
     float* kr = qr + F_;
     float* work = kr + F_;
-    features(q, true, info.pos[b], fq, work);
-    features(k, false, info.pos[b], fk, work);
+    phi_.features(q, true, info.pos[b], fq, work);
+    phi_.features(k, false, info.pos[b], fk, work);
     if (rope_f_c_.defined()) {
       const float* c = rope_f_c_.p + b * rope_f_c_.ld;
       const float* s = rope_f_s_.p + b * rope_f_s_.ld;
-      rotate(fq, c, s, qr, F_, Rf_);
-      rotate(fk, c, s, kr, F_, Rf_);
+      rotate(fq, c, s, qr, F_, phi_.rounder());
+      rotate(fk, c, s, kr, F_, phi_.rounder());
     } else {
       qr = fq;
       kr = fk;
@@ -233,161 +229,60 @@ class LinearMixOp : public AttentionMixOp {
   }
 
  private:
-  // φ(x) of one head (x: D values) into f (F values), as linattn.feature_maps computes it
-  void features(const float* x, bool is_query, int64_t pos, float* f, float* work) const {
-    const int64_t D = dq_;
-    const Rounder& R = Rf_;
-    switch (map_) {
-      case kElu:
-        for (int64_t i = 0; i < D; ++i) f[i] = R(R(exp_nonpositive(std::min(x[i], 0.0f))) + std::max(x[i], 0.0f));
-        break;
-      case kReLU:
-        for (int64_t i = 0; i < D; ++i) f[i] = map_eps_ != 0 ? R(std::max(x[i], 0.0f) + map_eps_) : std::max(x[i], 0.0f);
-        break;
-      case kFavor:
-      case kTrig: {
-        const float sq = project(x, work, work + m_);  // work: ω x' (m), sq = ‖x'‖²/2
-        const int64_t m = m_;
-        if (map_ == kTrig) {
-          const float root = std::sqrt(float(m)), grow = (!is_query || !stabilize_) ? std::exp(sq) : 1.0f;
-          for (int64_t i = 0; i < m; ++i) {
-            f[i] = std::sin(work[i]) / root * grow;
-            f[m + i] = std::cos(work[i]) / root * grow;
-          }
-        } else if (!stabilize_) {
-          const float root = std::sqrt(float(m));
-          for (int64_t i = 0; i < m; ++i) f[i] = std::exp(work[i] - sq) / root;
-        } else if (is_query) {  // shifted by the logsumexp of its exponents: features summing to 1
-          float top = -INFINITY;
-          for (int64_t i = 0; i < m; ++i) top = std::max(top, work[i] = (work[i] - sq) + shift_[i]);
-          float sum = 0;
-          for (int64_t i = 0; i < m; ++i) sum += std::exp(work[i] - top);
-          const float lse = top + std::log(sum);
-          for (int64_t i = 0; i < m; ++i) f[i] = std::exp(work[i] - lse);
-        } else {
-          for (int64_t i = 0; i < m; ++i) f[i] = std::exp(((work[i] - sq) - shift_[i]) + shift_mean_);
-        }
-        break;
-      }
-      case kCosFormer: {
-        const float ang = static_cast<float>(pos) * static_cast<float>(M_PI / (2.0 * double(max_len_)));
-        const float c = R(std::cos(ang)), s = R(std::sin(ang));
-        for (int64_t i = 0; i < D; ++i) {
-          const float r = std::max(x[i], 0.0f);
-          f[i] = R(r * c);
-          f[D + i] = R(r * s);
-        }
-        break;
-      }
-      case kTaylor: {
-        const float a = static_cast<float>(std::pow(double(D), -0.25)), c = static_cast<float>(1.0 / std::sqrt(2.0 * D));
-        f[0] = 1.0f;
-        for (int64_t i = 0; i < D; ++i) f[1 + i] = R(x[i] * a);
-        for (int64_t i = 0; i < D; ++i)
-          for (int64_t j = 0; j < D; ++j) f[1 + D + i * D + j] = R(R(x[i] * x[j]) * c);
-        break;
-      }
-      case kHedgehog: {
-        const int64_t m = m_;
-        const float* W = proj_.data_ptr<float>();
-        for (int64_t i = 0; i < m; ++i) {
-          float y = 0;
-          for (int64_t j = 0; j < D; ++j) y += x[j] * W[i * D + j];
-          work[i] = R(y);
-        }
-        for (int sign = 0; sign < 2; ++sign) {  // softmax(Wx), then softmax(−Wx)
-          const float s = sign == 0 ? 1.0f : -1.0f;
-          float top = -INFINITY, sum = 0;
-          for (int64_t i = 0; i < m; ++i) top = std::max(top, s * work[i]);
-          for (int64_t i = 0; i < m; ++i) sum += std::exp(s * work[i] - top);
-          for (int64_t i = 0; i < m; ++i) f[sign * m + i] = R(std::exp(s * work[i] - top) / sum);
-        }
-        break;
-      }
-      default:
-        break;
-    }
-  }
-
-  // FAVOR+ / trig: out = ω x' with x' = x·D^{−1/4} (into xs, D values); returns ‖x'‖²/2
-  float project(const float* x, float* out, float* xs) const {
-    const int64_t D = dq_;
-    const float a = static_cast<float>(std::pow(double(D), -0.25));
-    float sq = 0;
-    for (int64_t i = 0; i < D; ++i) {
-      xs[i] = x[i] * a;
-      sq += xs[i] * xs[i];
-    }
-    const float* W = proj_.data_ptr<float>();
-    for (int64_t i = 0; i < m_; ++i) {
-      float y = 0;
-      for (int64_t j = 0; j < D; ++j) y += xs[j] * W[i * D + j];
-      out[i] = y;
-    }
-    return 0.5f * sq;
-  }
-
-  // FAVOR+'s stabilizer (linattn.feature_maps.FavorPlus._pair_shift): h_i = ‖ω_i‖²/2 raised to the larger
-  // of each RoPE pair (i, i + ⌊m/2⌋), and the keys' constant min(30, mean h')
-  void pair_shift() {
-    const int64_t m = m_, D = dq_, p = m / 2;
-    const float* W = proj_.data_ptr<float>();
-    std::vector<float> half(m);
-    for (int64_t i = 0; i < m; ++i) {
-      float s = 0;
-      for (int64_t j = 0; j < D; ++j) s += W[i * D + j] * W[i * D + j];
-      half[i] = 0.5f * s;
-    }
-    shift_.assign(half.begin(), half.end());
-    for (int64_t i = 0; i < p; ++i) shift_[i] = shift_[i + p] = std::max(half[i], half[i + p]);
-    double mean = 0;
-    for (float s : shift_) mean += s;
-    shift_mean_ = std::min(static_cast<float>(mean / double(m)), 30.0f);
-  }
-
-  int map_;
+  FeatureMap phi_;
   int64_t F_;
   bool normalize_;
   float eps_;
-  Rounder Rf_;  // the features' roundings: bf16 for the maps whose features the eager path keeps in bf16
   at::Tensor state_, z_t_;
   float* kv_;
   float* z_;
   Buffer rope_f_c_, rope_f_s_;
-  float map_eps_ = 0;
-  int64_t max_len_ = 0;
-  bool stabilize_ = false;
-  at::Tensor proj_;
-  int64_t m_ = 0;
-  std::vector<float> shift_;
-  float shift_mean_ = 0;
 };
 
-// RetNet, simple GLA, GLA: S = diag(e^g) S + k vᵀ, o = Sᵀ (q · D^{−1/2})
+// S = diag(e^g) S + k vᵀ, o = Sᵀ q (rounded as the eager output) for one (row, head): g the n log-decays
+// of the row (1, or one per key feature: D), made e^g in place
+inline void gated_row(float* S, const float* q, const float* k, const float* v, float* g, int64_t n, float* o,
+                      int64_t D, int64_t E, const Rounder& R) {
+  for (int64_t i = 0; i < n; ++i) g[i] = exp_nonpositive(g[i]);
+  decay_update_row<float>(S, S, q, k, v, g, n > 1, o, D, E);
+  for (int64_t e = 0; e < E; ++e) o[e] = R(o[e]);
+}
+
+// RetNet, simple GLA, GLA: S = diag(e^g) S + k vᵀ, o = Sᵀ (q · D^{−1/2}); HGRN2 (tied_input): g =
+// logsigmoid of the k block (the key decay), k ← 1 − e^g, q ← SiLU(q), then RoPE
 class GatedMixOp : public AttentionMixOp {
  public:
   GatedMixOp(const Args& a, bool bf16)
-      : AttentionMixOp(a, bf16), decay_(Decay::from(a)), scale_(static_cast<float>(a.real("scale"))) {
+      : AttentionMixOp(a, bf16), decay_(Decay::from(a)), scale_(static_cast<float>(a.real("scale"))),
+        tied_input_(a.integer("tied_input", 0) != 0) {
+    TORCH_CHECK(tied_input_ == (decay_.kind == kKeyDecay), "linattn_cpu::DecodePlan: the gated mixer's key decay "
+                "goes with the tied input gate (HGRN2)");
     state_t_ = a.tensor("state");
     S_ = state_ptr(a, "state", a.integer("batch") * heads_ * dq_ * dv_);
+    rotates_itself_ = tied_input_;  // the gate reads k before RoPE
   }
 
  protected:
   size_t row_scratch(const StepInfo&) const override { return 2 * dq_ + 16; }
 
   void mix(const StepInfo&, int64_t b, int64_t h, float* q, float* k, float* v, float* o, float* tmp) override {
+    float* g = tmp;
+    const int64_t n = decay_.log_decay(b, h, dq_, R_, g, k);
+    if (tied_input_) {  // as linattn.nn.hgrn2.HGRN2Attention.mix
+      for (int64_t i = 0; i < dq_; ++i) {
+        k[i] = R_(-std::expm1(g[i]));
+        q[i] = R_(silu(q[i]));
+      }
+      rotate_qk(b, q, k, tmp + dq_);
+    }
     for (int64_t i = 0; i < dq_; ++i) q[i] = R_(q[i] * scale_);
-    float* a = tmp;
-    const int64_t n = decay_.log_decay(b, h, dq_, R_, a);
-    for (int64_t i = 0; i < n; ++i) a[i] = exp_nonpositive(a[i]);
-    float* S = S_ + (b * heads_ + h) * dq_ * dv_;
-    decay_update_row<float>(S, S, q, k, v, a, n > 1, o, dq_, dv_);
-    for (int64_t e = 0; e < dv_; ++e) o[e] = R_(o[e]);
+    gated_row(S_ + (b * heads_ + h) * dq_ * dv_, q, k, v, g, n, o, dq_, dv_, R_);
   }
 
  private:
   Decay decay_;
   float scale_;
+  bool tied_input_;
   at::Tensor state_t_;
   float* S_;
 };
@@ -454,6 +349,54 @@ class DeltaMixOp : public AttentionMixOp {
 // ----------------------------------------------------------------------------------------------
 // softmax attention over the KV cache
 
+// The scores s_j = q·k_j·scale of the n keys of K (n × D) that seen(j) keeps, and their largest into top
+template <typename T, class Seen>
+inline void key_scores(const T* K, const float* q, int64_t D, int64_t n, float scale, const Seen& seen, float* s,
+                       float* top) {
+  for (int64_t j = 0; j < n; ++j) {
+    if (!seen(j)) continue;
+    const T* kj = K + j * D;
+    float dot = 0;
+#pragma omp simd reduction(+ : dot)
+    for (int64_t i = 0; i < D; ++i) dot += q[i] * static_cast<float>(kj[i]);
+    s[j] = dot * scale;
+    *top = std::max(*top, s[j]);
+  }
+}
+
+// Softmax attention of one query over n cached keys and values (rows base_k / D and base_v / E on of
+// the K and V tensors, float or bf16): acc (E) = Σ_j e^{s_j − m} v_j and the returned Σ_j e^{s_j − m},
+// over the keys j that seen(j) keeps, s_j = q·k_j·scale, m their largest; s: n floats of scratch.
+// The softmax mixer's KV cache and the window mixer's ring buffer (model_window.h).
+template <class Seen>
+inline float attend(const Held& K, const Held& V, int64_t base_k, int64_t base_v, const float* q, int64_t n, int64_t D,
+                    int64_t E, float scale, const Seen& seen, float* s, float* acc) {
+  float top = -INFINITY;
+  if (K.bf16) {
+    key_scores(static_cast<const at::BFloat16*>(K.p) + base_k, q, D, n, scale, seen, s, &top);
+  } else {
+    key_scores(static_cast<const float*>(K.p) + base_k, q, D, n, scale, seen, s, &top);
+  }
+  for (int64_t e = 0; e < E; ++e) acc[e] = 0;
+  float sum = 0;
+  const at::BFloat16* vh = static_cast<const at::BFloat16*>(V.p) + base_v;
+  const float* vf = static_cast<const float*>(V.p) + base_v;
+  for (int64_t j = 0; j < n; ++j) {
+    if (!seen(j)) continue;
+    const float p = exp_nonpositive(s[j] - top);
+    sum += p;
+    if (V.bf16) {
+      const at::BFloat16* vj = vh + j * E;
+      for (int64_t e = 0; e < E; ++e) acc[e] += p * static_cast<float>(vj[e]);
+    } else {
+      const float* vj = vf + j * E;
+#pragma omp simd
+      for (int64_t e = 0; e < E; ++e) acc[e] += p * vj[e];
+    }
+  }
+  return sum;
+}
+
 class SoftmaxMixOp : public AttentionMixOp {
  public:
   SoftmaxMixOp(const Args& a, bool bf16)
@@ -484,72 +427,17 @@ class SoftmaxMixOp : public AttentionMixOp {
     for (int64_t i = 0; i < dv_; ++i) v_.set(base_v + info.length * dv_ + i, v[i]);
     const bool* keep = mask_.defined() ? mask_.data_ptr<bool>() + b * cap : nullptr;
     if (keep != nullptr && h == 0) mask_.data_ptr<bool>()[b * cap + info.length] = true;
-    float* s = tmp;
+    const int64_t length = info.length;
+    const auto seen = [keep, length](int64_t j) { return keep == nullptr || j >= length || keep[j]; };
     float* acc = tmp + T;
-    float top = -INFINITY;
-    if (k_.bf16) {
-      scores(k_.t.data_ptr<at::BFloat16>() + base_k, q, keep, T, s, &top, info.length);
-    } else {
-      scores(k_.t.data_ptr<float>() + base_k, q, keep, T, s, &top, info.length);
-    }
-    for (int64_t e = 0; e < dv_; ++e) acc[e] = 0;
-    float sum = 0;
-    const at::BFloat16* vh = static_cast<const at::BFloat16*>(v_.p) + base_v;
-    const float* vf = static_cast<const float*>(v_.p) + base_v;
-    for (int64_t j = 0; j < T; ++j) {
-      if (keep != nullptr && j < info.length && !keep[j]) continue;
-      const float p = exp_nonpositive(s[j] - top);
-      sum += p;
-      if (v_.bf16) {
-        const at::BFloat16* vj = vh + j * dv_;
-        for (int64_t e = 0; e < dv_; ++e) acc[e] += p * static_cast<float>(vj[e]);
-      } else {
-        const float* vj = vf + j * dv_;
-#pragma omp simd
-        for (int64_t e = 0; e < dv_; ++e) acc[e] += p * vj[e];
-      }
-    }
+    const float sum = attend(k_, v_, base_k, base_v, q, T, dq_, dv_, scale_, seen, tmp, acc);
     for (int64_t e = 0; e < dv_; ++e) o[e] = R_(acc[e] / sum);
   }
 
  private:
-  template <typename T>
-  void scores(const T* K, const float* q, const bool* keep, int64_t n, float* s, float* top, int64_t length) const {
-    for (int64_t j = 0; j < n; ++j) {
-      if (keep != nullptr && j < length && !keep[j]) continue;
-      const T* kj = K + j * dq_;
-      float dot = 0;
-#pragma omp simd reduction(+ : dot)
-      for (int64_t i = 0; i < dq_; ++i) dot += q[i] * static_cast<float>(kj[i]);
-      s[j] = dot * scale_;
-      *top = std::max(*top, s[j]);
-    }
-  }
-
   Held k_, v_;
   at::Tensor mask_;
   float scale_;
 };
-
-// ----------------------------------------------------------------------------------------------
-// The mixers by name: the plan's op of that name (linattn.models.kinds.FUSED_MIXERS, a kind's `fused`)
-// is built by this table. A new fused mixer is its class above and one entry here.
-
-using MixerFactory = std::unique_ptr<Op> (*)(const Args&, bool bf16);
-
-template <class Mixer>
-std::unique_ptr<Op> make_mixer(const Args& a, bool bf16) {
-  return std::make_unique<Mixer>(a, bf16);
-}
-
-inline const std::map<std::string, MixerFactory>& mixer_table() {
-  static const std::map<std::string, MixerFactory> table = {
-      {"linear", make_mixer<LinearMixOp>},
-      {"gated", make_mixer<GatedMixOp>},
-      {"delta", make_mixer<DeltaMixOp>},
-      {"softmax", make_mixer<SoftmaxMixOp>},
-  };
-  return table;
-}
 
 }  // namespace

@@ -19,6 +19,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -31,8 +32,31 @@
 #include "model_mixers.h"
 #include "model_moe.h"
 #include "model_ops.h"
+#include "model_window.h"
 
 namespace {
+
+// The mixers by name: the plan's op of that name (linattn.models.kinds.FUSED_MIXERS, a kind's `fused`)
+// is built by this table. A new fused mixer is its class (model_mixers.h, or a header of its own such as
+// model_window.h) and one entry here.
+
+using MixerFactory = std::unique_ptr<Op> (*)(const Args&, bool bf16);
+
+template <class Mixer>
+std::unique_ptr<Op> make_mixer(const Args& a, bool bf16) {
+  return std::make_unique<Mixer>(a, bf16);
+}
+
+const std::map<std::string, MixerFactory>& mixer_table() {
+  static const std::map<std::string, MixerFactory> table = {
+      {"linear", make_mixer<LinearMixOp>},
+      {"gated", make_mixer<GatedMixOp>},
+      {"delta", make_mixer<DeltaMixOp>},
+      {"softmax", make_mixer<SoftmaxMixOp>},
+      {"window", make_mixer<WindowMixOp>},
+  };
+  return table;
+}
 
 class DecodePlan : public torch::CustomClassHolder {
  public:
@@ -45,7 +69,7 @@ class DecodePlan : public torch::CustomClassHolder {
   // Appends an op: kind "rope", "embed", "group" (a new group of products of one input), "product"
   // (one more product of the last group), "norm_add" (x += Norm(input): post-norm blocks), "moe"
   // (model_moe.h), "gather" (columns of buffers into one, model_gather.h), or a mixer of
-  // `mixer_table()` (model_mixers.h: "linear", "gated", "delta", "softmax"), with its named tensors,
+  // `mixer_table()` (above: "linear", "gated", "delta", "softmax", "window"), with its named tensors,
   // ints and floats (see linattn.models.decoding).
   void add(const std::string& kind, c10::Dict<std::string, at::Tensor> t, c10::Dict<std::string, int64_t> i,
            c10::Dict<std::string, double> f) {
@@ -79,7 +103,7 @@ class DecodePlan : public torch::CustomClassHolder {
     }
   }
 
-  // The names of the fused mixers (model_mixers.h's table)
+  // The names of the fused mixers (`mixer_table()`)
   static std::vector<std::string> mixers() {
     std::vector<std::string> names;
     for (const auto& entry : mixer_table()) names.push_back(entry.first);
