@@ -91,17 +91,39 @@ def assert_close_steps(out, atol=2e-6, rtol=1e-5):
         torch.testing.assert_close(lf, le, atol=atol, rtol=rtol, msg=lambda m, t=t: f"step {t}: {m}")
 
 
+def run_both_on_threads(model, ids, mask, steps: int, threads: int):
+    """run_both on `threads` torch threads (the number before is restored)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return run_both(model, ids, mask, steps)
+    finally:
+        torch.set_num_threads(before)
+
+
+def assert_bf16_steps_close(out):
+    """bf16 fused logits against the eager step's: logits of size ~1, one bf16 rounding is 2^-8
+    relative; two are allowed."""
+    for le, lf, _ in out:
+        assert lf.dtype == torch.bfloat16
+        torch.testing.assert_close(lf.float(), le.float(), atol=1e-2, rtol=1e-2)
+
+
+def perturb_biases(model, seed: int = 5) -> None:
+    """Nonzero biases (a model starts them at zero), in place."""
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(seed)
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.add_(torch.randn(p.shape, generator=g) * 0.1)
+
+
 def check_fused_equals_eager(model, *, threads: int = 1, batch: int = 3, n: int = 7, steps: int = 6):
     """`steps` greedy steps of `model`, eager and fused, from the same left-padded prompts (batch × n) on
     `threads` threads: the logits of every step and every state equal to fp32 rounding. Returns the
     (eager, fused) caches for further checks."""
     ids, mask = prompts(batch, n, padded=True)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        out, eager, fused = run_both(model, ids, mask, steps)
-    finally:
-        torch.set_num_threads(before)
+    out, eager, fused = run_both_on_threads(model, ids, mask, steps, threads)
     assert_close_steps(out)
     for a, b in zip(states(eager), states(fused)):
         # float32 rounding of sums is relative to their terms: a state's entry near 0 beside entries of
@@ -164,12 +186,8 @@ def test_fused_step_equals_eager_step_over_configs(kinds, positions, batch, prom
     model = make_model(attention=kinds, positions=positions, n_layers=2 * len(kinds), norm=norm,
                        activation=activation, bias=bias, tie_embeddings=tie, short_conv=short_conv, output_gate=gate,
                        feature_map=feature_map, qk_dim=qk_dim, block=block)
-    if bias:  # nonzero biases (the model starts them at zero)
-        with torch.no_grad():
-            g = torch.Generator().manual_seed(5)
-            for name, p in model.named_parameters():
-                if name.endswith("bias"):
-                    p.add_(torch.randn(p.shape, generator=g) * 0.1)
+    if bias:
+        perturb_biases(model)
     check_fused_equals_eager(model, threads=threads, batch=batch, n=prompt, steps=4)
 
 
@@ -200,10 +218,7 @@ def test_bfloat16_fused_step_within_one_rounding_of_eager(kind):
                        qk_dim=4 if fm == "taylor" else None)
     ids, mask = prompts(2, 6, padded=True)
     out, _, _ = run_both(model, ids, mask, 5)
-    for le, lf, _ in out:
-        assert lf.dtype == torch.bfloat16
-        # bf16 logits of size ~1: one bf16 rounding is 2^-8 relative; allow two
-        torch.testing.assert_close(lf.float(), le.float(), atol=1e-2, rtol=1e-2)
+    assert_bf16_steps_close(out)
 
 
 @pytest.mark.parametrize("kind", ["linear", "gated_deltanet", "softmax"])

@@ -22,7 +22,8 @@ from linattn.models.decoding import FusedDecoder, fused_decoding_obstacle
 from linattn.models.weights import is_quantized
 from linattn.ops import native
 
-from .test_decoding import assert_close_steps, check_fused_equals_eager, make_model, prompts, run_both, states
+from .test_decoding import (assert_bf16_steps_close, assert_close_steps, check_fused_equals_eager, make_model,
+                            perturb_biases, prompts, run_both, states)
 
 torchao = pytest.importorskip("torchao", reason="torchao (the quant extra: pip install linattn[quant]) is not installed")
 from torchao.quantization import Int8WeightOnlyConfig, quantize_  # noqa: E402
@@ -43,14 +44,17 @@ def linears(model):
 # ---- the int8 products against float64
 
 
-def plan_matvec(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, kn: bool, threads: int = 1) -> torch.Tensor:
-    """y = (x · qᵀ) · s through one product of a bare DecodePlan (q (N, K) int8, scale (N,))."""
+def plan_matvec(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, kn: bool, threads: int = 1,
+                act: int = 0) -> torch.Tensor:
+    """y = (x · qᵀ) · s through one product of a bare DecodePlan (q (N, K) int8, scale (N,)); act: the
+    activations quantized too, per row (1) or per tensor (2; csrc/matvec_dynamic.h)."""
     b, n = x.shape[0], q.shape[0]
     plan = torch.classes.linattn_cpu.DecodePlan(b, False)
     out = torch.zeros(b, n)
     plan.add("group", {"input": x}, {"_": 0}, {"_": 0.0})
     weight = q.t().contiguous() if kn else q.contiguous()
-    plan.add("product", {"weight": weight, "scale": scale, "out": out}, {"kn": int(kn), "epilogue": 0}, {"_": 0.0})
+    plan.add("product", {"weight": weight, "scale": scale, "out": out}, {"kn": int(kn), "epilogue": 0, "act_quant": act},
+             {"_": 0.0})
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -81,9 +85,15 @@ def test_int8_matvec_equals_dequantised_matmul_in_float64(batch, k, n, threads, 
 def test_int8_portable_kernels_too():
     """The generic int8 kernels (every ISA clone; AVX-512 machines take vpmovsxbd ones, matvec.h) pass
     the float64 test as well: the same tests in a process with LINATTN_INT8_KERNEL=portable."""
+    run_portable(__file__, "matvec_equals or int8_fused_step_equals_eager_step[")
+
+
+def run_portable(path: str, selection: str) -> None:
+    """The tests of file `path` matching `selection` (pytest -k) pass in a process with
+    LINATTN_INT8_KERNEL=portable (the generic int8 kernels)."""
     env = {**os.environ, "LINATTN_INT8_KERNEL": "portable"}
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:xdist", "-p", "no:cacheprovider", __file__,
-                          "-k", "matvec_equals or int8_fused_step_equals_eager_step["], env=env,
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:xdist", "-p", "no:cacheprovider", path,
+                          "-k", selection], env=env,
                          cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
     assert " passed" in run.stdout and "failed" not in run.stdout
@@ -143,12 +153,8 @@ def test_int8_fused_step_equals_eager_step_over_configs(kinds, batch, prompt, no
                                                         gate, threads, block):
     model = make_model(attention=kinds, n_layers=2 * len(kinds), norm=norm, activation=activation, bias=bias,
                        tie_embeddings=tie, short_conv=short_conv, output_gate=gate, block=block, positions="rope")
-    if bias:  # nonzero biases (the model starts them at zero)
-        with torch.no_grad():
-            g = torch.Generator().manual_seed(5)
-            for name, p in model.named_parameters():
-                if name.endswith("bias"):
-                    p.add_(torch.randn(p.shape, generator=g) * 0.1)
+    if bias:
+        perturb_biases(model)
     quantize_(model, Int8WeightOnlyConfig())
     assert fused_decoding_obstacle(model) is None
     check_fused_equals_eager(model, threads=threads, batch=batch, n=prompt, steps=4)
@@ -206,10 +212,7 @@ def test_bf16_int8_fused_step_within_one_rounding_of_eager(kind):
     assert fused_decoding_obstacle(model) is None
     ids, mask = prompts(2, 6, padded=True)
     out, _, _ = run_both(model, ids, mask, 5)
-    for le, lf, _ in out:
-        assert lf.dtype == torch.bfloat16
-        # bf16 logits of size ~1: one bf16 rounding is 2^-8 relative; allow two (as the bf16 model's test)
-        torch.testing.assert_close(lf.float(), le.float(), atol=1e-2, rtol=1e-2)
+    assert_bf16_steps_close(out)
 
 
 @pytest.mark.parametrize("kind", ["gated_deltanet", "softmax"])

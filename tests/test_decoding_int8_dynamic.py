@@ -8,9 +8,6 @@ quantization formula written out in torch ops; whole models against their eager 
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,32 +17,14 @@ from linattn.models.decoding import fused_decoding_obstacle
 from linattn.models.weights import activation_quantization
 from linattn.ops import native
 
-from .test_decoding import make_model, prompts, run_both
+from .test_decoding import make_model, prompts, run_both_on_threads
+from .test_decoding_int8 import plan_matvec, run_portable
 
 torchao = pytest.importorskip("torchao", reason="torchao (the quant extra: pip install linattn[quant]) is not installed")
 from torchao.quantization import Int8DynamicActivationInt8WeightConfig, quantize_  # noqa: E402
 from torchao.quantization.granularity import PerRow, PerTensor  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not native.load(), reason="the fused CPU kernels are not built")
-
-
-def plan_matvec(x, q, scale, kn: bool, act: int, threads: int = 1) -> torch.Tensor:
-    """y through one product of a bare DecodePlan with activation quantization `act` (1 per row, 2 per
-    tensor); q (N, K) int8, scale (N,)."""
-    b, n = x.shape[0], q.shape[0]
-    plan = torch.classes.linattn_cpu.DecodePlan(b, False)
-    out = torch.zeros(b, n)
-    plan.add("group", {"input": x}, {"_": 0}, {"_": 0.0})
-    weight = q.t().contiguous() if kn else q.contiguous()
-    plan.add("product", {"weight": weight, "scale": scale, "out": out}, {"kn": int(kn), "epilogue": 0, "act_quant": act},
-             {"_": 0.0})
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        plan.step(torch.zeros(b, dtype=torch.long), torch.zeros(b, dtype=torch.long), 0)
-    finally:
-        torch.set_num_threads(before)
-    return out
 
 
 def formula(x, q, scale, act: int) -> torch.Tensor:
@@ -68,7 +47,7 @@ def test_dynamic_matvec_equals_the_formula_to_the_bit(batch, k, n, threads, kn, 
     x[0, 0] = 0.5 / 127.5 * x[0].abs().max()  # a value that rounds half way
     q = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
     scale = torch.rand(n, generator=g) * 0.02 + 1e-3
-    y = plan_matvec(x, q, scale, kn, act, threads)
+    y = plan_matvec(x, q, scale, kn, threads, act)
     assert torch.equal(y, formula(x, q, scale, act))
     assert torch.count_nonzero(y) > 0
 
@@ -82,7 +61,7 @@ def test_zero_rows_and_extreme_weights():
     scale = torch.rand(40) + 0.5
     for kn in (False, True):
         for act in (1, 2):
-            assert torch.equal(plan_matvec(x, q, scale, kn, act), formula(x, q, scale, act))
+            assert torch.equal(plan_matvec(x, q, scale, kn, act=act), formula(x, q, scale, act))
 
 
 @pytest.mark.parametrize("granularity", [PerRow(), PerTensor()], ids=["per_row", "per_tensor"])
@@ -96,24 +75,19 @@ def test_dynamic_matvec_equals_torchao_linear(granularity):
     with torch.no_grad():
         ref = lin(x)
     scale = w.scale.reshape(-1).float().expand(70).contiguous()
-    assert torch.equal(plan_matvec(x, w.qdata, scale, False, act), ref)
+    assert torch.equal(plan_matvec(x, w.qdata, scale, False, act=act), ref)
 
 
 def test_plan_checks_act_quant():
     x = torch.randn(2, 8)
     with pytest.raises(RuntimeError, match="act_quant must be 0, 1"):
-        plan_matvec(x, torch.ones(4, 8, dtype=torch.int8), torch.ones(4), False, 3)
+        plan_matvec(x, torch.ones(4, 8, dtype=torch.int8), torch.ones(4), False, act=3)
 
 
 @pytest.mark.skipif(os.environ.get("LINATTN_INT8_KERNEL") == "portable", reason="this is the portable run")
 def test_dynamic_portable_kernels_too():
     """The integer loops that run without VNNI pass the same tests (LINATTN_INT8_KERNEL=portable)."""
-    env = {**os.environ, "LINATTN_INT8_KERNEL": "portable"}
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:xdist", "-p", "no:cacheprovider", __file__,
-                          "-k", "to_the_bit or extreme or fused_step"], env=env,
-                         cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=900)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
-    assert " passed" in run.stdout and "failed" not in run.stdout
+    run_portable(__file__, "to_the_bit or extreme or fused_step")
 
 
 # The fused and the eager steps quantize inputs that agree to float32 rounding, not always to the bit
@@ -131,12 +105,7 @@ def steps_of(model, granularity, batch: int, threads: int = 1, steps: int = 3):
     assert all(activation_quantization(m) for m in model.modules() if isinstance(m, nn.Linear))
     assert fused_decoding_obstacle(model) is None
     ids, mask = prompts(batch, 7, padded=batch > 1)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        out, _, _ = run_both(model, ids, mask, steps)
-    finally:
-        torch.set_num_threads(before)
+    out, _, _ = run_both_on_threads(model, ids, mask, steps, threads)
     for le, lf, _ in out:
         assert float((lf - le).abs().max()) <= FLIP * float(le.abs().max())
     return [bool(torch.allclose(lf, le, atol=2e-6, rtol=1e-5)) for le, lf, _ in out]

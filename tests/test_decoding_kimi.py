@@ -10,13 +10,8 @@ import torch
 
 from linattn.models.decoding import fused_decoding_obstacle
 
-from .test_decoding import check_fused_equals_eager, make_model, prompts, run_both
-
-
-def _threads(n: int):
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    return before
+from .test_decoding import (assert_bf16_steps_close, check_fused_equals_eager, make_model, prompts, run_both,
+                            run_both_on_threads)
 
 
 def _kda_model(dtype=torch.float32, **kw):
@@ -41,14 +36,8 @@ def test_kda_fused_step_equals_eager_step(threads, output_gate):
 def test_kda_bfloat16_fused_step_within_one_rounding_of_eager(threads):
     model = _kda_model(torch.bfloat16)
     ids, mask = prompts(2, 6, padded=True)
-    before = _threads(threads)
-    try:
-        out, _, _ = run_both(model, ids, mask, 5)
-    finally:
-        torch.set_num_threads(before)
-    for le, lf, _ in out:
-        assert lf.dtype == torch.bfloat16
-        torch.testing.assert_close(lf.float(), le.float(), atol=1e-2, rtol=1e-2)
+    out, _, _ = run_both_on_threads(model, ids, mask, 5, threads)
+    assert_bf16_steps_close(out)
 
 
 #: multi-head latent attention's options on the softmax layers (linattn.nn.mla)
@@ -69,8 +58,7 @@ def test_mla_bfloat16_fused_step_within_one_rounding_of_eager():
     model = make_model(torch.bfloat16, attention=["softmax"], positions="rope", kind_options={"softmax": MLA[0]})
     ids, mask = prompts(2, 6, padded=True)
     out, _, _ = run_both(model, ids, mask, 5)
-    for le, lf, _ in out:
-        torch.testing.assert_close(lf.float(), le.float(), atol=1e-2, rtol=1e-2)
+    assert_bf16_steps_close(out)
 
 
 def test_converted_kimi_linear_generates_fused_and_equals_transformers(monkeypatch):

@@ -20,7 +20,7 @@ from linattn.models.linearized import student_from_teacher
 from linattn.nn.caches import LoLCATsCache, SlidingWindowCache
 from linattn.nn.swa import ring_of
 
-from .test_decoding import check_fused_equals_eager, make_model, prompts, run_both
+from .test_decoding import assert_bf16_steps_close, check_fused_equals_eager, make_model, perturb_biases, prompts, run_both
 
 WINDOW_KINDS = ["swa", "lolcats", "liger"]
 
@@ -102,9 +102,7 @@ def test_bfloat16_within_two_roundings_of_eager(kind):
     model = window_model([kind, "softmax"], window=4, dtype=torch.bfloat16)
     ids, mask = prompts(3, 6, padded=True)
     out, _, _ = run_both(model, ids, mask, 6)
-    for le, lf, _ in out:
-        assert lf.dtype == torch.bfloat16
-        torch.testing.assert_close(lf.float(), le.float(), atol=1e-2, rtol=1e-2)
+    assert_bf16_steps_close(out)
 
 
 @pytest.mark.parametrize("recipe", ["lolcats", "liger"])
@@ -177,10 +175,6 @@ def test_greedy_generation_same_tokens_fused_and_eager():
 def test_window_kinds_over_configs(kinds, window, prompt, batch, positions, short_conv, gate, qk_dim, bias, threads):
     model = window_model(kinds, window, short_conv=short_conv, output_gate=gate, qk_dim=qk_dim, bias=bias,
                          positions=positions)
-    if bias:  # nonzero biases (the model starts them at zero)
-        with torch.no_grad():
-            g = torch.Generator().manual_seed(5)
-            for name, p in model.named_parameters():
-                if name.endswith("bias"):
-                    p.add_(torch.randn(p.shape, generator=g) * 0.1)
+    if bias:
+        perturb_biases(model)
     check_fused_equals_eager(model, threads=threads, batch=batch, n=prompt, steps=5)
