@@ -120,14 +120,15 @@ RECALL_PRESET = RecallPreset(
 
 #: CPU seconds per optimizer step at batch 64, seq_len 64 (4,096 tokens) of one run on one thread of the
 #: 2-core AMD EPYC (no AMX), measured on a quiet core (taskset, 1 thread, 40 steps of the recall preset's
-#: model, 2026-12-04), plus 5% for the validations; estimate_cpu_s scales them by the tokens of a step and
+#: model, 2026-12-04, after the head and loss moved to linattn.ops.cross_entropy: 1.4-1.7x fewer seconds a
+#: step than before), plus 5% for the validations; estimate_cpu_s scales them by the tokens of a step and
 #: by (seq_len / 64)^0.2, what the measured kinds paid at (256, 64, 16) over (64, 16, 64) at equal tokens
-#: (1.1-1.5x: the vocabulary projection at the queries, not attention, dominates a step at these sizes)
-SECONDS_PER_STEP = {"softmax": 0.20, "elu": 0.17, "favor": 0.17, "cosformer": 0.17, "taylor": 0.19, "hedgehog": 0.17,
-                    "hybrid": 0.13}
-#: the same for the kinds of the kinds table, by family (measured: GLA 0.17; DeltaNet and Gated DeltaNet
-#: 0.19, KDA 0.31; sliding window 0.17, LoLCATs 0.30: each family's mean)
-FAMILY_SECONDS_PER_STEP = {"gated": 0.18, "delta": 0.24, "window": 0.24}
+SECONDS_PER_STEP = {"softmax": 0.09, "elu": 0.08, "favor": 0.08, "cosformer": 0.08, "taylor": 0.10, "hedgehog": 0.09,
+                    "hybrid": 0.10}
+#: the same for the kinds of the kinds table, by family (measured: RetNet 0.097, simple GLA 0.096, GLA 0.104,
+#: HGRN2 0.106; DeltaNet 0.123, Gated DeltaNet 0.127, KDA 0.137; sliding window 0.085, LoLCATs 0.221, Liger
+#: 0.123: each family's mean, plus 5%)
+FAMILY_SECONDS_PER_STEP = {"gated": 0.11, "delta": 0.14, "window": 0.15}
 #: the exponent of seq_len / 64 in the cost of a step at equal tokens
 LENGTH_EXPONENT = 0.2
 
