@@ -200,6 +200,28 @@ def test_cli_recall_seeds_resume_and_markdown(tmp_path, monkeypatch, capsys):
     assert render_recall_markdown(json.loads((out / "recall-runs.json").read_text())) == (out / "recall.md").read_text()
 
 
+def test_cli_report_only_reports_the_finished_runs_and_trains_none(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(recall, "RECALL_PRESET", tiny_preset(settings=((32, 8, 8),), lrs=(1e-2,)))
+    out = tmp_path / "out"
+    args = ["eval", "--preset", "recall", "--kinds", "softmax,deltanet", "--seeds", "0,1", "--quiet", "--out", str(out)]
+    assert cli_main([*args, "--report-only"]) == 2  # no runs file yet
+    assert "--report-only reports the runs in" in capsys.readouterr().err
+    assert cli_main([*args[:4], "softmax", *args[5:]]) == 0  # softmax's two runs
+    jsonl = (out / "recall-runs.jsonl").read_text()
+
+    def trains(*a, **k):
+        raise AssertionError("--report-only trained a run")
+    monkeypatch.setattr(recall, "_run", trains)
+    assert cli_main([*args, "--report-only"]) == 0
+    assert (out / "recall-runs.jsonl").read_text() == jsonl  # read, not written
+    report = json.loads((out / "recall-runs.json").read_text())
+    assert report["planned"] == 4 and report["resumed"] == 2 and len(report["records"]) == 2
+    assert {r["kind"] for r in report["records"]} == {"softmax"}
+    md = (out / "recall.md").read_text()
+    assert "A partial report: 2 of the 4 planned runs have finished" in md and "| DeltaNet |" not in md
+    assert "a partial report: 2 of 4 planned runs" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--seeds", "0,0"], "seeds must not repeat"),
     (["--seeds", "-1"], "seeds must be integers in [0, 2**63)"),

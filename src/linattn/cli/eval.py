@@ -59,6 +59,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--restart", action="store_true",
                    help="recall presets: ignore the runs already in --out's recall-runs.jsonl and run everything "
                         "again (default: a re-run with the same --out skips the runs it finished)")
+    p.add_argument("--report-only", action="store_true",
+                   help="recall presets: train nothing; write the report of the runs already in --out's "
+                        "recall-runs.jsonl (a partial report while a long run goes on)")
     add_common_options(p, dtype=False, seed=False)
 
 
@@ -165,6 +168,10 @@ def run_recall_command(args) -> int:
     console = make_console()
     out = output_dir(stem, args.out)
     partial = out / f"{stem}-runs.jsonl"  # one line per finished run, as they finish: survives a crash
+    if args.report_only and (args.restart or not partial.exists()):
+        print(f"linattn eval: error: --report-only reports the runs in {partial}, "
+              f"{'which --restart would ignore' if args.restart else 'which does not exist'}", file=sys.stderr)
+        return 2
     previous = [] if args.restart else _previous_runs(partial, console)
     if args.restart or not partial.exists():
         partial.write_text("", encoding="utf-8")
@@ -172,7 +179,8 @@ def run_recall_command(args) -> int:
     cpu_s = recall.estimate_cpu_s(todo)
     console.print(f"plan: {len(plan)} runs, {len(plan) - len(todo)} already in {partial.name}; the other {len(todo)} "
                   f"need about {cpu_s / 3600:.1f} CPU h at full step budgets (early stops make it less): "
-                  f"~{cpu_s / 3600 / args.jobs:.1f} h with --jobs {args.jobs}")
+                  f"~{cpu_s / 3600 / args.jobs:.1f} h with --jobs {args.jobs}"
+                  + (" (--report-only: none is trained now)" if args.report_only else ""))
 
     def keep(record):
         if record.get("status") == "interrupted":  # not a finished run: a re-run trains it again
@@ -182,7 +190,8 @@ def run_recall_command(args) -> int:
 
     report, status = run_or_exit(lambda: recall.run_recall(
         preset, kinds=args.kinds, seeds=args.seeds, jobs=args.jobs, threads_per_job=args.threads or 1,
-        device=args.device, progress=not args.quiet, console=console, on_record=keep, done_records=previous), console)
+        device=args.device, progress=not args.quiet and not args.report_only, console=console, on_record=keep,
+        done_records=previous, train=not args.report_only), console)
     if report is None:
         return status
     if args.preset == "recall-frontier":
@@ -192,7 +201,9 @@ def run_recall_command(args) -> int:
     header, rows = recall_table_rows(report)
     table = make_table(f"linattn eval ({stem}): {report['description']}", header, rows,
                        caption=f"lr of {report['lrs']} with the best mean over seeds {report['seeds']}; "
-                               f"{report['wall_s']:.0f} s; {report['resumed']} runs resumed")
+                               f"{report['wall_s']:.0f} s; {report['resumed']} runs resumed"
+                               + (f"; a partial report: {len(report['records'])} of {report['planned']} planned runs"
+                                  if len(report["records"]) < report["planned"] else ""))
 
     def show(con):
         con.print(table)

@@ -285,7 +285,7 @@ class _Bar:
 
 def run_recall(preset: RecallPreset | None = None, *, kinds=None, seeds=None, jobs: int = 1, threads_per_job: int = 1,
                device: str = "cpu", progress: bool = True, console=None, on_record=None,
-               done_records=None) -> dict:
+               done_records=None, train: bool = True) -> dict:
     """Runs the preset (default RECALL_PRESET) and returns the report: records (one per run, every lr
     and seed), summary (linattn.eval.recall_stats.summarize_seeds), criteria (on the means and on every
     seed), skipped kinds, wall_s, machine and the preset's sizes. seeds: default the preset's.
@@ -293,8 +293,9 @@ def run_recall(preset: RecallPreset | None = None, *, kinds=None, seeds=None, jo
     whose run_key is among them is not trained again, its record is reused (report["resumed"] counts
     them). `jobs` > 1 trains that many runs at once in spawned processes of `threads_per_job` torch
     threads each (jobs 1: in this process, with its threads). on_record(record) runs as each run
-    finishes (in finishing order; not for reused records). Ctrl-C raises KeyboardInterrupt with the
-    partial report as its argument."""
+    finishes (in finishing order; not for reused records). train=False trains nothing: the report of
+    the runs done_records already holds (report["planned"] says how many the plan has). Ctrl-C raises
+    KeyboardInterrupt with the partial report as its argument."""
     from ..report import machine_info, timestamp
 
     preset = RECALL_PRESET if preset is None else preset
@@ -303,7 +304,7 @@ def run_recall(preset: RecallPreset | None = None, *, kinds=None, seeds=None, jo
     plan, skipped = recall_plan(preset, kinds, device, seeds)
     previous = _finished(done_records)
     reused = {i: previous[_plan_key(item)] for i, item in enumerate(plan) if _plan_key(item) in previous}
-    todo = [i for i in range(len(plan)) if i not in reused]
+    todo = [i for i in range(len(plan)) if i not in reused] if train else []
     machine = machine_info(device)
     machine.update(jobs=jobs, threads_per_job=threads_per_job if jobs > 1 else machine["torch_threads"])
     report = {"kind": "recall", "preset": preset.name, "description": preset.description,
@@ -314,7 +315,8 @@ def run_recall(preset: RecallPreset | None = None, *, kinds=None, seeds=None, jo
               "per_setting": {f"{n},{p}": {k: list(v) for k, v in o.items()} for (n, p), o in preset.per_setting.items()},
               "seeds": list(_check_seeds(preset.seeds if seeds is None else seeds)), "steps": preset.steps,
               "stop_accuracy": preset.stop_accuracy, "notes": list(preset.notes), "skipped": skipped,
-              "resumed": len(reused), "estimated_cpu_s": estimate_cpu_s([plan[i] for i in todo]), "records": []}
+              "resumed": len(reused), "planned": len(plan), "estimated_cpu_s": estimate_cpu_s([plan[i] for i in todo]),
+              "records": []}
     bar = _Bar(console or _console(), [plan[i] for i in todo], jobs, len(reused)) if progress else None
 
     def finished(j, record):

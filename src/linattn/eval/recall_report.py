@@ -113,6 +113,10 @@ def render_recall_markdown(report: dict) -> str:
     m = report["machine"]
     resumed = f" {report['resumed']} runs were reused from an earlier run's recall-runs.jsonl." if report.get(
         "resumed") else ""
+    planned = report.get("planned", len(report["records"]))
+    if len(report["records"]) < planned:
+        resumed += (f" **A partial report: {len(report['records'])} of the {planned} planned runs have finished**"
+                    " (the rest are still running or to run; kinds and settings without runs are absent).")
     lines = [f"# linattn eval — preset `{report['preset']}` (associative recall, MQAR)", "",
              f"{report['description']}.", "",
              f"Seeds {report['seeds']}. Wall time {report['wall_s']:.0f} s ({report['wall_s'] / 60:.1f} min) with "
