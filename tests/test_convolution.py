@@ -124,3 +124,90 @@ def test_bad_arguments():
         conv(torch.randn(2, 5, 3))
     with pytest.raises(ValueError, match="tail must have shape"):
         conv(torch.randn(2, 5, 4), tail=torch.zeros(2, 3, 4))
+
+
+# ---- the fused CPU kernels (csrc/conv.cpp) against the torch ops they replace
+
+
+@settings(max_examples=25, deadline=None)
+@given(b=st.integers(1, 3), n=st.integers(1, 9), c=st.integers(1, 19), k=st.integers(1, 5), with_tail=st.booleans(),
+       threads=st.sampled_from([1, 2]), seed=st.integers(0, 2**16))
+def test_native_convolution_equals_the_torch_ops_forward_and_gradients(b, n, c, k, with_tail, threads, seed):
+    import linattn.nn.convolution as conv
+    from linattn.ops import native
+
+    if not (native.enabled() and native.load()):
+        pytest.skip("the fused CPU kernels are off or not built")
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(b, n, c, generator=g, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(c, k, generator=g, dtype=torch.float64, requires_grad=True)
+    tail = torch.randn(b, k - 1, c, generator=g, dtype=torch.float64, requires_grad=True) if with_tail else None
+    assert conv._native_usable(x, tail, w)
+    up = torch.randn(b, n, c, generator=g, dtype=torch.float64)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        y = conv._NativeShortConv.apply(x, tail, w)
+    finally:
+        torch.set_num_threads(before)
+    xp = F.pad(x, (0, 0, k - 1, 0)) if tail is None else torch.cat((tail, x), 1)
+    ref = conv.depthwise_causal(xp, w, n)
+    torch.testing.assert_close(y, ref, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(y, _definition(x.detach(), w.detach()) if tail is None else ref, rtol=1e-12, atol=1e-12)
+    leaves = [x, w] + ([tail] if tail is not None else [])
+    got = torch.autograd.grad(y, leaves, up)
+    want = torch.autograd.grad(ref, leaves, up)
+    for a, e in zip(got, want):
+        torch.testing.assert_close(a, e, rtol=1e-12, atol=1e-12)
+
+
+def test_native_convolution_gradcheck_and_float32():
+    import linattn.nn.convolution as conv
+    from linattn.ops import native
+
+    if not (native.enabled() and native.load()):
+        pytest.skip("the fused CPU kernels are off or not built")
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 5, 3, generator=g, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(3, 3, generator=g, dtype=torch.float64, requires_grad=True)
+    tail = torch.randn(2, 2, 3, generator=g, dtype=torch.float64, requires_grad=True)
+    torch.autograd.gradcheck(lambda x, t, w: conv._NativeShortConv.apply(x, t, w), (x, tail, w))
+    m = ShortConvolution(24, 4)
+    x32 = torch.randn(3, 11, 24, generator=g)
+    assert conv._native_usable(x32, None, m.weight)
+    ref = conv.depthwise_causal(F.pad(x32, (0, 0, 3, 0)), m.weight.detach(), 11)
+    torch.testing.assert_close(m(x32), ref, rtol=1e-6, atol=1e-6)
+    assert not conv._native_usable(x32.bfloat16(), None, m.weight.bfloat16())  # bf16 keeps the torch ops
+
+
+@settings(max_examples=20, deadline=None)
+@given(lengths=st.lists(st.integers(0, 6), min_size=1, max_size=5).filter(lambda ls: sum(ls) > 0),
+       c=st.integers(1, 9), k=st.integers(1, 5), with_tail=st.booleans(), seed=st.integers(0, 2**16))
+def test_native_packed_convolution_equals_the_torch_ops(lengths, c, k, with_tail, seed):
+    """Packed sequences (lengths 0 and 1 included) through csrc/conv.cpp against the torch-op path."""
+    import linattn.nn.convolution as conv
+    from linattn.ops import native
+
+    if not (native.enabled() and native.load()):
+        pytest.skip("the fused CPU kernels are off or not built")
+    g = torch.Generator().manual_seed(seed)
+    m = ShortConvolution(c, k, bias=True).double()
+    cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0).tolist()))
+    x = torch.randn(1, sum(lengths), c, generator=g, dtype=torch.float64, requires_grad=True)
+    tail = torch.randn(len(lengths), k - 1, c, generator=g, dtype=torch.float64, requires_grad=True) if with_tail else None
+    up = torch.randn(1, sum(lengths), c, generator=g, dtype=torch.float64)
+    leaves = [x, m.weight] + ([tail] if with_tail else [])
+    y, tail_out = m(x, tail=tail, return_tail=True, cu_seqlens=cu)
+    got = torch.autograd.grad(y, leaves, up, allow_unused=True)
+    got = [torch.zeros_like(leaf) if a is None else a for a, leaf in zip(got, leaves)]
+    usable = conv._native_usable
+    conv._native_usable = lambda *a: False
+    try:
+        y_ref, tail_ref = m(x, tail=tail, return_tail=True, cu_seqlens=cu)
+    finally:
+        conv._native_usable = usable
+    want = torch.autograd.grad(y_ref, leaves, up, allow_unused=True)  # K = 1: y does not read the empty tails
+    torch.testing.assert_close(y, y_ref, rtol=1e-12, atol=1e-12)
+    assert torch.equal(tail_out, tail_ref)
+    for a, e, leaf in zip(got, want, leaves):
+        torch.testing.assert_close(a, torch.zeros_like(leaf) if e is None else e, rtol=1e-12, atol=1e-12)

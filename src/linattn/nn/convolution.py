@@ -12,7 +12,9 @@ constant size, like a linear layer's state.
 Both forms evaluate the sum above with the same K multiply-adds over shifted views of [tail; x], so
 a prefill plus token-by-token steps gives the parallel output exactly (bit for bit, not only up to
 rounding). Measured against `F.conv1d(groups=C)` on one thread (B=8, N=512, C=768, K=4, fp32, median
-of blocked_autorange): forward 12.6 ms vs 47 ms, forward+backward 71 ms vs 86 ms.
+of blocked_autorange): forward 12.6 ms vs 47 ms, forward+backward 71 ms vs 86 ms. On CPU float32 and
+float64 tensors the same sums run in csrc/conv.cpp (`_NativeShortConv`: no padded copy, the backward
+in one pass; design §14.1); bf16, other devices, forward-mode AD and packed rows keep the torch ops.
 """
 
 from __future__ import annotations
@@ -24,7 +26,39 @@ import torch.nn.functional as F
 from torch import nn
 
 from .._checks import check_positive_int
-from ..ops import packed
+from ..ops import native, packed
+from ..ops.autodiff import first_order, has_tangent
+
+
+class _NativeShortConv(torch.autograd.Function):
+    """y = the convolution of x with its tails (None: zeros) by `linattn_cpu::short_conv`, and its
+    backward (∂x, ∂tail, ∂w) by `short_conv_backward` (csrc/conv.cpp): no padded copy either way.
+    cu_seqlens: x (1, T, C) holds packed sequences, tail (N, K−1, C) one per sequence."""
+
+    @staticmethod
+    def forward(ctx, x, tail, weight, cu_seqlens=None):
+        ctx.save_for_backward(x, tail, weight, cu_seqlens)
+        return torch.ops.linattn_cpu.short_conv(x, tail, weight, cu_seqlens)
+
+    @staticmethod
+    @first_order("ShortConvolution")
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dy):
+        x, tail, weight, cu_seqlens = ctx.saved_tensors
+        dx, dtail, dw = torch.ops.linattn_cpu.short_conv_backward(dy, x, tail, weight, cu_seqlens)
+        if tail is None or not ctx.needs_input_grad[1]:
+            dtail = None
+        elif dtail is None:  # K = 1: an empty tail
+            dtail = torch.zeros_like(tail)
+        return dx, dtail, dw, None
+
+
+def _native_usable(x: torch.Tensor, tail, weight: torch.Tensor) -> bool:
+    """csrc/conv.cpp takes the convolution: CPU float32/float64 tensors of one dtype, the kernels built,
+    no forward-mode tangent (the torch ops take those)."""
+    return (x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64) and weight.dtype == x.dtype
+            and (tail is None or tail.dtype == x.dtype) and native._ready()
+            and not has_tangent(x, tail, weight))
 
 
 def depthwise_causal(xp: torch.Tensor, weight: torch.Tensor, n: int) -> torch.Tensor:
@@ -84,23 +118,30 @@ class ShortConvolution(nn.Module):
         if mask is not None:
             x = x.masked_fill(~mask[..., None], 0.0)
         k = self.kernel_size
-        if tail is None:
-            xp = F.pad(x, (0, 0, k - 1, 0))
-        else:
+        if tail is not None:
             if tuple(tail.shape) != (b, k - 1, self.channels):
                 raise ValueError(f"tail must have shape (B, K−1, C) = {(b, k - 1, self.channels)}, "
                                  f"got {tuple(tail.shape)}")
-            xp = torch.cat((tail.to(x.dtype), x), 1)
+            tail = tail.to(x.dtype)
         w = self.weight if self.weight.dtype == x.dtype else self.weight.to(x.dtype)
-        y = depthwise_causal(xp, w, n)
+        if _native_usable(x, tail, w):
+            y = _NativeShortConv.apply(x, tail, w)
+            xp = None
+        else:
+            xp = F.pad(x, (0, 0, k - 1, 0)) if tail is None else torch.cat((tail, x), 1)
+            y = depthwise_causal(xp, w, n)
         if self.bias is not None:
             y = y + self.bias.to(x.dtype)
         if not return_tail:
             return y
+        if xp is None:  # the last K−1 rows of [tail; x] (zeros before the sequence)
+            before = x.new_zeros(b, k - 1, self.channels) if tail is None else tail
+            xp = torch.cat((before[:, min(n, k - 1):], x[:, max(0, n - (k - 1)):]), 1)
         return y, xp[:, xp.shape[1] - (k - 1):].clone()  # a copy: the cache must not keep xp alive
 
     def _packed(self, x, mask, tail, return_tail: bool, cu_seqlens):
-        """forward on N packed sequences, in one pass whatever N: the convolution of the whole row, then
+        """forward on N packed sequences, in one pass whatever N: csrc/conv.cpp where it runs (each sequence
+        reads its own tail), else the convolution of the whole row, then
         the first K−1 tokens of every sequence (whose taps reached into the sequence before) replaced by
         their sums over the sequence's own inputs and, before its first token, its tail (zeros without
         one): each tap is gathered from a source that holds the tails and the row, so nothing of another
@@ -116,11 +157,16 @@ class ShortConvolution(nn.Module):
         if mask is not None:
             x = x.masked_fill(~mask[..., None], 0.0)
         w = self.weight if self.weight.dtype == x.dtype else self.weight.to(x.dtype)
-        y = depthwise_causal(F.pad(x, (0, 0, k - 1, 0)), w, n)
+        tail = None if tail is None else tail.to(x.dtype)
+        native_path = _native_usable(x, tail, w)
+        if native_path:  # csrc/conv.cpp keeps the sequences apart itself
+            y = _NativeShortConv.apply(x, tail, w, cu_seqlens)
+        else:
+            y = depthwise_causal(F.pad(x, (0, 0, k - 1, 0)), w, n)
         # the source of every tap: the N tails (N·(K−1) rows, zeros without them), then the row's T inputs;
         # extended index m of sequence s (its tail, then its tokens) is row s·(K−1) + m of the tails for
         # m < K−1, else row N·(K−1) + start_s + m − (K−1)
-        tails = x.new_zeros(count * (k - 1), self.channels) if tail is None else tail.to(x.dtype).reshape(-1, self.channels)
+        tails = x.new_zeros(count * (k - 1), self.channels) if tail is None else tail.reshape(-1, self.channels)
         src = torch.cat((tails, x[0]), 0)
         device = x.device
         starts = torch.tensor([s for s, _ in bounds], dtype=torch.long, device=device)
@@ -131,7 +177,7 @@ class ShortConvolution(nn.Module):
 
         pos = packed.positions(cu_seqlens, n).to(device)  # index of each token in its sequence
         fix = (pos < k - 1).nonzero().reshape(-1)  # the tokens whose taps reach before their sequence
-        if k > 1 and fix.numel():  # their sums again, over the sequence's tail and inputs
+        if k > 1 and fix.numel() and not native_path:  # their sums again, over the sequence's tail and inputs
             seq = packed.sequence_ids(cu_seqlens, n).to(device)[fix]
             taps = src[rows(seq[:, None], pos[fix][:, None] + torch.arange(k, device=device))]  # (M, K, C)
             y_fix = taps[:, 0] * w[:, 0]

@@ -11,7 +11,8 @@ the rows back. `csrc/gated.cpp` and `csrc/gated_backward.cpp` are the gated form
 (linattn.ops.gated.fused), `csrc/delta.cpp` and `csrc/kda.cpp` the delta family's
 (linattn.ops.delta.fused: chunked forward and backward without a gate or with one decay per head in
 delta.cpp, with one per key channel, KDA's, in kda.cpp; the one-token step of every gate form in
-delta.cpp), `csrc/swa.cpp` sliding-window attention's (linattn.ops.swa.cpu). The files
+delta.cpp), `csrc/swa.cpp` sliding-window attention's (linattn.ops.swa.cpu), `csrc/conv.cpp` the short
+convolution's (linattn.nn.convolution, forward and backward without the padded copy). The files
 share headers: `csrc/common.h` (φ, bf16 conversions, work buffers, the ISA clones), `csrc/blas.h`
 (torch's BLAS), `csrc/pool.h` (the one pool of result buffers), `csrc/chunked.h` (the pieces of the
 ungated and gated chunk loops), `csrc/delta.h` (those of the delta family's chunk loops), `csrc/rows.h`
@@ -52,7 +53,7 @@ from .nonfinite import all_finite
 _CSRC = Path(__file__).with_name("csrc")
 _SOURCES = [str(_CSRC / name)
             for name in ("decode.cpp", "chunked.cpp", "gated.cpp", "gated_backward.cpp", "delta.cpp", "kda.cpp",
-                         "model_step.cpp", "swa.cpp")]
+                         "model_step.cpp", "swa.cpp", "conv.cpp")]
 _CFLAGS = ["-O3", "-fopenmp", "-fno-trapping-math"]
 _lock = threading.Lock()
 _state: dict = {"loaded": None, "error": None}
