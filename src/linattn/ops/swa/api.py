@@ -25,7 +25,7 @@ from .checks import DEFAULT_CHUNK_SIZE, check_common, check_cu_seqlens
 
 def sliding_window_chunked(q, k, v, *, window: int, scale: float | None, chunk: int | None, cu_seqlens=None,
                            key_padding_mask=None) -> torch.Tensor:
-    """The chunked operator on checked arguments: on the CPU linattn's kernels (fp32/fp64, no key mask)
+    """The chunked operator on checked arguments: on the CPU linattn's kernels (fp32/fp64/bf16, no key mask)
     or torch's fused flash kernel (q, k, v of one head dim; linattn.ops.swa.cpu), elsewhere the torch-op
     Function (linattn.ops.swa.chunked). A window beyond the sequence is the sequence (every query sees
     its whole prefix): it is clamped to N, so that the blocks' key spans are never wider than N.

@@ -1,12 +1,13 @@
 """The CPU paths of sliding-window attention.
 
 linattn's own kernels (`NativeSlidingWindowAttention`: csrc/swa.cpp, linattn_cpu::swa_forward and
-swa_backward, built with the other fused kernels by linattn.ops.native) take fp32 and fp64 inputs
-without a key-padding mask: per (batch, head) row — with cu_seqlens per (sequence, head) row — the
+swa_backward, built with the other fused kernels by linattn.ops.native) take fp32, fp64 and bf16 inputs
+without a key-padding mask (bf16: blocks widened to fp32 as they are read, fp32 scores, sums and lse,
+o and the gradients rounded to bf16 once): per (batch, head) row — with cu_seqlens per (sequence, head) row — the
 query blocks of C rows walk once over their key span [i0 − W + 1, i0 + C) read in place from k and v
 (no padded copy, no span tensor, no mask tensor: each query's window is a range of the span), the
 forward with 2 gemms per block and the backward with 5, dK and dV accumulated over the overlapping
-spans of the row. Saved: o and lse. Where they do not apply (bf16/fp16, a key-padding mask, no
+spans of the row. Saved: o and lse. Where they do not apply (fp16, a key-padding mask, no
 compiler) torch's flash kernel runs as below.
 
 torch's fused flash-attention kernel for the CPU
@@ -32,7 +33,7 @@ from .. import native
 from ..autodiff import first_order
 from .chunked import Layout, blocked_problem
 
-#: Whether fp32/fp64 CPU calls without a key-padding mask take linattn's kernels (csrc/swa.cpp) rather
+#: Whether fp32/fp64/bf16 CPU calls without a key-padding mask take linattn's kernels (csrc/swa.cpp) rather
 #: than torch's flash kernel on padded spans (same numbers up to rounding; tests and benchmarks switch).
 NATIVE = True
 
@@ -73,10 +74,13 @@ def native_chunk(window: int) -> int:
     return 16 if window <= 64 else 32
 
 
+_NATIVE_DTYPES = (torch.float32, torch.float64, torch.bfloat16)
+
+
 def native_usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding_mask) -> bool:
-    """linattn's kernels take the call: NATIVE, CPU fp32 or fp64 q, k, v of one dtype, no key-padding
+    """linattn's kernels take the call: NATIVE, CPU fp32, fp64 or bf16 q, k, v of one dtype, no key-padding
     mask, the extension built (and not tracing)."""
-    return (NATIVE and key_padding_mask is None and q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64)
+    return (NATIVE and key_padding_mask is None and q.device.type == "cpu" and q.dtype in _NATIVE_DTYPES
             and k.dtype is q.dtype and v.dtype is q.dtype and native._ready())
 
 
