@@ -176,6 +176,28 @@ inline int64_t span_start(int64_t i0, int c, int64_t window) {
   return (padded - nk) * 8 > nk ? j0 : std::max<int64_t>(0, i0 + c - padded);
 }
 
+// Block [i0, i0 + c) of the row whose tokens start at t (N of them): its c queries, its span of nk keys
+// from j0 (`span_start`), the windows within it, and its q, k, v operands (bf16 widened into qw, kw, vw)
+template <typename Acc>
+struct Block {
+  int c;
+  int64_t j0;
+  int nk;
+  Windows w;
+  const Acc *Q, *K, *V;
+};
+
+template <typename Acc, typename T>
+inline Block<Acc> block_at(const T* pq, const T* pk, const T* pv, int64_t t, int64_t i0, int64_t N, int64_t chunk,
+                           int64_t window, int64_t D, int64_t E, Aligned<Acc>& qw, Aligned<Acc>& kw, Aligned<Acc>& vw) {
+  const int c = static_cast<int>(std::min(chunk, N - i0));
+  const int64_t j0 = span_start(i0, c, window);
+  const int nk = static_cast<int>(i0 + c - j0);
+  return {c, j0, nk, Windows{static_cast<int>(i0 - j0), static_cast<int>(window)},
+          as_operand<Acc>(pq + (t + i0) * D, qw, c * D), as_operand<Acc>(pk + (t + j0) * D, kw, nk * D),
+          as_operand<Acc>(pv + (t + j0) * E, vw, nk * E)};
+}
+
 // Hints the next block's n rows (from token i) of q, k, v and x into cache while this block's gemms run:
 // the keys and values of a span are new to the cache only in its last n rows
 template <typename T, typename X>
@@ -216,13 +238,7 @@ void forward_rows(const Rows& rows, const at::Tensor& q, const at::Tensor& k, co
     for (int64_t task = i0_; task < i1_; ++task) {
       const int64_t r = rows.row(task), N = rows.length(r), t = rows.start(r);
       for (int64_t i0 = 0; i0 < N; i0 += chunk) {
-        const int c = static_cast<int>(std::min(chunk, N - i0));
-        const int64_t j0 = span_start(i0, c, window);
-        const int nk = static_cast<int>(i0 + c - j0);
-        const Windows w{static_cast<int>(i0 - j0), static_cast<int>(window)};
-        const Acc* Q = as_operand<Acc>(pq + (t + i0) * D, qw, c * D);
-        const Acc* K = as_operand<Acc>(pk + (t + j0) * D, kw, nk * D);
-        const Acc* V = as_operand<Acc>(pv + (t + j0) * E, vw, nk * E);
+        const auto [c, j0, nk, w, Q, K, V] = block_at<Acc>(pq, pk, pv, t, i0, N, chunk, window, D, E, qw, kw, vw);
         T* out = po + (t + i0) * E;
         Acc* O = wide ? ow.data() : reinterpret_cast<Acc*>(out);
         prefetch_next(pq, pk, pv, po, t + i0 + c, std::min<int64_t>(chunk, N - i0 - c), D, E);
@@ -287,13 +303,7 @@ void backward_rows(const Rows& rows, const at::Tensor& q, const at::Tensor& k, c
         std::fill(pdv + t * E, pdv + (t + N) * E, T(0));
       }
       for (int64_t i0 = 0; i0 < N; i0 += chunk) {
-        const int c = static_cast<int>(std::min(chunk, N - i0));
-        const int64_t j0 = span_start(i0, c, window);
-        const int nk = static_cast<int>(i0 + c - j0);
-        const Windows w{static_cast<int>(i0 - j0), static_cast<int>(window)};
-        const Acc* Q = as_operand<Acc>(pq + (t + i0) * D, qw, c * D);
-        const Acc* K = as_operand<Acc>(pk + (t + j0) * D, kw, nk * D);
-        const Acc* V = as_operand<Acc>(pv + (t + j0) * E, vw, nk * E);
+        const auto [c, j0, nk, w, Q, K, V] = block_at<Acc>(pq, pk, pv, t, i0, N, chunk, window, D, E, qw, kw, vw);
         const Acc* dO = as_operand<Acc>(pdo + (t + i0) * E, dow, c * E);
         Acc *dQ, *dK, *dV;
         if constexpr (wide) {
