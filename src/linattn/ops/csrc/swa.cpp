@@ -176,6 +176,18 @@ inline int64_t span_start(int64_t i0, int c, int64_t window) {
   return (padded - nk) * 8 > nk ? j0 : std::max<int64_t>(0, i0 + c - padded);
 }
 
+// The work buffers' sizes for blocks of `chunk` queries on rows of at most n tokens: the longest span,
+// the most queries of a block, and (bf16, `wide`) the rows of widened q and of widened k, v
+struct BlockSizes {
+  int64_t span, rows_most, cw, sw;
+};
+
+inline BlockSizes block_sizes(int64_t chunk, int64_t window, int64_t n, bool wide) {
+  const int64_t span = std::min<int64_t>((chunk + window - 1 + 15) / 16 * 16, std::max<int64_t>(1, n));
+  const int64_t rows_most = std::min<int64_t>(chunk, std::max<int64_t>(1, n));
+  return {span, rows_most, wide ? rows_most : 0, wide ? span : 0};
+}
+
 // Block [i0, i0 + c) of the row whose tokens start at t (N of them): its c queries, its span of nk keys
 // from j0 (`span_start`), the windows within it, and its q, k, v operands (bf16 widened into qw, kw, vw)
 template <typename Acc>
@@ -231,9 +243,7 @@ void forward_rows(const Rows& rows, const at::Tensor& q, const at::Tensor& k, co
   at::parallel_for(0, rows.count(), 1, [&](int64_t i0_, int64_t i1_) {
     const SequentialBlas one_thread;
     const FlushDenormals flush;
-    const int64_t span = std::min<int64_t>((chunk + window - 1 + 15) / 16 * 16, std::max<int64_t>(1, q.size(2)));
-    const int64_t rows_most = std::min<int64_t>(chunk, std::max<int64_t>(1, q.size(2)));  // c ≤ this
-    const int64_t cw = wide ? rows_most : 0, sw = wide ? span : 0;
+    const auto [span, rows_most, cw, sw] = block_sizes(chunk, window, q.size(2), wide);
     Aligned<Acc> S(rows_most * span), m(rows_most), l(rows_most), qw(cw * D), kw(sw * D), vw(sw * E), ow(cw * E);
     for (int64_t task = i0_; task < i1_; ++task) {
       const int64_t r = rows.row(task), N = rows.length(r), t = rows.start(r);
@@ -287,9 +297,7 @@ void backward_rows(const Rows& rows, const at::Tensor& q, const at::Tensor& k, c
   at::parallel_for(0, rows.count(), 1, [&](int64_t i0_, int64_t i1_) {
     const SequentialBlas one_thread;
     const FlushDenormals flush;
-    const int64_t span = std::min<int64_t>((chunk + window - 1 + 15) / 16 * 16, std::max<int64_t>(1, q.size(2)));
-    const int64_t rows_most = std::min<int64_t>(chunk, std::max<int64_t>(1, q.size(2)));  // c ≤ this
-    const int64_t cw = wide ? rows_most : 0, sw = wide ? span : 0;
+    const auto [span, rows_most, cw, sw] = block_sizes(chunk, window, q.size(2), wide);
     Aligned<Acc> P(rows_most * span), dP(rows_most * span), Dsum(rows_most), qw(cw * D), kw(sw * D), vw(sw * E),
         dow(cw * E), dqw(cw * D), dka(sw * D), dva(sw * E);
     SlidingGrads gk{reinterpret_cast<float*>(dka.data()), D}, gv{reinterpret_cast<float*>(dva.data()), E};
