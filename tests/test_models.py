@@ -401,6 +401,7 @@ def _worker(rank, world, outdir):
             except Exception:  # reported by the test that owns the check
                 results[name] = traceback.format_exc()
     finally:
+        dist.barrier()  # both ranks done with their collectives before the group's threads are torn down
         dist.destroy_process_group()
         with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:
             json.dump(results, f)
