@@ -1,12 +1,12 @@
 # `make demo` and `make test` each set up .venv from a clean clone, then run.
-# They install exactly the versions in requirements.lock (made by `make lock`, pip-tools);
+# They install exactly the versions in requirements.txt (made by `make lock`, pip-tools);
 # `make test-latest` runs the suite against the newest releases pyproject.toml allows instead.
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
-LOCK   := requirements.lock
+LOCK   := requirements.txt
 TORCH  := requirements/torch.txt
 LATEST := .venv-latest
 
