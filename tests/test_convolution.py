@@ -150,10 +150,9 @@ def test_native_convolution_equals_the_torch_ops_forward_and_gradients(b, n, c, 
         y = conv._NativeShortConv.apply(x, tail, w)
     finally:
         torch.set_num_threads(before)
-    xp = F.pad(x, (0, 0, k - 1, 0)) if tail is None else torch.cat((tail, x), 1)
-    ref = conv.depthwise_causal(xp, w, n)
+    # the definition on [tail; x] (zeros before it), its outputs at x's positions, and autograd through it
+    ref = _definition(x if tail is None else torch.cat((tail, x), 1), w)[:, 0 if tail is None else k - 1:]
     torch.testing.assert_close(y, ref, rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(y, _definition(x.detach(), w.detach()) if tail is None else ref, rtol=1e-12, atol=1e-12)
     leaves = [x, w] + ([tail] if tail is not None else [])
     got = torch.autograd.grad(y, leaves, up)
     want = torch.autograd.grad(ref, leaves, up)
@@ -184,7 +183,8 @@ def test_native_convolution_gradcheck_and_float32():
 @given(lengths=st.lists(st.integers(0, 6), min_size=1, max_size=5).filter(lambda ls: sum(ls) > 0),
        c=st.integers(1, 9), k=st.integers(1, 5), with_tail=st.booleans(), seed=st.integers(0, 2**16))
 def test_native_packed_convolution_equals_the_torch_ops(lengths, c, k, with_tail, seed):
-    """Packed sequences (lengths 0 and 1 included) through csrc/conv.cpp against the torch-op path."""
+    """Packed sequences (lengths 0 and 1 included) through csrc/conv.cpp against the torch-op path and,
+    per sequence, the definition on its [tail; x]."""
     import linattn.nn.convolution as conv
     from linattn.ops import native
 
@@ -208,6 +208,10 @@ def test_native_packed_convolution_equals_the_torch_ops(lengths, c, k, with_tail
         conv._native_usable = usable
     want = torch.autograd.grad(y_ref, leaves, up, allow_unused=True)  # K = 1: y does not read the empty tails
     torch.testing.assert_close(y, y_ref, rtol=1e-12, atol=1e-12)
+    for i, (s, e) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+        before = tail[i:i + 1] if with_tail else torch.zeros(1, k - 1, c, dtype=torch.float64)
+        own = _definition(torch.cat((before, x[:, s:e]), 1), m.weight, m.bias)[:, k - 1:]
+        torch.testing.assert_close(y[:, s:e], own, rtol=1e-12, atol=1e-12)
     assert torch.equal(tail_out, tail_ref)
     for a, e, leaf in zip(got, want, leaves):
         torch.testing.assert_close(a, torch.zeros_like(leaf) if e is None else e, rtol=1e-12, atol=1e-12)

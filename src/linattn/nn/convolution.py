@@ -158,39 +158,40 @@ class ShortConvolution(nn.Module):
             x = x.masked_fill(~mask[..., None], 0.0)
         w = self.weight if self.weight.dtype == x.dtype else self.weight.to(x.dtype)
         tail = None if tail is None else tail.to(x.dtype)
-        native_path = _native_usable(x, tail, w)
-        if native_path:  # csrc/conv.cpp keeps the sequences apart itself
-            y = _NativeShortConv.apply(x, tail, w, cu_seqlens)
-        else:
-            y = depthwise_causal(F.pad(x, (0, 0, k - 1, 0)), w, n)
         # the source of every tap: the N tails (N·(K−1) rows, zeros without them), then the row's T inputs;
         # extended index m of sequence s (its tail, then its tokens) is row s·(K−1) + m of the tails for
         # m < K−1, else row N·(K−1) + start_s + m − (K−1)
-        tails = x.new_zeros(count * (k - 1), self.channels) if tail is None else tail.reshape(-1, self.channels)
-        src = torch.cat((tails, x[0]), 0)
         device = x.device
         starts = torch.tensor([s for s, _ in bounds], dtype=torch.long, device=device)
-        lengths = torch.tensor([e - s for s, e in bounds], dtype=torch.long, device=device)
+
+        def source():
+            tails = x.new_zeros(count * (k - 1), self.channels) if tail is None else tail.reshape(-1, self.channels)
+            return torch.cat((tails, x[0]), 0)
 
         def rows(seq, m):  # source rows of the extended indices m (…) of the sequences seq (…)
             return torch.where(m < k - 1, seq * (k - 1) + m, count * (k - 1) + starts[seq] + m - (k - 1))
 
-        pos = packed.positions(cu_seqlens, n).to(device)  # index of each token in its sequence
-        fix = (pos < k - 1).nonzero().reshape(-1)  # the tokens whose taps reach before their sequence
-        if k > 1 and fix.numel() and not native_path:  # their sums again, over the sequence's tail and inputs
-            seq = packed.sequence_ids(cu_seqlens, n).to(device)[fix]
-            taps = src[rows(seq[:, None], pos[fix][:, None] + torch.arange(k, device=device))]  # (M, K, C)
-            y_fix = taps[:, 0] * w[:, 0]
-            for j in range(1, k):
-                y_fix = torch.addcmul(y_fix, taps[:, j], w[:, j])
-            y = y.index_put((torch.zeros_like(fix), fix), y_fix)  # replaces (its gradient there is 0)
+        if _native_usable(x, tail, w):  # csrc/conv.cpp keeps the sequences apart itself
+            y = _NativeShortConv.apply(x, tail, w, cu_seqlens)
+        else:
+            y = depthwise_causal(F.pad(x, (0, 0, k - 1, 0)), w, n)
+            pos = packed.positions(cu_seqlens, n).to(device)  # index of each token in its sequence
+            fix = (pos < k - 1).nonzero().reshape(-1)  # the tokens whose taps reach before their sequence
+            if k > 1 and fix.numel():  # their sums again, over the sequence's tail and inputs
+                seq = packed.sequence_ids(cu_seqlens, n).to(device)[fix]
+                taps = source()[rows(seq[:, None], pos[fix][:, None] + torch.arange(k, device=device))]  # (M, K, C)
+                y_fix = taps[:, 0] * w[:, 0]
+                for j in range(1, k):
+                    y_fix = torch.addcmul(y_fix, taps[:, j], w[:, j])
+                y = y.index_put((torch.zeros_like(fix), fix), y_fix)  # replaces (its gradient there is 0)
         if self.bias is not None:
             y = y + self.bias.to(x.dtype)
         if not return_tail:
             return y
+        lengths = torch.tensor([e - s for s, e in bounds], dtype=torch.long, device=device)
         seq = torch.arange(count, device=device)[:, None]
         last = lengths[:, None] + torch.arange(k - 1, device=device)  # the last K−1 extended indices
-        return y, src[rows(seq, last)]
+        return y, source()[rows(seq, last)]
 
     def extra_repr(self) -> str:
         return f"channels={self.channels}, kernel_size={self.kernel_size}, bias={self.bias is not None}"

@@ -65,11 +65,12 @@ class _LinearCrossEntropy(torch.autograd.Function):
             total = z.sub_(top[:, None]).exp_().sum(-1)  # z ← exp(z − max): one exp pass for the loss and its gradient
             loss += torch.where(keep[s:e], top + total.log() - picked, 0).sum()
             if need_h or need_w or need_b:
-                _softmax_gradient_(z, total, safe[s:e], keep[s:e])
+                every = bool(keep[s:e].all())
+                _softmax_gradient_(z, total, safe[s:e], None if every else keep[s:e])
                 if need_h:
                     dh[s:e] = (z.to(weight.dtype) @ weight).to(h.dtype)
                 if need_w:
-                    rows_h = h[s:e] if bool(keep[s:e].all()) else h[s:e].masked_fill(~keep[s:e, None], 0.0)
+                    rows_h = h[s:e] if every else h[s:e].masked_fill(~keep[s:e, None], 0.0)
                     dw.addmm_(z.t(), rows_h.to(acc))
                 if need_b:
                     db += z.sum(0)
@@ -88,10 +89,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
 def _softmax_gradient_(e, total, safe, keep) -> None:
     """e (rows, V) = exp(z − max z) with row sums `total` ← ∂loss/∂z = softmax(z) − e_t per row (0 on
-    ignored rows), in place."""
+    the rows keep marks False; keep None: every row scored), in place."""
     e.mul_(total.reciprocal()[:, None])
     e[torch.arange(e.shape[0], device=e.device), safe] -= 1.0
-    if not bool(keep.all()):  # an ignored row's non-finite logits must not reach the gradients
+    if keep is not None:  # an ignored row's non-finite logits must not reach the gradients
         e.masked_fill_(~keep[:, None], 0.0)
 
 
