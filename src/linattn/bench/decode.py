@@ -23,7 +23,7 @@ from ..nn.feature_maps import EluPlusOne
 from ..ops import delta_rule_step, gated_linear_attention_step, linear_attention_step
 from ..report import fmt_bytes, fmt_time, make_table, plot_loglog, progress
 from .consistency import growing_series, unstable
-from .methods import Shape, short_dtype
+from .methods import Shape, SweepConfig, short_dtype
 from .timing import measure
 
 DEFAULT_CONTEXTS = [256, 512, 1024, 2048, 4096, 8192, 16384]
@@ -116,13 +116,8 @@ def kv_cache_bytes(shape: Shape, ctx: int, dtype: torch.dtype) -> int:
 
 
 @dataclass
-class DecodeConfig:
+class DecodeConfig(SweepConfig):
     contexts: list[int] = field(default_factory=lambda: list(DEFAULT_CONTEXTS))
-    shape: Shape = field(default_factory=Shape)
-    dtype: torch.dtype = torch.float32
-    device: str = "cpu"
-    seed: int = 0
-    min_run_time: float = 0.5
     no_cache_max: int | None = None
 
 

@@ -20,7 +20,7 @@ generator (`fixed_gates`); gradients are taken with respect to q, k and v only.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -46,6 +46,18 @@ class Shape:
     head_dim: int = 64
     value_dim: int = 64
     chunk: int = DEFAULT_CHUNK_SIZE
+
+
+@dataclass
+class SweepConfig:
+    """What every operator sweep (`bench ops`, `bench decode`) shares: the problem shape, dtype, device,
+    seed and `torch.utils.benchmark`'s minimum run time per measurement (s)."""
+
+    shape: Shape = field(default_factory=Shape)
+    dtype: torch.dtype = torch.float32
+    device: str = "cpu"
+    seed: int = 0
+    min_run_time: float = 0.5
 
 
 @dataclass

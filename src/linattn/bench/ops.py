@@ -17,20 +17,15 @@ from rich.console import Console
 from ..report import fmt_bytes, fmt_time, make_table, plot_loglog, progress
 from .consistency import growing_series, unstable
 from .flops import matmul_peak
-from .methods import MODE_LABELS, MODES, Shape, core_methods, measure_method
+from .methods import MODE_LABELS, MODES, SweepConfig, core_methods, measure_method
 from .peers import peer_methods
 
 DEFAULT_LENGTHS = [256, 512, 1024, 2048, 4096, 8192, 16384]
 
 
 @dataclass
-class OpsConfig:
+class OpsConfig(SweepConfig):
     lengths: list[int] = field(default_factory=lambda: list(DEFAULT_LENGTHS))
-    shape: Shape = field(default_factory=Shape)
-    dtype: torch.dtype = torch.float32
-    device: str = "cpu"
-    seed: int = 0
-    min_run_time: float = 0.5
     recurrent_max: int | None = 2048
     quadratic_max: int | None = 4096
     memory: bool = True

@@ -39,10 +39,10 @@ from rich.console import Console
 
 from ..ops import delta_rule, delta_rule_step, gated_linear_attention, linear_attention
 from ..ops import sliding_window_attention, softmax_attention
-from ..ops.linear.chunked import DEFAULT_CHUNK_SIZE
 from ..report import make_table, progress
 from .consistency import unstable
 from .flops import matmul_peak
+from .methods import Shape
 from .timing import measure
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -68,12 +68,10 @@ def softmax_flops(n: int, k: int, v: int) -> float:
 
 @dataclass
 class RooflineConfig:
-    batch: int = 1
-    heads: int = 16
+    """shape: batch, heads, key dim K (`head_dim`), value dim V and chunk C of every family; n: tokens."""
+
+    shape: Shape = field(default_factory=lambda: Shape(batch=1, heads=16, head_dim=128, value_dim=128))
     n: int = 2048
-    key_dim: int = 128
-    value_dim: int = 128
-    chunk: int = DEFAULT_CHUNK_SIZE
     window: int = 64
     dtypes: list[str] = field(default_factory=lambda: ["fp32", "bf16"])
     families: list[str] | None = None
@@ -85,7 +83,8 @@ class RooflineConfig:
 
 def _inputs(cfg: RooflineConfig, dtype, device, gate: str | None, beta: bool):
     g = torch.Generator().manual_seed(cfg.seed)
-    b, h, n, k, v = cfg.batch, cfg.heads, cfg.n, cfg.key_dim, cfg.value_dim
+    s = cfg.shape
+    b, h, n, k, v = s.batch, s.heads, cfg.n, s.head_dim, s.value_dim
     x = {"q": torch.randn(b, h, n, k, generator=g), "k": torch.randn(b, h, n, k, generator=g),
          "v": torch.randn(b, h, n, v, generator=g)}
     x = {name: t.to(device=device, dtype=dtype) for name, t in x.items()}
@@ -103,10 +102,11 @@ def families(cfg: RooflineConfig) -> dict:
     from ..nn.feature_maps import EluPlusOne
     from ..ops.kda import kda
 
-    c, bh = cfg.chunk, cfg.batch * cfg.heads
-    lin = bh * linear_flops(cfg.n, cfg.key_dim, cfg.value_dim, c)
-    dlt = bh * delta_flops(cfg.n, cfg.key_dim, cfg.value_dim, c)
-    phi = EluPlusOne(cfg.key_dim)
+    s = cfg.shape
+    n, k, v, c, bh = cfg.n, s.head_dim, s.value_dim, s.chunk, s.batch * s.heads
+    lin = bh * linear_flops(n, k, v, c)
+    dlt = bh * delta_flops(n, k, v, c)
+    phi = EluPlusOne(k)
     table = {
         "linear (elu+1)": (lambda q, k, v: linear_attention(q, k, v, causal=True, feature_map=phi, chunk_size=c),
                            None, False, lin),
@@ -119,9 +119,9 @@ def families(cfg: RooflineConfig) -> dict:
         "KDA": (lambda q, k, v, g, beta: kda(q, k, v, beta, g, qk_l2norm=True, chunk_size=c), "channel", True, dlt),
         f"sliding window (W={cfg.window})": (
             lambda q, k, v: sliding_window_attention(q, k, v, window=cfg.window, chunk_size=c), None, False,
-            bh * window_flops(cfg.n, cfg.key_dim, cfg.value_dim, c, cfg.window)),
+            bh * window_flops(n, k, v, c, cfg.window)),
         "softmax (SDPA)": (lambda q, k, v: softmax_attention(q, k, v, causal=True), None, False,
-                           bh * softmax_flops(cfg.n, cfg.key_dim, cfg.value_dim)),
+                           bh * softmax_flops(n, k, v)),
     }
     if cfg.families:
         unknown = [f for f in cfg.families if f not in table]
@@ -229,6 +229,9 @@ def run_roofline(cfg: RooflineConfig, console: Console | None = None) -> dict:
             steps += _step_rows(h, k, v, cfg, device)
             bar.advance(task)
     config = asdict(cfg)
+    shape = config.pop("shape")
+    config = {"batch": shape["batch"], "heads": shape["heads"], "n": cfg.n, "key_dim": shape["head_dim"],
+              "value_dim": shape["value_dim"], "chunk": shape["chunk"], **config}
     config["flops"] = __doc__.split("FLOP counts, ")[1].strip()
     return {"config": config, "peaks": peaks, "results": results, "steps": steps}
 

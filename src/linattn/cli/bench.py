@@ -231,11 +231,12 @@ def _dtype_names(value: str) -> list[str]:
 
 
 def run_roofline_command(args) -> int:
+    from ..bench.methods import Shape
     from ..bench.roofline import RooflineConfig, check_roofline, plot_roofline, render_roofline, run_roofline
 
     device, out, console = _setup(args, "bench-roofline")
     b, h, n, k, v = args.roofline_shape
-    cfg = RooflineConfig(batch=b, heads=h, n=n, key_dim=k, value_dim=v, chunk=args.chunk_size, window=64,
+    cfg = RooflineConfig(shape=Shape(batch=b, heads=h, head_dim=k, value_dim=v, chunk=args.chunk_size), n=n, window=64,
                          dtypes=args.roofline_dtypes, min_run_time=args.min_run_time, device=str(device), seed=args.seed)
     return _finish("bench-roofline", run_roofline(cfg, console), args, device, out, console, render_roofline,
                    plot_roofline, check_roofline)

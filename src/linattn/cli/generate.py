@@ -10,7 +10,6 @@ Thin: options -> LinearTransformerLM.from_pretrained -> model.stream -> stdout.
 
 from __future__ import annotations
 
-import argparse
 import codecs
 import sys
 from pathlib import Path

@@ -110,7 +110,7 @@ def run_experiment(out, *, seeds=None, recipes=None, console=None, progress: boo
     seeds = tuple(SEEDS if seeds is None else seeds)
     recipes = tuple(RECIPES if recipes is None else recipes)
     teacher_fields = {**TEACHER, **(teacher_overrides or {})}
-    teacher = _teacher(out, teacher_fields, progress, console)
+    _teacher(out, teacher_fields, progress, console)
     runs = {}
     for recipe in recipes:
         for seed in seeds:

@@ -19,7 +19,6 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.autograd.function import once_differentiable
 
 from ..ops.features import elu_plus_one, elu_plus_one_derivative_, native_code
 

@@ -310,10 +310,7 @@ class CopyTask(_GeneratedTask, LMTask):
     name = "copy"
     generate = staticmethod(D.copy_task)
     defaults = {"max_len": 32, "n_symbols": 10, "min_len": 1}
-
-    @staticmethod
-    def sizes(options):
-        return options["n_symbols"] + 2, 2 * options["max_len"] + 1
+    sizes = staticmethod(lambda options: (options["n_symbols"] + 2, 2 * options["max_len"] + 1))
 
 
 class MqarTask(_GeneratedTask, LMTask):
@@ -322,10 +319,7 @@ class MqarTask(_GeneratedTask, LMTask):
     name = "mqar"
     generate = staticmethod(D.mqar_task)
     defaults = {"seq_len": 64, "n_pairs": 4, "vocab_size": 8192}
-
-    @staticmethod
-    def sizes(options):
-        return options["vocab_size"], options["seq_len"]
+    sizes = staticmethod(lambda options: (options["vocab_size"], options["seq_len"]))
 
     def loss_stats(self, model, batch, positions=None):
         """As LMTask's, with logits computed only at the query positions (Zoology's cheap logits: P =
@@ -352,9 +346,7 @@ class ListOpsTask(_GeneratedTask, Task):
     vocab_size = len(D.LISTOPS_TOKENS)
     num_classes = 10
 
-    @staticmethod
-    def sizes(options):
-        return len(D.LISTOPS_TOKENS), options["max_len"] + 1
+    sizes = staticmethod(lambda options: (len(D.LISTOPS_TOKENS), options["max_len"] + 1))
 
     def build_model(self, config):
         return LinearTransformerEncoder(config)
