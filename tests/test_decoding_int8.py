@@ -66,7 +66,8 @@ def plan_matvec(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, kn: bool,
 
 @pytest.mark.parametrize("kn", [False, True])
 @pytest.mark.parametrize("batch, k, n, threads", [(1, 1, 1, 1), (1, 15, 17, 1), (2, 16, 48, 1), (5, 37, 33, 1),
-                                                  (9, 64, 40, 1), (3, 256, 200, 2), (8, 130, 300, 2)])
+                                                  (9, 64, 40, 1), (3, 256, 200, 2), (8, 130, 300, 2),
+                                                  (1, 200, 70, 1), (1, 130, 33, 2), (1, 64, 20, 1)])
 def test_int8_matvec_equals_dequantised_matmul_in_float64(batch, k, n, threads, kn):
     g = torch.Generator().manual_seed(batch * 1000 + k + n)
     x = torch.randn(batch, k, generator=g)

@@ -40,7 +40,8 @@ def formula(x, q, scale, act: int) -> torch.Tensor:
 @pytest.mark.parametrize("act", [1, 2])
 @pytest.mark.parametrize("kn", [False, True])
 @pytest.mark.parametrize("batch, k, n, threads", [(1, 1, 1, 1), (1, 15, 17, 1), (2, 64, 64, 1), (5, 37, 33, 1),
-                                                  (9, 130, 70, 1), (3, 256, 200, 2), (6, 67, 129, 2)])
+                                                  (9, 130, 70, 1), (3, 256, 200, 2), (6, 67, 129, 2),
+                                                  (1, 64, 16, 1), (1, 200, 70, 1), (1, 130, 33, 2), (1, 320, 19, 1)])
 def test_dynamic_matvec_equals_the_formula_to_the_bit(batch, k, n, threads, kn, act):
     g = torch.Generator().manual_seed(batch * 1000 + k + n)
     x = torch.randn(batch, k, generator=g) * torch.rand(batch, 1, generator=g) * 4

@@ -53,7 +53,8 @@ Weights: the tensors whose layout linattn shares — embeddings, lm_head, o_proj
 in_proj_b, in_proj_a, A_log, dt_bias, in_proj_z, the gated norm, the router, the experts and the
 shared expert's gate and down_proj — are the same Parameters in both
 models when share=True (training one trains the other); the others (the stacked or split
-projections, the expanded heads, the convolution's (C, K) view and the 1 + w gains) are copies.
+projections, the expanded heads, the convolution's (C, K) view and the 1 + w gains) are copies,
+the matrices among them row-major like the shared ones.
 
 Positions: text-only, so the three mrope sections see the same position ids and the rotation is
 plain RoPE whatever mrope_section says. Refused by name: rope types other than default,
@@ -311,7 +312,10 @@ def assemble(model: nn.Module, cfg: ModelConfig, shared: dict, copied: dict, *, 
              ) -> LinearTransformerLM:
     """A LinearTransformerLM of `cfg` in `model`'s dtype holding `shared` ({name: Parameter}, the
     model's own when share, else copied) and `copied` ({name: tensor}, parameters or buffers); every
-    tensor of the LM must be named once, with its shape (else ValueError naming them)."""
+    tensor of the LM must be named once, with its shape (else ValueError naming them). Copied matrices
+    keep nn.Linear's row-major (out, in) layout, as the shared ones have it (not linattn's column_major):
+    the fused decoder streams a row-major weight one row at a time, and torchao's int8 of it stays
+    row-major, the layout its VNNI products read fastest (design §22)."""
     mt = model.config.model_type
     lm = LinearTransformerLM(cfg)
     mine = lm.state_dict()
@@ -326,7 +330,11 @@ def assemble(model: nn.Module, cfg: ModelConfig, shared: dict, copied: dict, *, 
                              f"{tuple(mine[k].shape)}")
     with torch.no_grad():
         for k, v in copied.items():
-            _tensor(lm, k).copy_(v)
+            mine_k = _tensor(lm, k)
+            if isinstance(mine_k, nn.Parameter) and mine_k.dim() == 2:  # nn.Linear's (out, in) row-major layout
+                _put(lm, k, nn.Parameter(v.to(mine_k.dtype).contiguous().clone(), requires_grad=mine_k.requires_grad))
+            else:
+                mine_k.copy_(v)
         for k, v in shared.items():
             if share:
                 _put(lm, k, v)

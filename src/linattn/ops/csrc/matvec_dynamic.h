@@ -81,9 +81,34 @@ inline void dynamic_portable(const int8_t* w, bool kn, int64_t K, int64_t N, con
 #ifdef LINATTN_VNNI
 #define LINATTN_VNNI_TARGET __attribute__((target("avx512f,avx512bw,avx512vnni")))
 
+// nk at B = 1: one weight row at a time, read as one stream with two sums along it. Four rows at a
+// time (below, for batches) read 31-34 GB/s from memory on one AMD EPYC core, one row 43-44 GB/s
+// (1024 × 4096 int8 matrices, 230 MB)
+LINATTN_VNNI_TARGET void dynamic_row_vnni(const int8_t* W, int64_t K, const uint8_t* x, int32_t* c, int64_t j0,
+                                          int64_t j1) {
+  const int64_t kv = K / 64 * 64;
+  const __mmask64 tail = K > kv ? (~0ULL >> (64 - (K - kv))) : 0;
+  for (int64_t j = j0; j < j1; ++j) {
+    const int8_t* w = W + j * K;
+    __m512i a0 = _mm512_setzero_si512(), a1 = _mm512_setzero_si512();
+    int64_t i = 0;
+    for (; i + 128 <= kv; i += 128) {
+      a0 = _mm512_dpbusd_epi32(a0, _mm512_loadu_si512(x + i), _mm512_loadu_si512(w + i));
+      a1 = _mm512_dpbusd_epi32(a1, _mm512_loadu_si512(x + i + 64), _mm512_loadu_si512(w + i + 64));
+    }
+    if (i < kv) a0 = _mm512_dpbusd_epi32(a0, _mm512_loadu_si512(x + i), _mm512_loadu_si512(w + i));
+    if (tail) a1 = _mm512_dpbusd_epi32(a1, _mm512_maskz_loadu_epi8(tail, x + kv), _mm512_maskz_loadu_epi8(tail, w + kv));
+    c[j - j0] = _mm512_reduce_add_epi32(_mm512_add_epi32(a0, a1));
+  }
+}
+
 // nk: c = Σ_i xq_bi w_ji (unsigned × signed; the caller subtracts 128 Σ_i w_ji), four weight rows at a time
 LINATTN_VNNI_TARGET void dynamic_nk_vnni(const int8_t* W, int64_t K, const uint8_t* xq, int64_t B, int32_t* c,
                                          int64_t ldc, int64_t j0, int64_t j1) {
+  if (B == 1) {
+    dynamic_row_vnni(W, K, xq, c, j0, j1);
+    return;
+  }
   const int64_t kv = K / 64 * 64;
   const __mmask64 tail = K > kv ? (~0ULL >> (64 - (K - kv))) : 0;
   int64_t j = j0;
