@@ -145,6 +145,19 @@ def test_share_false_copies_and_config_round_trips(tmp_path):
         torch.testing.assert_close(logits(back, x), logits(lm, x), atol=0, rtol=0)
 
 
+def test_converted_matrices_are_row_major_and_train():
+    """The matrices the conversion builds (stacked q|k|v, gate|up, split gates) keep nn.Linear's (out, in)
+    row-major layout, as the shared ones do (the fused decoder's one-stream products; design §15), and
+    stay trainable Parameters."""
+    lm = from_transformers_hybrid(qwen35())
+    built = {n: p for n, p in lm.named_parameters() if n.endswith(("qkv.weight", "ffn.up.weight"))}
+    assert len(built) == 8
+    for name, p in built.items():
+        assert p.is_contiguous() and p.requires_grad, name
+    logits(lm, ids()).sum().backward()
+    assert all(p.grad is not None and torch.count_nonzero(p.grad) > 0 for p in built.values())
+
+
 @pytest.mark.parametrize("over, option", [
     (dict(attention_bias=True), "attention_bias"),
     (dict(hidden_act="gelu"), "hidden_act"),
