@@ -45,6 +45,7 @@ class AttentionMixOp : public Op {
                 "linattn_cpu::DecodePlan: q|k|v or output buffer of the wrong width");
     if (a.has("conv_weight")) {
       conv_w_ = a.tensor("conv_weight").to(at::kFloat).contiguous();
+      conv_wt_ = conv_w_.t().contiguous();
       taps_ = conv_w_.size(1);
       tail_ = Held(a.tensor("tail"));
     }
@@ -148,6 +149,10 @@ class AttentionMixOp : public Op {
     const int64_t starts[3] = {h * dq_, heads_ * dq_ + h * dq_, 2 * heads_ * dq_ + h * dv_};
     const int64_t sizes[3] = {dq_, dq_, dv_};
     float* dst[3] = {q, k, v};
+    if (taps_ > 0 && !tail_.bf16 && !R_.bf16) {
+      for (int part = 0; part < 3; ++part) conv_channels(b, starts[part], sizes[part], row, dst[part]);
+      return;
+    }
     const float* conv_w = taps_ == 0 ? nullptr : conv_w_.data_ptr<float>();
     for (int part = 0; part < 3; ++part) {
       for (int64_t i = 0; i < sizes[part]; ++i) {
@@ -159,13 +164,35 @@ class AttentionMixOp : public Op {
     }
   }
 
+  // fp32 tails and model: the short convolution of channels c0 … c0+n−1 of batch row b (as
+  // MatvecGroupOp::short_conv computes each: Σ_m w_cm [tail; x]_m, the same sums in the same order),
+  // by tap across the channels, so that the tail rows (out of cache after the weights stream by) are
+  // read in order; then the tails move on
+  void conv_channels(int64_t b, int64_t c0, int64_t n, const float* row, float* out) {
+    const int64_t C = qkv_.ld, T = taps_;
+    float* tail = static_cast<float*>(tail_.p) + b * (T - 1) * C + c0;
+    const float* x = row + c0;
+    const float* w = conv_wt_.data_ptr<float>() + c0;  // (T, C): tap m of channel c at m·C + c
+    for (int64_t m = 0; m < T; ++m) {
+      const float* xm = m + 1 < T ? tail + m * C : x;
+      const float* wm = w + m * C;
+      if (m == 0) {
+        for (int64_t i = 0; i < n; ++i) out[i] = xm[i] * wm[i];
+      } else {
+        for (int64_t i = 0; i < n; ++i) out[i] = out[i] + xm[i] * wm[i];
+      }
+    }
+    for (int64_t m = 0; m + 2 < T; ++m) std::copy(tail + (m + 1) * C, tail + (m + 1) * C + n, tail + m * C);
+    if (T > 1) std::copy(x, x + n, tail + (T - 2) * C);
+  }
+
   Buffer qkv_, o_;
   int64_t heads_, dq_, dv_;
   Rounder R_;
   bool rotates_itself_ = false;
 
  private:
-  at::Tensor conv_w_;
+  at::Tensor conv_w_, conv_wt_;
   Held tail_;
   int64_t taps_ = 0;
   Buffer rope_c_, rope_s_, gate_;
