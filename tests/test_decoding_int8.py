@@ -44,17 +44,18 @@ def linears(model):
 # ---- the int8 products against float64
 
 
-def plan_matvec(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, kn: bool, threads: int = 1,
+def plan_matvec(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor | None, kn: bool, threads: int = 1,
                 act: int = 0) -> torch.Tensor:
     """y = (x · qᵀ) · s through one product of a bare DecodePlan (q (N, K) int8, scale (N,)); act: the
-    activations quantized too, per row (1) or per tensor (2; csrc/matvec_dynamic.h)."""
+    activations quantized too, per row (1) or per tensor (2; csrc/matvec_dynamic.h). scale None: q is a
+    float32 or bfloat16 matrix, y = x · qᵀ (fp32 activations and outputs)."""
     b, n = x.shape[0], q.shape[0]
     plan = torch.classes.linattn_cpu.DecodePlan(b, False)
     out = torch.zeros(b, n)
     plan.add("group", {"input": x}, {"_": 0}, {"_": 0.0})
     weight = q.t().contiguous() if kn else q.contiguous()
-    plan.add("product", {"weight": weight, "scale": scale, "out": out}, {"kn": int(kn), "epilogue": 0, "act_quant": act},
-             {"_": 0.0})
+    tensors = {"weight": weight, "out": out} if scale is None else {"weight": weight, "scale": scale, "out": out}
+    plan.add("product", tensors, {"kn": int(kn), "epilogue": 0, "act_quant": act}, {"_": 0.0})
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
