@@ -60,11 +60,10 @@ constexpr double kChannelFloor = -80.0;
 // The largest decay of any channel inside a row block after its first row: h ≤ e^40 ≈ 2.4e17
 constexpr double kSpan = 40.0;
 
-// b (c×D) = the cumulative sums over the chunk of max(g, kChannelFloor), in double; eb = e^b,
-// el = e^{b_c − b} (c×D) and elast = e^{b_c} (D)
+// b (c×D) = the cumulative sums over the chunk of max(g, kChannelFloor), in double, and elast = e^{b_c} (D)
 template <typename Acc>
 LINATTN_CLONES void channel_gates(const Acc* __restrict__ g, int c, int64_t D, double* __restrict__ b,
-                                  Acc* __restrict__ eb, Acc* __restrict__ el, Acc* __restrict__ elast) {
+                                  Acc* __restrict__ elast) {
   for (int64_t d = 0; d < D; ++d) b[d] = std::max(static_cast<double>(g[d]), kChannelFloor);
   for (int i = 1; i < c; ++i) {
     const double* __restrict__ prev = b + (i - 1) * D;
@@ -74,16 +73,6 @@ LINATTN_CLONES void channel_gates(const Acc* __restrict__ g, int c, int64_t D, d
     for (int64_t d = 0; d < D; ++d) cur[d] = prev[d] + std::max(static_cast<double>(gi[d]), kChannelFloor);
   }
   const double* __restrict__ last = b + int64_t(c - 1) * D;
-  for (int i = 0; i < c; ++i) {
-    const double* __restrict__ bi = b + i * D;
-    Acc* __restrict__ e1 = eb + i * D;
-    Acc* __restrict__ e2 = el + i * D;
-#pragma omp simd
-    for (int64_t d = 0; d < D; ++d) {
-      e1[d] = exp_nonpositive(static_cast<Acc>(bi[d]));
-      e2[d] = exp_nonpositive(static_cast<Acc>(last[d] - bi[d]));
-    }
-  }
 #pragma omp simd
   for (int64_t d = 0; d < D; ++d) elast[d] = exp_nonpositive(static_cast<Acc>(last[d]));
 }
@@ -106,26 +95,45 @@ inline int row_blocks(const double* b, int c, int64_t D, int* starts) {
   return nb;
 }
 
-// f_i = e^{b_i − b_a} (a the first row of i's block) and fi = 1 / f, c×D. The exponent x (double, in
-// [−kSpan, 0]) is rounded to Acc as hi + lo, and f = e^{hi} (1 + lo): a float hi alone would be off by
+// The chunk's factors in one pass over its rows (KQ = [K̂; Q̂], 2c×D; every output c×D but KQb 2c×D):
+// eb = e^b, el = e^{b_c − b}, f_i = e^{b_i − b_a} (a the first row of i's block) and fi = 1 / f, and the
+// rows they scale, KQb = [K̂ ⊙ e^b; Q̂ ⊙ e^b], Kl = K̂ ⊙ e^{b_c − b}; with L and R (one block: a = 0) also the
+// scores' factors L = [K̂ ⊙ f; Q̂ ⊙ f] (2c×D) and R = K̂ ⊙ fi. The exponent of f, x (double, in
+// [−kSpan, 0]), is rounded to Acc as hi + lo, and f = e^{hi} (1 + lo): a float hi alone would be off by
 // up to kSpan · 2⁻²⁴ in the exponent, and f_i / f_j by twice that relatively.
 template <typename Acc>
-LINATTN_CLONES void block_factors(const double* __restrict__ b, const int* starts, int nb, int64_t D,
-                                  Acc* __restrict__ f, Acc* __restrict__ fi) {
+LINATTN_CLONES void chunk_factors(const double* __restrict__ b, const int* starts, int nb, const Acc* __restrict__ KQ,
+                                  int c, int64_t D, Acc* __restrict__ eb, Acc* __restrict__ el, Acc* __restrict__ f,
+                                  Acc* __restrict__ fi, Acc* __restrict__ KQb, Acc* __restrict__ Kl,
+                                  Acc* __restrict__ L, Acc* __restrict__ R) {
+  const int64_t cD = int64_t(c) * D;
+  const double* __restrict__ last = b + cD - D;
   for (int k = 0; k < nb; ++k) {
     const double* __restrict__ ba = b + int64_t(starts[k]) * D;
     for (int i = starts[k]; i < starts[k + 1]; ++i) {
-      const double* __restrict__ bi = b + int64_t(i) * D;
-      Acc* __restrict__ fr = f + int64_t(i) * D;
-      Acc* __restrict__ ir = fi + int64_t(i) * D;
+      const int64_t o = int64_t(i) * D;
 #pragma omp simd
       for (int64_t d = 0; d < D; ++d) {
-        const double x = bi[d] - ba[d];
+        const double bi = b[o + d], x = bi - ba[d];
         const Acc hi = static_cast<Acc>(x);
         const Acc lo = static_cast<Acc>(x - static_cast<double>(hi));
-        const Acc e = exp_nonpositive(hi);
-        fr[d] = e + e * lo;
-        ir[d] = Acc(1) / fr[d];
+        const Acc e = exp_nonpositive(hi), fr = e + e * lo;
+        const Acc e1 = exp_nonpositive(static_cast<Acc>(bi)), e2 = exp_nonpositive(static_cast<Acc>(last[d] - bi));
+        const Acc kk = KQ[o + d], qq = KQ[cD + o + d];
+        f[o + d] = fr;
+        fi[o + d] = Acc(1) / fr;
+        eb[o + d] = e1;
+        el[o + d] = e2;
+        KQb[o + d] = kk * e1;
+        KQb[cD + o + d] = qq * e1;
+        Kl[o + d] = kk * e2;
+      }
+      if (L == nullptr) continue;
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) {
+        L[o + d] = KQ[o + d] * f[o + d];
+        L[cD + o + d] = KQ[cD + o + d] * f[o + d];
+        R[o + d] = KQ[o + d] * fi[o + d];
       }
     }
   }
@@ -165,19 +173,6 @@ LINATTN_CLONES void left_factors(const Acc* __restrict__ KQ, const Acc* __restri
   }
 }
 
-// out = x ⊙ y (n values); out += s x ⊙ y with accumulate
-template <typename Acc>
-LINATTN_CLONES void mul_into(Acc* __restrict__ out, const Acc* __restrict__ x, const Acc* __restrict__ y, Acc s,
-                             bool accumulate, int64_t n) {
-  if (accumulate) {
-#pragma omp simd
-    for (int64_t i = 0; i < n; ++i) out[i] += s * x[i] * y[i];
-  } else {
-#pragma omp simd
-    for (int64_t i = 0; i < n; ++i) out[i] = s * x[i] * y[i];
-  }
-}
-
 // A chunk's forward quantities, in per-thread buffers.
 template <typename Acc>
 struct KdaTerms {
@@ -212,11 +207,11 @@ void chunk_scores(KdaTerms<Acc>& ch, const Acc* beta, int c, int64_t D, FactorBu
   const int d = static_cast<int>(D);
   for (int k = 0; k < ch.nb; ++k) {
     const int a = ch.starts[k], z = ch.starts[k + 1], m = z - a;
-    left_factors(ch.KQ, ch.f(c, D), c, a, z, D, w.L.data());
-    right_factors(ch.KQ, ch.b, ch.fi(c, D), a, z, D, w.R.data(), w.H.data());
-    if (ch.nb == 1) {
+    if (ch.nb == 1) {  // L and R from chunk_factors
       gemm_rm<Acc>(false, true, 2 * c, c, d, w.L.data(), d, w.R.data(), d, Acc(0), ch.AP, c);
     } else {
+      left_factors(ch.KQ, ch.f(c, D), c, a, z, D, w.L.data());
+      right_factors(ch.KQ, ch.b, ch.fi(c, D), a, z, D, w.R.data(), w.H.data());
       gemm_rm<Acc>(false, true, m, z, d, w.L.data(), d, w.R.data(), d, Acc(0), ch.AP + int64_t(a) * c, c);
       gemm_rm<Acc>(false, true, m, z, d, w.L.data() + m * D, d, w.R.data(), d, Acc(0), ch.AP + int64_t(c + a) * c, c);
     }
@@ -241,12 +236,11 @@ void kda_front(const Row<T, Acc>& in, int64_t t0, int c, int64_t D, int64_t E, b
   const int64_t cD = int64_t(c) * D;
   load_rows(in.k + t0 * D, ch.KQ, ch.rn, c, D, l2norm);
   load_rows(in.q + t0 * D, ch.KQ + cD, ch.rn + c, c, D, l2norm);
-  channel_gates(in.g + t0 * D, c, D, ch.b, ch.eb, ch.el(c, D), ch.elast);
+  channel_gates(in.g + t0 * D, c, D, ch.b, ch.elast);
   ch.nb = row_blocks(ch.b, c, D, ch.starts);
-  block_factors(ch.b, ch.starts, ch.nb, D, ch.f(c, D), ch.fi(c, D));
-  mul_into(ch.KQb, ch.KQ, ch.eb, Acc(1), false, cD);
-  mul_into(ch.KQb + cD, ch.KQ + cD, ch.eb, Acc(1), false, cD);
-  mul_into(ch.Kl, ch.KQ, ch.el(c, D), Acc(1), false, cD);
+  const bool one = ch.nb == 1;  // then the scores' factors come with the rest
+  chunk_factors(ch.b, ch.starts, ch.nb, ch.KQ, c, D, ch.eb, ch.el(c, D), ch.f(c, D), ch.fi(c, D), ch.KQb, ch.Kl,
+                one ? w.L.data() : nullptr, one ? w.R.data() : nullptr);
   const Acc* beta = in.beta + t0;
   chunk_scores(ch, beta, c, D, w);
   gemm_rm<Acc>(false, false, with_q ? 2 * c : c, e, d, ch.KQb, d, S, e, Acc(0), SK, e);
