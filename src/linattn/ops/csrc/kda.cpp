@@ -60,11 +60,10 @@ constexpr double kChannelFloor = -80.0;
 // The largest decay of any channel inside a row block after its first row: h ≤ e^40 ≈ 2.4e17
 constexpr double kSpan = 40.0;
 
-// b (c×D) = the cumulative sums over the chunk of max(g, kChannelFloor), in double; eb = e^b,
-// el = e^{b_c − b} (c×D) and elast = e^{b_c} (D)
+// b (c×D) = the cumulative sums over the chunk of max(g, kChannelFloor), in double, and elast = e^{b_c} (D)
 template <typename Acc>
 LINATTN_CLONES void channel_gates(const Acc* __restrict__ g, int c, int64_t D, double* __restrict__ b,
-                                  Acc* __restrict__ eb, Acc* __restrict__ el, Acc* __restrict__ elast) {
+                                  Acc* __restrict__ elast) {
   for (int64_t d = 0; d < D; ++d) b[d] = std::max(static_cast<double>(g[d]), kChannelFloor);
   for (int i = 1; i < c; ++i) {
     const double* __restrict__ prev = b + (i - 1) * D;
@@ -74,16 +73,6 @@ LINATTN_CLONES void channel_gates(const Acc* __restrict__ g, int c, int64_t D, d
     for (int64_t d = 0; d < D; ++d) cur[d] = prev[d] + std::max(static_cast<double>(gi[d]), kChannelFloor);
   }
   const double* __restrict__ last = b + int64_t(c - 1) * D;
-  for (int i = 0; i < c; ++i) {
-    const double* __restrict__ bi = b + i * D;
-    Acc* __restrict__ e1 = eb + i * D;
-    Acc* __restrict__ e2 = el + i * D;
-#pragma omp simd
-    for (int64_t d = 0; d < D; ++d) {
-      e1[d] = exp_nonpositive(static_cast<Acc>(bi[d]));
-      e2[d] = exp_nonpositive(static_cast<Acc>(last[d] - bi[d]));
-    }
-  }
 #pragma omp simd
   for (int64_t d = 0; d < D; ++d) elast[d] = exp_nonpositive(static_cast<Acc>(last[d]));
 }
@@ -106,26 +95,45 @@ inline int row_blocks(const double* b, int c, int64_t D, int* starts) {
   return nb;
 }
 
-// f_i = e^{b_i − b_a} (a the first row of i's block) and fi = 1 / f, c×D. The exponent x (double, in
-// [−kSpan, 0]) is rounded to Acc as hi + lo, and f = e^{hi} (1 + lo): a float hi alone would be off by
+// The chunk's factors in one pass over its rows (KQ = [K̂; Q̂], 2c×D; every output c×D but KQb 2c×D):
+// eb = e^b, el = e^{b_c − b}, f_i = e^{b_i − b_a} (a the first row of i's block) and fi = 1 / f, and the
+// rows they scale, KQb = [K̂ ⊙ e^b; Q̂ ⊙ e^b], Kl = K̂ ⊙ e^{b_c − b}; with L and R (one block: a = 0) also the
+// scores' factors L = [K̂ ⊙ f; Q̂ ⊙ f] (2c×D) and R = K̂ ⊙ fi. The exponent of f, x (double, in
+// [−kSpan, 0]), is rounded to Acc as hi + lo, and f = e^{hi} (1 + lo): a float hi alone would be off by
 // up to kSpan · 2⁻²⁴ in the exponent, and f_i / f_j by twice that relatively.
 template <typename Acc>
-LINATTN_CLONES void block_factors(const double* __restrict__ b, const int* starts, int nb, int64_t D,
-                                  Acc* __restrict__ f, Acc* __restrict__ fi) {
+LINATTN_CLONES void chunk_factors(const double* __restrict__ b, const int* starts, int nb, const Acc* __restrict__ KQ,
+                                  int c, int64_t D, Acc* __restrict__ eb, Acc* __restrict__ el, Acc* __restrict__ f,
+                                  Acc* __restrict__ fi, Acc* __restrict__ KQb, Acc* __restrict__ Kl,
+                                  Acc* __restrict__ L, Acc* __restrict__ R) {
+  const int64_t cD = int64_t(c) * D;
+  const double* __restrict__ last = b + cD - D;
   for (int k = 0; k < nb; ++k) {
     const double* __restrict__ ba = b + int64_t(starts[k]) * D;
     for (int i = starts[k]; i < starts[k + 1]; ++i) {
-      const double* __restrict__ bi = b + int64_t(i) * D;
-      Acc* __restrict__ fr = f + int64_t(i) * D;
-      Acc* __restrict__ ir = fi + int64_t(i) * D;
+      const int64_t o = int64_t(i) * D;
 #pragma omp simd
       for (int64_t d = 0; d < D; ++d) {
-        const double x = bi[d] - ba[d];
+        const double bi = b[o + d], x = bi - ba[d];
         const Acc hi = static_cast<Acc>(x);
         const Acc lo = static_cast<Acc>(x - static_cast<double>(hi));
-        const Acc e = exp_nonpositive(hi);
-        fr[d] = e + e * lo;
-        ir[d] = Acc(1) / fr[d];
+        const Acc e = exp_nonpositive(hi), fr = e + e * lo;
+        const Acc e1 = exp_nonpositive(static_cast<Acc>(bi)), e2 = exp_nonpositive(static_cast<Acc>(last[d] - bi));
+        const Acc kk = KQ[o + d], qq = KQ[cD + o + d];
+        f[o + d] = fr;
+        fi[o + d] = Acc(1) / fr;
+        eb[o + d] = e1;
+        el[o + d] = e2;
+        KQb[o + d] = kk * e1;
+        KQb[cD + o + d] = qq * e1;
+        Kl[o + d] = kk * e2;
+      }
+      if (L == nullptr) continue;
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) {
+        L[o + d] = KQ[o + d] * f[o + d];
+        L[cD + o + d] = KQ[cD + o + d] * f[o + d];
+        R[o + d] = KQ[o + d] * fi[o + d];
       }
     }
   }
@@ -165,19 +173,6 @@ LINATTN_CLONES void left_factors(const Acc* __restrict__ KQ, const Acc* __restri
   }
 }
 
-// out = x ⊙ y (n values); out += s x ⊙ y with accumulate
-template <typename Acc>
-LINATTN_CLONES void mul_into(Acc* __restrict__ out, const Acc* __restrict__ x, const Acc* __restrict__ y, Acc s,
-                             bool accumulate, int64_t n) {
-  if (accumulate) {
-#pragma omp simd
-    for (int64_t i = 0; i < n; ++i) out[i] += s * x[i] * y[i];
-  } else {
-#pragma omp simd
-    for (int64_t i = 0; i < n; ++i) out[i] = s * x[i] * y[i];
-  }
-}
-
 // A chunk's forward quantities, in per-thread buffers.
 template <typename Acc>
 struct KdaTerms {
@@ -212,11 +207,11 @@ void chunk_scores(KdaTerms<Acc>& ch, const Acc* beta, int c, int64_t D, FactorBu
   const int d = static_cast<int>(D);
   for (int k = 0; k < ch.nb; ++k) {
     const int a = ch.starts[k], z = ch.starts[k + 1], m = z - a;
-    left_factors(ch.KQ, ch.f(c, D), c, a, z, D, w.L.data());
-    right_factors(ch.KQ, ch.b, ch.fi(c, D), a, z, D, w.R.data(), w.H.data());
-    if (ch.nb == 1) {
+    if (ch.nb == 1) {  // L and R from chunk_factors
       gemm_rm<Acc>(false, true, 2 * c, c, d, w.L.data(), d, w.R.data(), d, Acc(0), ch.AP, c);
     } else {
+      left_factors(ch.KQ, ch.f(c, D), c, a, z, D, w.L.data());
+      right_factors(ch.KQ, ch.b, ch.fi(c, D), a, z, D, w.R.data(), w.H.data());
       gemm_rm<Acc>(false, true, m, z, d, w.L.data(), d, w.R.data(), d, Acc(0), ch.AP + int64_t(a) * c, c);
       gemm_rm<Acc>(false, true, m, z, d, w.L.data() + m * D, d, w.R.data(), d, Acc(0), ch.AP + int64_t(c + a) * c, c);
     }
@@ -241,12 +236,11 @@ void kda_front(const Row<T, Acc>& in, int64_t t0, int c, int64_t D, int64_t E, b
   const int64_t cD = int64_t(c) * D;
   load_rows(in.k + t0 * D, ch.KQ, ch.rn, c, D, l2norm);
   load_rows(in.q + t0 * D, ch.KQ + cD, ch.rn + c, c, D, l2norm);
-  channel_gates(in.g + t0 * D, c, D, ch.b, ch.eb, ch.el(c, D), ch.elast);
+  channel_gates(in.g + t0 * D, c, D, ch.b, ch.elast);
   ch.nb = row_blocks(ch.b, c, D, ch.starts);
-  block_factors(ch.b, ch.starts, ch.nb, D, ch.f(c, D), ch.fi(c, D));
-  mul_into(ch.KQb, ch.KQ, ch.eb, Acc(1), false, cD);
-  mul_into(ch.KQb + cD, ch.KQ + cD, ch.eb, Acc(1), false, cD);
-  mul_into(ch.Kl, ch.KQ, ch.el(c, D), Acc(1), false, cD);
+  const bool one = ch.nb == 1;  // then the scores' factors come with the rest
+  chunk_factors(ch.b, ch.starts, ch.nb, ch.KQ, c, D, ch.eb, ch.el(c, D), ch.f(c, D), ch.fi(c, D), ch.KQb, ch.Kl,
+                one ? w.L.data() : nullptr, one ? w.R.data() : nullptr);
   const Acc* beta = in.beta + t0;
   chunk_scores(ch, beta, c, D, w);
   gemm_rm<Acc>(false, false, with_q ? 2 * c : c, e, d, ch.KQb, d, S, e, Acc(0), SK, e);
@@ -254,12 +248,12 @@ void kda_front(const Row<T, Acc>& in, int64_t t0, int c, int64_t D, int64_t E, b
   solve_strips<Acc>(false, c, E, ch.AP, ch.Vp);
 }
 
-// S ← Diag(e^{b_c}) S + K̂_lᵀ V'
+// S' = Diag(e^{b_c}) S + K̂_lᵀ V' (in place when S' == S)
 template <typename Acc>
-void kda_update_state(Acc* S, const KdaTerms<Acc>& ch, int c, int64_t D, int64_t E) {
-  scale_rows(S, ch.elast, S, static_cast<int>(D), E);
+void kda_update_state(const Acc* S, Acc* S_next, const KdaTerms<Acc>& ch, int c, int64_t D, int64_t E) {
+  scale_rows(S, ch.elast, S_next, static_cast<int>(D), E);
   gemm_rm<Acc>(true, false, static_cast<int>(D), static_cast<int>(E), c, ch.Kl, static_cast<int>(D), ch.Vp,
-               static_cast<int>(E), Acc(1), S, static_cast<int>(E));
+               static_cast<int>(E), Acc(1), S_next, static_cast<int>(E));
 }
 
 // Per-chunk buffers of `per` chunks (the forward: one; the backward: a saved block's chunks)
@@ -310,7 +304,7 @@ void forward_rows(const Rows& rows, const at::Tensor& q, const at::Tensor& k, co
             gemm_rm<Acc>(false, false, c, static_cast<int>(E), c, ch.AP + c * c, c, ch.Vp, static_cast<int>(E), Acc(1),
                          O, static_cast<int>(E));
             store_scaled<T, Acc>(O, s, po + tok * E, int64_t(c) * E);
-            kda_update_state(S, ch, c, D, E);
+            kda_update_state(S, S, ch, c, D, E);
           });
     }
   });
@@ -326,6 +320,28 @@ struct GradBuffers {
         dK(chunk * D), dQ(chunk * D), db(chunk * D), tmp(chunk * D), dX(chunk * E), f(chunk, D) {}
 };
 
+// One row block's share of the scores' gradients (score_grads), its rows from aD on (mD values) and the
+// earlier columns (aD values): dK̂ += dL_k ⊙ f + dR ⊙ H, dQ̂ += dL_q ⊙ f, db += L_k ⊙ dL_k + L_q ⊙ dL_q
+// − R ⊙ dR on the rows, dK̂ += dR ⊙ H, db −= R ⊙ dR on the earlier columns
+template <typename Acc>
+LINATTN_CLONES void block_grads(const Acc* __restrict__ L, const Acc* __restrict__ dL, const Acc* __restrict__ R,
+                                const Acc* __restrict__ dR, const Acc* __restrict__ H, const Acc* __restrict__ f,
+                                int64_t aD, int64_t mD, Acc* __restrict__ dK, Acc* __restrict__ dQ,
+                                Acc* __restrict__ db) {
+#pragma omp simd
+  for (int64_t x = 0; x < aD; ++x) {
+    dK[x] += dR[x] * H[x];
+    db[x] -= R[x] * dR[x];
+  }
+#pragma omp simd
+  for (int64_t x = 0; x < mD; ++x) {
+    const int64_t y = aD + x;
+    dK[y] += dL[x] * f[y] + dR[y] * H[y];
+    dQ[y] += dL[mD + x] * f[y];
+    db[y] += L[x] * dL[x] + L[mD + x] * dL[mD + x] - R[y] * dR[y];
+  }
+}
+
 // The scores' part of the gradients of K̂, Q̂ and b, from dS = [dKK; dP] (2c×c, 0 above the diagonal):
 // block by block, dL = dS_block R and dR = dS_blockᵀ L (the block's factors recomputed), then
 // dK̂_i += dL_i ⊙ f_i, dQ̂_i += dL_i ⊙ f_i, db_i += L_i ⊙ dL_i (rows of the block), dK̂_j += dR_j ⊙ H_j,
@@ -338,7 +354,7 @@ void score_grads(const KdaTerms<Acc>& ch, const Acc* dS, int c, int64_t D, GradB
   const Acc* f = ch.f(c, D);
   for (int k = 0; k < ch.nb; ++k) {
     const int a = ch.starts[k], z = ch.starts[k + 1], m = z - a;
-    const int64_t mD = int64_t(m) * D, zD = int64_t(z) * D, aD = int64_t(a) * D;
+    const int64_t mD = int64_t(m) * D, aD = int64_t(a) * D;
     left_factors(ch.KQ, f, c, a, z, D, L);
     right_factors(ch.KQ, ch.b, ch.fi(c, D), a, z, D, R, H);
     if (ch.nb == 1) {
@@ -351,12 +367,40 @@ void score_grads(const KdaTerms<Acc>& ch, const Acc* dS, int c, int64_t D, GradB
       gemm_rm<Acc>(true, false, z, d, m, top, c, L, d, Acc(0), dR, d);
       gemm_rm<Acc>(true, false, z, d, m, bottom, c, L + mD, d, Acc(1), dR, d);
     }
-    mul_into(dK + aD, dL, f + aD, Acc(1), true, mD);
-    mul_into(dQ + aD, dL + mD, f + aD, Acc(1), true, mD);
-    mul_into(db + aD, L, dL, Acc(1), true, mD);
-    mul_into(db + aD, L + mD, dL + mD, Acc(1), true, mD);
-    mul_into(dK, dR, H, Acc(1), true, zD);
-    mul_into(db, R, dR, Acc(-1), true, zD);
+    block_grads(L, dL, R, dR, H, f, aD, mD, dK, dQ, db);
+  }
+}
+
+// The gradients through the decayed copies of K̂ and Q̂, written into dK̂, dQ̂ and db: with Y = [Y_k; Y_q]
+// (2c×D) the cotangents of K̂_b = K̂ ⊙ e^b and Q̂_b, Yl (c×D) that of K̂_l = K̂ ⊙ e^{b_c − b}, row by row
+// dK̂ = Y_k ⊙ e^b + Yl ⊙ e^{b_c − b}, dQ̂ = Y_q ⊙ e^b, db = Y_k ⊙ K̂_b + Y_q ⊙ Q̂_b − Yl ⊙ K̂_l, and
+// db_c += Σ_i Yl_i ⊙ K̂_l,i; on the last row the two K̂_l terms cancel (K̂_l,c = K̂_c) and are left out.
+template <typename Acc>
+LINATTN_CLONES void decay_grads(const Acc* __restrict__ Y, const Acc* __restrict__ Yl, const Acc* __restrict__ KQb,
+                                const Acc* __restrict__ eb, const Acc* __restrict__ el, const Acc* __restrict__ Kl,
+                                int c, int64_t D, Acc* __restrict__ dK, Acc* __restrict__ dQ, Acc* db) {
+  const int64_t cD = int64_t(c) * D;
+  Acc* __restrict__ last = db + cD - D;
+  std::fill(last, last + D, Acc(0));
+  for (int64_t i = 0; i < c; ++i) {
+    const int64_t o = i * D;
+    Acc* __restrict__ dbi = db + o;
+    if (i + 1 < c) {
+#pragma omp simd
+      for (int64_t x = 0; x < D; ++x) {
+        const Acc yl = Yl[o + x], kl = Kl[o + x];
+        dbi[x] = Y[o + x] * KQb[o + x] + Y[cD + o + x] * KQb[cD + o + x] - yl * kl;
+        last[x] += yl * kl;
+      }
+    } else {
+#pragma omp simd
+      for (int64_t x = 0; x < D; ++x) last[x] += Y[o + x] * KQb[o + x] + Y[cD + o + x] * KQb[cD + o + x];
+    }
+#pragma omp simd
+    for (int64_t x = 0; x < D; ++x) {
+      dK[o + x] = Y[o + x] * eb[o + x] + Yl[o + x] * el[o + x];
+      dQ[o + x] = Y[cD + o + x] * eb[o + x];
+    }
   }
 }
 
@@ -394,22 +438,14 @@ void kda_chunk_backward(const Row<T, Acc>& in, const RowGrads<T, Acc>& out, int6
   add_row_dots<Acc>(Z, ch.X, nullptr, Acc(1), dbeta, c, E);
   gemm_rm<Acc>(false, true, 2 * c, c, e, w.ZG.data(), e, ch.Vp, e, Acc(0), w.DPA.data(), c);
   score_cotangents(w.DPA.data(), ch.kkg, beta, dbeta, c);
-  std::fill(dK, dK + cD, Acc(0));
-  std::fill(dQ, dQ + cD, Acc(0));
-  std::fill(db, db + cD, Acc(0));
-  score_grads(ch, w.DPA.data(), c, D, w);
-  // Q̂_b in O: dQ̂_b = dO' Sᵀ;  K̂_b in X: dK̂_b = −dX Sᵀ;  K̂_l in the state: dK̂_l = V' Rᵀ
-  gemm_rm<Acc>(false, true, c, d, e, G, e, S, e, Acc(0), tmp, d);
-  mul_into(dQ, tmp, eb, Acc(1), true, cD);
-  mul_into(db, tmp, ch.KQb + cD, Acc(1), true, cD);
-  gemm_rm<Acc>(false, true, c, d, e, dX, e, S, e, Acc(0), tmp, d);
-  mul_into(dK, tmp, eb, Acc(-1), true, cD);
-  mul_into(db, tmp, ch.KQb, Acc(-1), true, cD);
+  // K̂_b in X, Q̂_b in O: [dK̂_b; dQ̂_b] = [−dX; dO'] Sᵀ (ZG holds [−dX; dO'] from here on);
+  // K̂_l in the state: dK̂_l = V' Rᵀ. They start dK̂, dQ̂ and db, which the scores add to.
+  for (int64_t x = 0; x < cE; ++x) Z[x] = -dX[x];
+  gemm_rm<Acc>(false, true, 2 * c, d, e, w.ZG.data(), e, S, e, Acc(0), w.dL.data(), d);
   gemm_rm<Acc>(false, true, c, d, e, ch.Vp, e, R, e, Acc(0), tmp, d);
-  mul_into(dK, tmp, el, Acc(1), true, cD);
+  decay_grads(w.dL.data(), tmp, ch.KQb, eb, el, ch.Kl, c, D, dK, dQ, db);
+  score_grads(ch, w.DPA.data(), c, D, w);
   Acc* db_last = db + cD - D;
-  mul_into(db, tmp, ch.Kl, Acc(-1), true, cD);
-  for (int i = 0; i < c; ++i) mul_into(db_last, tmp + int64_t(i) * D, ch.Kl + int64_t(i) * D, Acc(1), true, D);
   for (int64_t x = 0; x < D; ++x) {  // Diag(e^{b_c}) S: e^{b_c} Σ_e S_de R_de into b_c
     Acc sr = 0;
 #pragma omp simd reduction(+ : sr)
@@ -433,7 +469,6 @@ void kda_chunk_backward(const Row<T, Acc>& in, const RowGrads<T, Acc>& out, int6
   }
   // R ← Diag(e^{b_c}) R + [K̂_b; Q̂_b]ᵀ [−dX; dO']
   scale_rows(R, ch.elast, R, d, E);
-  for (int64_t x = 0; x < cE; ++x) Z[x] = -dX[x];
   gemm_rm<Acc>(true, false, d, e, 2 * c, ch.KQb, d, w.ZG.data(), e, Acc(1), R, e);
   chain_rows(dQ, Qh, ch.rn + c, l2norm, out.dq + t0 * D, c, D);
   chain_rows(dK, Kh, ch.rn, l2norm, out.dk + t0 * D, c, D);
@@ -462,10 +497,7 @@ void backward_rows(const Rows& rows, const at::Tensor& q, const at::Tensor& k, c
             KdaTerms<Acc> ch = terms.terms(j);
             kda_front(in, t0, c, D, E, l2norm, terms.state(j), ch, w.SK.data(), w.f, false);
             terms.nbs.data()[j] = ch.nb;
-            if (more) {
-              std::copy(terms.state(j), terms.state(j) + D * E, terms.state(j + 1));
-              kda_update_state(terms.state(j + 1), ch, c, D, E);
-            }
+            if (more) kda_update_state(terms.state(j), terms.state(j + 1), ch, c, D, E);
           },
           [&](const Row<T, Acc>& in, const RowGrads<T, Acc>& out, Acc* R, int64_t j, int64_t t0, int c) {
             KdaTerms<Acc> ch = terms.terms(j);
