@@ -147,7 +147,7 @@ def test_share_false_copies_and_config_round_trips(tmp_path):
 
 def test_converted_matrices_are_row_major_and_train():
     """The matrices the conversion builds (stacked q|k|v, gate|up, split gates) keep nn.Linear's (out, in)
-    row-major layout, as the shared ones do (the fused decoder's one-stream products; design §15), and
+    row-major layout, as the shared ones do (the fused decoder's one-stream products; design §15.1), and
     stay trainable Parameters."""
     lm = from_transformers_hybrid(qwen35())
     built = {n: p for n, p in lm.named_parameters() if n.endswith(("qkv.weight", "ffn.up.weight"))}

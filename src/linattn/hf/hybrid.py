@@ -315,7 +315,7 @@ def assemble(model: nn.Module, cfg: ModelConfig, shared: dict, copied: dict, *, 
     tensor of the LM must be named once, with its shape (else ValueError naming them). Copied matrices
     keep nn.Linear's row-major (out, in) layout, as the shared ones have it (not linattn's column_major):
     the fused decoder streams a row-major weight one row at a time, and torchao's int8 of it stays
-    row-major, the layout its VNNI products read fastest (design §22)."""
+    row-major, the layout its VNNI products read fastest (design §15.1)."""
     mt = model.config.model_type
     lm = LinearTransformerLM(cfg)
     mine = lm.state_dict()
