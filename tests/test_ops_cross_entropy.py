@@ -55,6 +55,31 @@ def test_batch_dims_and_block_edges():
         assert int(correct) == int(want_correct)
 
 
+@pytest.mark.parametrize("rows", [None, 1, 3])
+def test_tied_and_nan_logits_count_as_argmax_decides(rows):
+    """Classes with equal logits: argmax takes the first, so a target on a later copy is not counted; a
+    row whose logits hold a NaN counts when its target is the first NaN (torch.argmax's NaN order)."""
+    g = torch.Generator().manual_seed(3)
+    h = torch.randn(12, 4, generator=g, dtype=torch.float64)
+    w = torch.randn(7, 4, generator=g, dtype=torch.float64)
+    w[5] = w[2] = w[4] * 0 + 10.0  # classes 2 and 5 tie and win on rows where h sums positive
+    h[:6] = h[:6].abs()
+    t = torch.tensor([2, 5, 2, 5, 0, 5, 1, 2, 5, 3, 6, 2])
+    with torch.no_grad():
+        loss, correct = linear_cross_entropy(h, w, None, t, rows=rows)
+        _, want = _plain(h, w, None, t)
+    assert int(correct) == int(want) and int(want) >= 2
+    hn = h.clone()
+    hn[0, 0] = float("nan")  # row 0: every logit NaN; its target 2 is not the first NaN (class 0)
+    t2 = t.clone()
+    t2[1] = 0
+    hn[1, 0] = float("nan")  # row 1: its target 0 is the first NaN
+    with torch.no_grad():
+        _, correct = linear_cross_entropy(hn, w, None, t2, rows=rows)
+        _, want = _plain(hn, w, None, t2)
+    assert int(correct) == int(want)
+
+
 def test_gradcheck():
     h, w, b, t = _case((6,), 3, 5, True, 0.3, 1)
     t[0] = 2  # at least one scored row
