@@ -332,7 +332,8 @@ def assemble(model: nn.Module, cfg: ModelConfig, shared: dict, copied: dict, *, 
         for k, v in copied.items():
             mine_k = _tensor(lm, k)
             if isinstance(mine_k, nn.Parameter) and mine_k.dim() == 2:  # nn.Linear's (out, in) row-major layout
-                _put(lm, k, nn.Parameter(v.to(mine_k.dtype).contiguous().clone(), requires_grad=mine_k.requires_grad))
+                own = v.to(dtype=mine_k.dtype, memory_format=torch.contiguous_format, copy=True)  # one copy
+                _put(lm, k, nn.Parameter(own, requires_grad=mine_k.requires_grad))
             else:
                 mine_k.copy_(v)
         for k, v in shared.items():

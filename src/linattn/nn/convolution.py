@@ -14,7 +14,7 @@ a prefill plus token-by-token steps gives the parallel output exactly (bit for b
 rounding). Measured against `F.conv1d(groups=C)` on one thread (B=8, N=512, C=768, K=4, fp32, median
 of blocked_autorange): forward 12.6 ms vs 47 ms, forward+backward 71 ms vs 86 ms. On CPU float32 and
 float64 tensors the same sums run in csrc/conv.cpp (`_NativeShortConv`: no padded copy, the backward
-in one pass; design §14.1); bf16, other devices, forward-mode AD and packed rows keep the torch ops.
+in one pass, packed rows too; design §14.1); bf16, other devices and forward-mode AD keep the torch ops.
 """
 
 from __future__ import annotations
@@ -134,9 +134,9 @@ class ShortConvolution(nn.Module):
             y = y + self.bias.to(x.dtype)
         if not return_tail:
             return y
-        if xp is None:  # the last K−1 rows of [tail; x] (zeros before the sequence)
+        if xp is None:  # the last K−1 rows of [tail; x] (zeros before the sequence), a new tensor
             before = x.new_zeros(b, k - 1, self.channels) if tail is None else tail
-            xp = torch.cat((before[:, min(n, k - 1):], x[:, max(0, n - (k - 1)):]), 1)
+            return y, torch.cat((before[:, min(n, k - 1):], x[:, max(0, n - (k - 1)):]), 1)
         return y, xp[:, xp.shape[1] - (k - 1):].clone()  # a copy: the cache must not keep xp alive
 
     def _packed(self, x, mask, tail, return_tail: bool, cu_seqlens):

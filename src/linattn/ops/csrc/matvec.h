@@ -214,12 +214,12 @@ LINATTN_INLINE void dot_rows(const W* __restrict__ Wr, int64_t ldw, int64_t K, c
                              int64_t ldx, float* __restrict__ y, int64_t ldy, int64_t j0, int64_t j1) {
   if constexpr (BB == 1) {
     for (int64_t j = j0; j < j1; ++j) y[j - j0] = dot_row<W, L>(Wr + j * ldw, K, x);
-    return;
+  } else {
+    constexpr int JR = BB > 4 ? 2 : 4;  // at most 16 accumulators
+    int64_t j = j0;
+    for (; j + JR <= j1; j += JR) dot_tile<W, L, BB, JR>(Wr, ldw, K, x, ldx, y + (j - j0), ldy, j);
+    for (; j < j1; ++j) dot_tile<W, L, BB, 1>(Wr, ldw, K, x, ldx, y + (j - j0), ldy, j);
   }
-  constexpr int JR = BB > 4 ? 2 : 4;  // at most 16 accumulators
-  int64_t j = j0;
-  for (; j + JR <= j1; j += JR) dot_tile<W, L, BB, JR>(Wr, ldw, K, x, ldx, y + (j - j0), ldy, j);
-  for (; j < j1; ++j) dot_tile<W, L, BB, 1>(Wr, ldw, K, x, ldx, y + (j - j0), ldy, j);
 }
 
 // y[b·ldy + j − j0] = Σ_i W[j·ldw + i] x[b·ldx + i] for b < B, j in [j0, j1): dot products of weight rows
