@@ -130,8 +130,9 @@ def test_frontier_preset_runs_each_kind_at_three_overlapping_state_sizes():
     qk = {}
     for kind, n, _p, _lr, cfg, meta in plan:
         qk.setdefault(kind, set()).add(cfg.model_config().qk_dim)
-    for kind in ("elu", "taylor", *recall_frontier.DELTA_KINDS):
+    for kind in (*recall_frontier.FEATURE_KINDS, *recall_frontier.DELTA_KINDS):
         assert len(qk[kind]) == 3
+    assert {"elu", "favor", "cosformer", "taylor"} <= set(recall_frontier.FEATURE_KINDS)
     windows = {}
     for kind, n, _p, _lr, cfg, meta in plan:
         if kind in recall_frontier.WINDOW_KINDS:
@@ -148,6 +149,8 @@ def test_frontier_claims_compare_at_equal_state():
                  for v, st, a in (("d'=8", 512, 0.1), ("d'=16", 1024, 0.3), ("d'=64", 4096, 0.6))]
         recs += [_rec("taylor", 1e-2, a, seed, variant=v, state=st)
                  for v, st, a in (("d'=2", 455, 0.2), ("d'=4", 1365, 0.5), ("d'=8", 4745, 0.9))]
+        recs += [_rec("cosformer", 1e-2, a, seed, variant=v, state=st)
+                 for v, st, a in (("d'=4", 648, 0.2), ("d'=8", 1168, 0.6), ("d'=32", 4288, 0.8))]
         recs += [_rec("softmax", 1e-2, 0.99, seed, variant="", state=8192)]
     report = {"summary": summarize_seeds(recs)}
     claims = {c["claim"]: c for c in recall_frontier.frontier_claims(report)}
@@ -156,6 +159,8 @@ def test_frontier_claims_compare_at_equal_state():
     assert "at 4,096 floats" in based["detail"]
     assert claims["softmax attention solves MQAR (≥ 0.95 at its largest q/k dim; Zoology Fig. 2)"]["holds"]
     assert claims["elu+1: more state, more recall (Zoology §4)"]["holds"]
+    # cosFormer above Taylor at 1,168 floats (0.6 against Taylor's 0.46 interpolated there): the claim fails
+    assert claims["Based (Taylor) at or above cosFormer at equal state (Based Fig. 3)"]["holds"] is False
     # Taylor below elu+1 at equal state: the claim fails
     worse = [{**r, "accuracy": r["accuracy"] / 4} if r["kind"] == "taylor" else r for r in recs]
     claims = {c["claim"]: c for c in recall_frontier.frontier_claims({"summary": summarize_seeds(worse)})}
