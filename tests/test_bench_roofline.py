@@ -7,6 +7,7 @@ import torch
 from linattn.bench import roofline as R
 from linattn.bench.flops import chunked_linear_flops
 from linattn.cli import main
+from linattn.ops import native
 
 from .test_bench import _load_report
 
@@ -40,6 +41,15 @@ def test_window_count_is_the_span_that_runs():
     assert R.softmax_flops(100, 8, 4) == 100 * 100 * 12
 
 
+def test_matmul_peak_kernels_are_checked():
+    from linattn.bench.flops import matmul_peak
+
+    with pytest.raises(ValueError, match="kernel: unknown"):
+        matmul_peak(kernel="mkl")
+    with pytest.raises(ValueError, match="kernel: linattn's product runs on the CPU in float32"):
+        matmul_peak(torch.bfloat16, kernel="linattn")
+
+
 def test_unknown_family_is_refused():
     with pytest.raises(ValueError, match="families: unknown"):
         R.families(R.RooflineConfig(families=["mamba"]))
@@ -63,6 +73,13 @@ def test_roofline_tiny_run(tmp_path, capsys):
     names = ("linear", "gated, scalar g", "Gated DeltaNet", "KDA")
     assert {s["family"] for s in data["steps"]} == {*names, *(f"{n}, in place" for n in names)}
     assert data["peaks"]["fp32"]["tile"] in (64, 128, 256, 512)
+    # the peak is the best kernel's: fp32 measured with torch.bmm and (fused kernels built) linattn's product
+    fp32 = data["peaks"]["fp32"]
+    assert fp32["gflops"] == pytest.approx(max(fp32["by_kernel"].values()))
+    assert fp32["by_kernel"][fp32["kernel"]] == pytest.approx(fp32["gflops"])
+    if native.load():
+        assert set(fp32["by_kernel"]) == {"torch.bmm", "linattn"}
+    assert set(data["peaks"]["bf16"]["by_kernel"]) == {"torch.bmm"}
     assert {s["shape"] for s in data["steps"]} == {"8×64×64", "16×128×128", "32×128×128"}
     assert all(s["x_copy"] > 0 and s["state_bytes"] > 0 for s in data["steps"])
 

@@ -3,7 +3,7 @@ counts and matmul peak, the compared methods, and the `bench ops` / `bench decod
 
     timing.measure            median and IQR of a callable
     memory.AllocationTracker  live/peak bytes of ATen-op allocations (CPU); memory.peak_memory
-    flops                     chunked linear FLOPs, measured bmm peak
+    flops                     chunked linear FLOPs, measured matmul peak
     methods                   the implementations compared, measure_method (time + memory of one)
     peers                     optional third-party implementations
     ops, decode               the sweeps behind the CLI, with their tables and plots

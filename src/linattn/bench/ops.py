@@ -2,7 +2,7 @@
 
 A sweep over N of every method in `methods.core_methods` (plus importable peers), forward and
 forward+backward, timed with torch.utils.benchmark (median, IQR); peak fwd+bwd memory beyond the
-output and input gradients; GFLOP/s and % of the measured bmm peak for the chunked op; the way bf16
+output and input gradients; GFLOP/s and % of the measured matmul peak for the chunked op; the way bf16
 inputs are multiplied on this machine and why (`bf16_path`). Produces a result dict (written as JSON),
 rich tables and a log-log plot.
 """
@@ -16,7 +16,7 @@ from rich.console import Console
 
 from ..report import fmt_bytes, fmt_time, make_table, plot_loglog, progress
 from .consistency import growing_series, unstable
-from .flops import matmul_peak
+from .flops import best_matmul_peak
 from .methods import MODE_LABELS, MODES, SweepConfig, core_methods, measure_method
 from .peers import peer_methods
 
@@ -59,9 +59,9 @@ def run_ops(cfg: OpsConfig, console: Console | None = None) -> dict:
     peak_time = max(0.05, min(cfg.min_run_time, 0.5))
     peak_dtypes = {m.dtype or cfg.dtype for m in methods if m.counts_flops}
     peaks = {}
-    with console.status("measuring the bmm peak (64×64 tiles)"):
+    with console.status("measuring the matmul peak (torch.bmm and linattn's product, 64×64 tiles)"):
         for dt in sorted(peak_dtypes, key=str):
-            p = matmul_peak(dt, device, min_run_time=peak_time)
+            p = best_matmul_peak(dt, device, {64: (128, 1024)}, peak_time)
             peaks[p["dtype"]] = p
     results = []
     with progress(console) as bar:
@@ -163,10 +163,10 @@ def render_ops(res: dict, console: Console) -> None:
                     t = r.get(mode) if r else None
                     row += [_num(t and t.get("gflops")), _num(t and t.get("pct_peak"))]
             rows.append(row)
-        peaks = ", ".join(f"{k}: {v['gflops']:.1f} GFLOP/s (bmm of {v['batch']}×64×64)"
+        peaks = ", ".join(f"{k}: {v['gflops']:.1f} GFLOP/s ({v.get('kernel', 'torch.bmm')} of {v['batch']}×64×64)"
                           for k, v in res["peaks"].items())
-        console.print(make_table("chunked linear throughput (GFLOP/s, % of the measured bmm peak of its dtype)",
-                                 cols, rows, caption=f"bmm peaks: {peaks}"))
+        console.print(make_table("chunked linear throughput (GFLOP/s, % of the measured matmul peak of its dtype)",
+                                 cols, rows, caption=f"matmul peaks: {peaks}"))
 
     if any(r.get("memory") for r in results):
         cols = ["N"] + [m["label"] for m in methods]

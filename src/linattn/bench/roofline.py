@@ -2,8 +2,9 @@
 
 Each chunked family runs at one shape (B × H × N × K × V, default 1 × 16 × 2048 × 128 × 128), forward
 and forward+backward, in fp32 and bf16; its GFLOP/s come from the FLOP count of the algorithm it runs
-(`FLOPS`, below and design §20) and are set against the bmm peak of the dtype measured in the same run
-(the best of batched 64×64 and 128×128 tile products, the tiles the chunked forms multiply). The
+(`FLOPS`, below and design §20) and are set against the matmul peak of the dtype measured in the same
+run: the best of torch.bmm and linattn's own product (`linattn_cpu::gemm`, the tiles the fused kernels
+multiply with; fp32 on the CPU) on batched square tiles of 64 … 512 (`PEAK_TILES`). The
 one-token steps of linear attention, scalar-gated attention, Gated DeltaNet and KDA run at H × K × V =
 8×64×64, 16×128×128, 32×128×128 (batch 1, fp32 state) and are set against one copy of tensors of the
 state's size (`dst.copy_(src)`), the least a step must do: read and write its state once.
@@ -41,7 +42,7 @@ from ..ops import delta_rule, delta_rule_step, gated_linear_attention, linear_at
 from ..ops import sliding_window_attention, softmax_attention
 from ..report import make_table, progress
 from .consistency import unstable
-from .flops import matmul_peak
+from .flops import best_matmul_peak
 from .methods import Shape
 from .timing import measure
 
@@ -131,7 +132,7 @@ def families(cfg: RooflineConfig) -> dict:
     return table
 
 
-#: the bmm shapes the peak is the best of: tile -> batch sizes (small tiles are what chunked kernels
+#: the square tiles the peak is the best of: tile -> batch sizes (small tiles are what chunked kernels
 #: multiply, large ones what a BLAS runs fastest; 64 and 128 alone measured one core's fp32 peak ~25%
 #: low here: the delta rule's forward then showed 132% of it)
 PEAK_TILES = {64: (128, 1024), 128: (32, 256), 256: (8, 32), 512: (2, 8)}
@@ -206,16 +207,14 @@ def _step_rows(h: int, k: int, v: int, cfg: RooflineConfig, device) -> list[dict
 
 
 def run_roofline(cfg: RooflineConfig, console: Console | None = None) -> dict:
-    """{"config", "peaks" {dtype: bmm peak}, "results" [family rows], "steps" [step rows]}."""
+    """{"config", "peaks" {dtype: matmul peak (best_matmul_peak)}, "results" [family rows], "steps" [step rows]}."""
     console = console or Console()
     device = torch.device(cfg.device)
     table = families(cfg)
     peaks = {}
-    with console.status("measuring the bmm peaks (tiles of 64 … 512)"):
+    with console.status("measuring the matmul peaks (torch.bmm and linattn's product, tiles of 64 … 512)"):
         for name in cfg.dtypes:
-            best = max((matmul_peak(DTYPES[name], device, tile=t, batches=b, min_run_time=min(cfg.min_run_time, 0.5))
-                        for t, b in PEAK_TILES.items()), key=lambda p: p["gflops"])
-            peaks[name] = best
+            peaks[name] = best_matmul_peak(DTYPES[name], device, PEAK_TILES, min(cfg.min_run_time, 0.5))
     results, steps = [], []
     with progress(console) as bar:
         task = bar.add_task("roofline", total=len(cfg.dtypes) * len(table) + len(cfg.step_shapes))
@@ -243,7 +242,7 @@ def check_roofline(res: dict) -> list[str]:
         for mode in ("fwd", "fwd_bwd"):
             out += unstable(f"{r['family']} {r['dtype']} {mode}", "", r[mode]["median_s"], r[mode]["iqr_s"])
             if r[mode]["pct_peak"] > 100:
-                out.append(f"{r['family']} {r['dtype']} {mode}: {r[mode]['pct_peak']:.0f}% of the measured bmm peak "
+                out.append(f"{r['family']} {r['dtype']} {mode}: {r[mode]['pct_peak']:.0f}% of the measured matmul peak "
                            "(above 100%: the peak was measured low, or the FLOP count overstates the work)")
     for s in res["steps"]:
         out += unstable(f"{s['family']} step {s['shape']}", "", s["step"]["median_s"], s["step"]["iqr_s"])
@@ -258,7 +257,9 @@ def render_roofline(res: dict, console: Console) -> None:
                      f"{r['fwd']['pct_peak']:.0f}%", f"{r['fwd_bwd']['median_s'] * 1e3:.1f}",
                      f"{r['fwd_bwd']['gflops']:.0f}", f"{r['fwd_bwd']['pct_peak']:.0f}%"])
     c = res["config"]
-    cap = "; ".join(f"{k} bmm peak {v['gflops']:.0f} GFLOP/s ({v['batch']}×{v['tile']}²)" for k, v in peaks.items())
+    cap = "; ".join(f"{k} matmul peak {v['gflops']:.0f} GFLOP/s ({v.get('kernel', 'torch.bmm')}, {v['batch']}×{v['tile']}²"
+                    + "".join(f"; {kk} {g:.0f}" for kk, g in v.get("by_kernel", {}).items() if kk != v.get("kernel"))
+                    + ")" for k, v in peaks.items())
     console.print(make_table(
         f"roofline: B×H×N×K×V = {c['batch']}×{c['heads']}×{c['n']}×{c['key_dim']}×{c['value_dim']}, chunk {c['chunk']}",
         ["family", "dtype", "fwd ms", "GFLOP/s", "% peak", "fwd+bwd ms", "GFLOP/s", "% peak"], rows,
@@ -272,7 +273,7 @@ def render_roofline(res: dict, console: Console) -> None:
 
 
 def plot_roofline(res: dict, path) -> None:
-    """Bars: % of the bmm peak per family, forward and fwd+bwd, one panel per dtype."""
+    """Bars: % of the matmul peak per family, forward and fwd+bwd, one panel per dtype."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -286,7 +287,7 @@ def plot_roofline(res: dict, path) -> None:
         ax.bar([i - 0.2 for i in xs], [r["fwd"]["pct_peak"] for r in rows], width=0.4, label="forward")
         ax.bar([i + 0.2 for i in xs], [r["fwd_bwd"]["pct_peak"] for r in rows], width=0.4, label="fwd+bwd")
         ax.set_xticks(list(xs), [r["family"] for r in rows], rotation=35, ha="right", fontsize=8)
-        ax.set_ylabel(f"% of the measured {dt} bmm peak ({res['peaks'][dt]['gflops']:.0f} GFLOP/s)")
+        ax.set_ylabel(f"% of the measured {dt} matmul peak ({res['peaks'][dt]['gflops']:.0f} GFLOP/s)")
         ax.set_title(dt)
         ax.legend()
     c = res["config"]

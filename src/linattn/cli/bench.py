@@ -45,7 +45,7 @@ def add_parser(subparsers) -> None:
     ops.add_argument("--roofline", action="store_true",
                      help="instead of the sweep: every family (linear, gated scalar / per channel, delta rule, Gated "
                           "DeltaNet, KDA, sliding window, softmax) at one shape, fwd and fwd+bwd in fp32 and bf16, "
-                          "GFLOP/s by the FLOP count of the algorithm run and %% of the bmm peak measured in the same "
+                          "GFLOP/s by the FLOP count of the algorithm run and %% of the matmul peak (torch.bmm or linattn's product) measured in the same "
                           "run; the one-token step against one copy of its state (linattn.bench.roofline)")
     ops.add_argument("--roofline-shape", type=_roofline_shape, default=(1, 16, 2048, 128, 128), metavar="B,H,N,K,V",
                      help="--roofline's shape (default: 1,16,2048,128,128)")
@@ -246,7 +246,7 @@ def run_ops_command(args) -> int:
     """Sweeps the sequence length N for causal chunked linear attention (fp32 and bf16), non-causal linear, the
     recurrent loop, the quadratic reference and softmax SDPA (normalized elu+1), gated linear attention (scalar and
     vector gates) and the delta rule (DeltaNet, Gated DeltaNet). Times forward and forward+backward (median ±IQR),
-    measures fwd+bwd peak memory and the chunked op's GFLOP/s against the measured bmm peak, marks the crossover
+    measures fwd+bwd peak memory and the chunked op's GFLOP/s against the measured matmul peak, marks the crossover
     with softmax. --dtype sets every method's dtype except the extra bf16 chunked column."""
     from ..bench.ops import OpsConfig, check_ops, plot_ops, render_ops, run_ops
 

@@ -10,6 +10,8 @@
 
 #include <type_traits>
 
+#include "gemm.h"
+
 namespace {
 
 // A symbol of the loaded torch (its BLAS), or nullptr: global lookup first, then libtorch_cpu itself.
@@ -91,11 +93,20 @@ class SequentialBlas {
   int previous_ = 0;
 };
 
-// row-major C (M×N) = alpha·op(A) op(B) + beta·C, op(X) = Xᵀ when tX: the column-major gemm on the
+// row-major C (M×N) = alpha·op(A) op(B) + beta·C, op(X) = Xᵀ when tX: float and double by the register
+// tiles of gemm.h where the CPU has AVX-512, else (and bf16 always) the column-major BLAS gemm on the
 // transposes
 template <typename In, typename Out = linattn_acc<In>>
 inline void gemm_rm(bool ta, bool tb, int M, int N, int K, const In* A, int lda, const In* B, int ldb, Out beta, Out* C,
                     int ldc, Out alpha = Out(1)) {
+#if LINATTN_TILE_GEMM
+  if constexpr (std::is_same<In, Out>::value) {
+    if (tile_gemm_enabled()) {
+      tile_gemm_rm<In>(ta, tb, M, N, K, A, lda, B, ldb, beta, C, ldc, alpha);
+      return;
+    }
+  }
+#endif
   const char tA = tb ? 'T' : 'N', tB = ta ? 'T' : 'N';
   blas_gemm<In>()(&tA, &tB, &N, &M, &K, &alpha, B, &ldb, A, &lda, &beta, C, &ldc);
 }

@@ -267,12 +267,54 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> chunked_b
   return {dq, dk, dv, R.view({n, h, F, E}), r.view({n, h, F})};
 }
 
+// linattn_cpu::gemm: c[i] = alpha·op(a[i]) op(b[i]) + beta·c[i] for each i of the batch, by the kernels'
+// own row-major product (gemm_rm: the register tiles where they run, else the BLAS), in place on c; with
+// beta = 0, c is not read. a: (batch, M, K), or (batch, K, M) with ta; b: (batch, K, N), or (batch, N, K)
+// with tb; c: (batch, M, N); float32 or float64, contiguous. For tests and the roofline's matmul peak.
+void gemm_op(const at::Tensor& a, const at::Tensor& b, at::Tensor c, bool ta, bool tb, double alpha, double beta) {
+  const char* op = "linattn_cpu::gemm";
+  TORCH_CHECK(a.dim() == 3 && b.dim() == 3 && c.dim() == 3, op, ": a, b and c must be 3-D (batch, rows, columns)");
+  TORCH_CHECK(a.scalar_type() == b.scalar_type() && a.scalar_type() == c.scalar_type() &&
+                  (a.scalar_type() == at::kFloat || a.scalar_type() == at::kDouble),
+              op, ": a, b and c must all be float32 or all float64");
+  TORCH_CHECK(a.is_contiguous() && b.is_contiguous() && c.is_contiguous(), op, ": a, b and c must be contiguous");
+  const int64_t batch = a.size(0), M = ta ? a.size(2) : a.size(1), K = ta ? a.size(1) : a.size(2);
+  const int64_t N = tb ? b.size(1) : b.size(2);
+  TORCH_CHECK(b.size(0) == batch && (tb ? b.size(2) : b.size(1)) == K, op, ": b's shape ", b.sizes(),
+              " does not match a's ", a.sizes());
+  TORCH_CHECK(c.size(0) == batch && c.size(1) == M && c.size(2) == N, op, ": c must have shape (", batch, ", ", M,
+              ", ", N, "), got ", c.sizes());
+  TORCH_CHECK(has_blas(), op, ": no BLAS gemm found in torch");
+  AT_DISPATCH_FLOATING_TYPES(a.scalar_type(), "linattn_cpu_gemm", [&] {
+    const scalar_t* A = a.data_ptr<scalar_t>();
+    const scalar_t* B = b.data_ptr<scalar_t>();
+    scalar_t* C = c.data_ptr<scalar_t>();
+    at::parallel_for(0, batch, 1, [&](int64_t i0, int64_t i1) {
+      const SequentialBlas one_thread;
+      for (int64_t i = i0; i < i1; ++i)
+        gemm_rm<scalar_t>(ta, tb, static_cast<int>(M), static_cast<int>(N), static_cast<int>(K), A + i * M * K,
+                          static_cast<int>(ta ? M : K), B + i * K * N, static_cast<int>(tb ? K : N), scalar_t(beta),
+                          C + i * M * N, static_cast<int>(N), scalar_t(alpha));
+    });
+  });
+}
+
+bool uses_tile_gemm() {
+#if LINATTN_TILE_GEMM
+  return tile_gemm_enabled();
+#else
+  return false;
+#endif
+}
+
 }  // namespace
 
 TORCH_LIBRARY(linattn_cpu, m) {
   m.def("has_blas() -> bool", has_blas);
   m.def("has_blas_bf16() -> bool", has_blas_bf16);
   m.def("release_pool() -> int", release_pool);
+  m.def("uses_tile_gemm() -> bool", uses_tile_gemm);
+  m.def("gemm(Tensor a, Tensor b, Tensor(c!) c, bool ta, bool tb, float alpha, float beta) -> ()");
   m.def(
       "chunked(Tensor q, Tensor k, Tensor v, Tensor kv0, Tensor z0, int phi, bool normalize, float eps, int chunk, "
       "bool save, bool wide=False, Tensor? cu_seqlens=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
@@ -284,6 +326,7 @@ TORCH_LIBRARY(linattn_cpu, m) {
 }
 
 TORCH_LIBRARY_IMPL(linattn_cpu, CPU, m) {
+  m.impl("gemm", gemm_op);
   m.impl("chunked", chunked);
   m.impl("chunked_backward", chunked_backward);
 }
