@@ -57,6 +57,24 @@ def test_gemm_chunk_shapes_in_float64(m, n, k, ta, tb):
     torch.testing.assert_close(out, _reference(a, b, c, ta, tb, 1.0, 1.0), rtol=1e-13, atol=1e-12)
 
 
+@pytest.mark.parametrize("m, n, k", [(300, 100, 600), (130, 200, 257), (129, 33, 256)])
+@pytest.mark.parametrize("tb", [False, True])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_gemm_blocks_of_k_and_rows_and_column_splits(m, n, k, tb, threads):
+    """Products larger than one block (k > 256 in blocks added to C, rows in blocks of 128) and, with
+    one product and two threads, its columns split between the threads."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for ta in (False, True):
+            a, b, c = _operands(1, m, n, k, ta, tb, torch.float64, 3)
+            out = c.clone()
+            torch.ops.linattn_cpu.gemm(a, b, out, ta, tb, 0.5, 0.25)
+            torch.testing.assert_close(out, _reference(a, b, c, ta, tb, 0.5, 0.25), rtol=1e-13, atol=1e-11)
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_gemm_beta_zero_does_not_read_c(dtype):
     a, b, _ = _operands(2, 9, 37, 11, False, True, dtype, 1)

@@ -285,16 +285,23 @@ void gemm_op(const at::Tensor& a, const at::Tensor& b, at::Tensor c, bool ta, bo
   TORCH_CHECK(c.size(0) == batch && c.size(1) == M && c.size(2) == N, op, ": c must have shape (", batch, ", ", M,
               ", ", N, "), got ", c.sizes());
   TORCH_CHECK(has_blas(), op, ": no BLAS gemm found in torch");
+  // with fewer products than threads, each product's columns are split in blocks of a multiple of 32
+  const int64_t threads = at::get_num_threads();
+  const int64_t width = batch >= threads ? std::max<int64_t>(N, 1)
+                                         : std::max<int64_t>(64, (N + 2 * threads - 1) / (2 * threads) + 31) / 32 * 32;
+  const int64_t blocks = (N + width - 1) / width;
   AT_DISPATCH_FLOATING_TYPES(a.scalar_type(), "linattn_cpu_gemm", [&] {
     const scalar_t* A = a.data_ptr<scalar_t>();
     const scalar_t* B = b.data_ptr<scalar_t>();
     scalar_t* C = c.data_ptr<scalar_t>();
-    at::parallel_for(0, batch, 1, [&](int64_t i0, int64_t i1) {
+    at::parallel_for(0, batch * blocks, 1, [&](int64_t t0, int64_t t1) {
       const SequentialBlas one_thread;
-      for (int64_t i = i0; i < i1; ++i)
-        gemm_rm<scalar_t>(ta, tb, static_cast<int>(M), static_cast<int>(N), static_cast<int>(K), A + i * M * K,
-                          static_cast<int>(ta ? M : K), B + i * K * N, static_cast<int>(tb ? K : N), scalar_t(beta),
-                          C + i * M * N, static_cast<int>(N), scalar_t(alpha));
+      for (int64_t t = t0; t < t1; ++t) {
+        const int64_t i = t / blocks, n0 = t % blocks * width, nb = std::min(width, N - n0);
+        gemm_rm<scalar_t>(ta, tb, static_cast<int>(M), static_cast<int>(nb), static_cast<int>(K), A + i * M * K,
+                          static_cast<int>(ta ? M : K), B + i * K * N + (tb ? n0 * K : n0), static_cast<int>(tb ? K : N),
+                          scalar_t(beta), C + i * M * N + n0, static_cast<int>(N), scalar_t(alpha));
+      }
     });
   });
 }
