@@ -40,6 +40,7 @@ from .convolution import ShortConvolution
 from .families import Family
 from .norms import RMSNorm
 from .positional import RotaryEmbedding
+from .linear import Linear
 
 
 def shard_halo(x: torch.Tensor, kernel_size: int, group) -> torch.Tensor | None:
@@ -116,7 +117,7 @@ class OutputGate(nn.Module):
         super().__init__()
         self.n_heads, self.head_dim = n_heads, head_dim
         self.norm = RMSNorm(head_dim, eps)
-        self.proj = column_major(nn.Linear(d_model, n_heads * head_dim, bias=bias))
+        self.proj = column_major(Linear(d_model, n_heads * head_dim, bias=bias))
 
     def forward(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         gate = F.silu(self.proj(x)).unflatten(-1, (self.n_heads, self.head_dim))
@@ -134,7 +135,7 @@ class SigmoidGate(nn.Module):
     def __init__(self, d_model: int, n_heads: int, head_dim: int, bias: bool = False):
         super().__init__()
         self.n_heads, self.head_dim = n_heads, head_dim
-        self.proj = column_major(nn.Linear(d_model, n_heads * head_dim, bias=bias))
+        self.proj = column_major(Linear(d_model, n_heads * head_dim, bias=bias))
 
     def forward(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         return o * torch.sigmoid(self.proj(x)).unflatten(-1, (self.n_heads, self.head_dim))
@@ -164,13 +165,13 @@ class Attention(nn.Module):
         check_int("short_conv", short_conv, minimum=0)
         check_output_gate(output_gate)
         width = n_heads * (2 * self.qk_dim + self.head_dim)
-        self.qkv = column_major(nn.Linear(d_model, width, bias=bias))
+        self.qkv = column_major(Linear(d_model, width, bias=bias))
         self.conv = ShortConvolution(width, short_conv) if short_conv else None
         if output_gate == "sigmoid":
             self.output_gate = SigmoidGate(d_model, n_heads, self.head_dim, bias)
         else:
             self.output_gate = OutputGate(d_model, n_heads, self.head_dim, norm_eps, bias) if output_gate else None
-        self.out = column_major(nn.Linear(n_heads * self.head_dim, d_model, bias=bias))
+        self.out = column_major(Linear(n_heads * self.head_dim, d_model, bias=bias))
         self.dropout = nn.Dropout(self.dropout_p)
         #: set by LinearTransformerLM.set_sequence_parallel_group; used when no cache is given.
         self.sequence_parallel_group = None
@@ -196,7 +197,7 @@ class Attention(nn.Module):
         if (self.qkv.bias is not None) == bool(bias):
             return
         old = self.qkv
-        new = column_major(nn.Linear(old.in_features, old.out_features, bias=bool(bias)))
+        new = column_major(Linear(old.in_features, old.out_features, bias=bool(bias)))
         new.to(device=old.weight.device, dtype=old.weight.dtype)
         with torch.no_grad():
             new.weight.copy_(old.weight)

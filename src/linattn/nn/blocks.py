@@ -22,6 +22,7 @@ from .caches import PositionCounter, nbytes
 from .convolution import ShortConvolution
 from .moe import MOE_DEFAULTS, MoEFeedForward
 from .norms import make_norm, native_norm_code
+from .linear import Linear
 
 ACTIVATIONS = ("gelu", "swiglu", "gelu_tanh")
 #: the activations the fused decoding step knows (csrc/model_ops.h)
@@ -47,8 +48,8 @@ class FeedForward(nn.Module):
             raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
         check_positive_int("d_ff", d_ff)
         self.activation = activation
-        self.up = column_major(nn.Linear(d_model, d_ff * (2 if activation == "swiglu" else 1), bias=bias))
-        self.down = column_major(nn.Linear(d_ff, d_model, bias=bias))
+        self.up = column_major(Linear(d_model, d_ff * (2 if activation == "swiglu" else 1), bias=bias))
+        self.down = column_major(Linear(d_ff, d_model, bias=bias))
         self.dropout = nn.Dropout(check_dropout(dropout))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -151,7 +152,7 @@ class GatedConvolution(nn.Module):
     def __init__(self, d_model: int, kernel_size: int = 3):
         super().__init__()
         self.conv = ShortConvolution(d_model, kernel_size, bias=True)
-        self.proj = column_major(nn.Linear(d_model, d_model, bias=True))
+        self.proj = column_major(Linear(d_model, d_model, bias=True))
 
     def forward(self, u: torch.Tensor, mask: torch.Tensor | None = None, tail: torch.Tensor | None = None,
                 return_tail: bool = False, *, cu_seqlens: torch.Tensor | None = None):

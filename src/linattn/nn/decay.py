@@ -23,6 +23,7 @@ from torch import nn
 from .._checks import check_number, check_positive_int
 from ..ops.delta.gate import mamba2_gate
 from ..ops.linear.chunked import state_dtype
+from .linear import Linear
 
 #: Mamba2's initial ranges (mamba_ssm defaults, also Gated DeltaNet's): A ∈ [1, 16], Δ ∈ [0.001, 0.1].
 A_INIT_RANGE = (1.0, 16.0)
@@ -128,7 +129,7 @@ class ScalarDecay(nn.Module):
         super().__init__()
         self.n_heads = n_heads
         self.dt_init_range = check_dt_init_range(dt_init_range)
-        self.proj = nn.Linear(d_model, n_heads, bias=False)
+        self.proj = Linear(d_model, n_heads, bias=False)
         self.A_log = nn.Parameter(torch.empty(n_heads))
         self.dt_bias = nn.Parameter(torch.empty(n_heads))
         self.init_parameters()
@@ -165,8 +166,8 @@ class FeatureDecay(nn.Module):
         check_positive_int("rank", rank)
         check_number("temperature", temperature, minimum=0, low_open=True)
         self.n_heads, self.key_dim, self.temperature = n_heads, key_dim, float(temperature)
-        self.down = nn.Linear(d_model, rank, bias=False)
-        self.up = nn.Linear(rank, n_heads * key_dim, bias=True)
+        self.down = Linear(d_model, rank, bias=False)
+        self.up = Linear(rank, n_heads * key_dim, bias=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         a = self.up(self.down(x)).to(state_dtype(x.dtype))

@@ -31,6 +31,7 @@ from .decay import check_dt_init_range, mamba2_gate_init
 from .families import DELTA, DeltaMix
 from .norms import RMSNorm
 from .recurrent import RecurrentAttention
+from .linear import Linear
 
 #: KDA's initial range of Δ = softplus(dt_bias), one draw per head and key channel: slower than
 #: Mamba2's [0.001, 0.1] (Kimi Linear's and FLA's init), which `linattn eval --preset recall-init` measured
@@ -50,8 +51,8 @@ class KDAForgetGate(nn.Module):
         self.n_heads, self.key_dim = n_heads, key_dim
         self.dt_init_range = check_dt_init_range(dt_init_range)
         rank = key_dim if rank is None else rank
-        self.f_a = column_major(nn.Linear(d_model, rank, bias=False))
-        self.f_b = column_major(nn.Linear(rank, n_heads * key_dim, bias=False))
+        self.f_a = column_major(Linear(d_model, rank, bias=False))
+        self.f_b = column_major(Linear(rank, n_heads * key_dim, bias=False))
         self.A_log = nn.Parameter(torch.empty(n_heads))
         self.dt_bias = nn.Parameter(torch.empty(n_heads * key_dim))
         self.init_parameters()
@@ -92,8 +93,8 @@ class KDAOutputGate(nn.Module):
         self.n_heads, self.head_dim = n_heads, head_dim
         rank = head_dim if rank is None else rank
         self.norm = RMSNorm(head_dim, eps)
-        self.g_a = column_major(nn.Linear(d_model, rank, bias=False))
-        self.g_b = column_major(nn.Linear(rank, n_heads * head_dim, bias=bias))
+        self.g_a = column_major(Linear(d_model, rank, bias=False))
+        self.g_b = column_major(Linear(rank, n_heads * head_dim, bias=bias))
 
     def forward(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         gate = torch.sigmoid(self.g_b(self.g_a(x))).unflatten(-1, (self.n_heads, self.head_dim))
@@ -111,7 +112,7 @@ class KimiDeltaAttention(RecurrentAttention):
     def __init__(self, d_model: int, n_heads: int, *, output_gate: bool = True, norm_eps: float = 1e-5,
                  bias: bool = False, dt_init_range=KDA_DT_INIT_RANGE, **kw):
         super().__init__(d_model, n_heads, output_gate=False, norm_eps=norm_eps, bias=bias, **kw)
-        self.beta_proj = column_major(nn.Linear(d_model, n_heads, bias=False))
+        self.beta_proj = column_major(Linear(d_model, n_heads, bias=False))
         self.forget_gate = KDAForgetGate(d_model, n_heads, self.qk_dim, dt_init_range=dt_init_range)
         self.kda_gate = KDAOutputGate(d_model, n_heads, self.head_dim, norm_eps, bias=bias) if output_gate else None
 

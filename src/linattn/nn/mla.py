@@ -24,6 +24,7 @@ from torch import nn
 from .._checks import check_int, check_number, check_positive_int
 from .base import column_major
 from .norms import RMSNorm
+from .linear import Linear
 
 
 class LatentQKV(nn.Module):
@@ -45,16 +46,16 @@ class LatentQKV(nn.Module):
         self.kv_lora_rank, self.shared_k_dim = kv_lora_rank, shared_k_dim
         self.out_features = n_heads * (2 * qk_dim + v_dim)
         if q_lora_rank is None:
-            self.q = column_major(nn.Linear(d_model, n_heads * qk_dim, bias=bias))
+            self.q = column_major(Linear(d_model, n_heads * qk_dim, bias=bias))
             self.q_a = self.q_a_norm = self.q_b = None
         else:
             self.q = None
-            self.q_a = column_major(nn.Linear(d_model, q_lora_rank, bias=bias))
+            self.q_a = column_major(Linear(d_model, q_lora_rank, bias=bias))
             self.q_a_norm = RMSNorm(q_lora_rank, eps)
-            self.q_b = column_major(nn.Linear(q_lora_rank, n_heads * qk_dim, bias=False))
-        self.kv_a = column_major(nn.Linear(d_model, kv_lora_rank + shared_k_dim, bias=bias))
+            self.q_b = column_major(Linear(q_lora_rank, n_heads * qk_dim, bias=False))
+        self.kv_a = column_major(Linear(d_model, kv_lora_rank + shared_k_dim, bias=bias))
         self.kv_a_norm = RMSNorm(kv_lora_rank, eps)
-        self.kv_b = column_major(nn.Linear(kv_lora_rank, n_heads * (qk_dim - shared_k_dim + v_dim), bias=False))
+        self.kv_b = column_major(Linear(kv_lora_rank, n_heads * (qk_dim - shared_k_dim + v_dim), bias=False))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, n, _ = x.shape

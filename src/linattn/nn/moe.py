@@ -33,6 +33,7 @@ from torch import nn
 
 from .._checks import check_bool, check_int, check_number, check_positive_int
 from .base import column_major
+from .linear import Linear, linear
 
 #: the keys of ModelConfig.moe
 MOE_KEYS = ("num_experts", "top_k", "d_expert", "shared_d_ff", "norm_topk_prob", "layers")
@@ -106,14 +107,14 @@ class MoEFeedForward(nn.Module):
         self.num_experts, self.top_k, self.norm_topk_prob = num_experts, top_k, bool(norm_topk_prob)
         self.router_kind, self.n_group, self.topk_group = router, n_group, topk_group
         self.routed_scaling_factor = float(routed_scaling_factor)
-        self.router = nn.Linear(d_model, num_experts, bias=False)
+        self.router = Linear(d_model, num_experts, bias=False)
         #: the sigmoid router's score-correction bias b (E) (transformers' e_score_correction_bias)
         self.score_bias = nn.Buffer(torch.zeros(num_experts)) if router == "sigmoid" else None
         self.gate_up = nn.Parameter(torch.empty(num_experts, 2 * d_expert, d_model))
         self.down = nn.Parameter(torch.empty(num_experts, d_model, d_expert))
         self.shared = shared
         gated = shared is not None and shared_gate
-        self.shared_gate = column_major(nn.Linear(d_model, 1, bias=False)) if gated else None
+        self.shared_gate = column_major(Linear(d_model, 1, bias=False)) if gated else None
         self.init_parameters()
 
     @torch.no_grad()
@@ -155,8 +156,8 @@ class MoEFeedForward(nn.Module):
         y = torch.zeros_like(x)
         for e in indices.unique().tolist():
             token, slot = torch.where(indices == e)
-            gate, up = F.linear(x[token], self.gate_up[e]).chunk(2, dim=-1)
-            h = F.linear(F.silu(gate) * up, self.down[e]) * weights[token, slot, None]
+            gate, up = linear(x[token], self.gate_up[e]).chunk(2, dim=-1)
+            h = linear(F.silu(gate) * up, self.down[e]) * weights[token, slot, None]
             y = y.index_add(0, token, h)
         if self.shared_gate is not None:
             y = y + torch.sigmoid(self.shared_gate(x)) * self.shared(x)

@@ -43,6 +43,7 @@ from .caches import RecurrentCache
 from .decay import DT_INIT_RANGE, FeatureDecay, FixedDecay, ScalarDecay, plan_decay
 from .families import DELTA, GATED, DeltaMix, GatedMix
 from .positional import RotaryEmbedding
+from .linear import Linear
 
 
 class RecurrentAttention(Attention):
@@ -133,7 +134,7 @@ class DeltaNetAttention(RecurrentAttention):
         """allow_neg_eigval: β = 2·sigmoid(W_β x) ∈ (0, 2), so I − β k̂k̂ᵀ may have the eigenvalue
         1 − β < 0 (Grazzi et al. 2024; OLMo-Hybrid's linear_allow_neg_eigval)."""
         super().__init__(d_model, n_heads, **kw)
-        self.beta_proj = nn.Linear(d_model, n_heads, bias=False)
+        self.beta_proj = Linear(d_model, n_heads, bias=False)
         self.allow_neg_eigval = bool(allow_neg_eigval)
 
     def mix(self, x, q, k, v, positions) -> DeltaMix:
