@@ -151,23 +151,6 @@ LINATTN_AVX512 void gemm_tiles(int M, int N, int K, const T* A, int lda, const T
   }
 }
 
-// gemm_tiles over blocks of KC = 256 values of k (a 2L-column panel of B, 32 KB, stays in L1 while the
-// rows pass) and MC = 128 rows (their KC columns of A, 128 KB, stay in L2 while the panels pass); the
-// blocks after the first in k add to C (beta 1). The chunked kernels' products are one block.
-template <typename T, bool TA>
-void gemm_blocks(int M, int N, int K, const T* A, int lda, const T* B, int ldb, T beta, T* C, int ldc, T alpha) {
-  constexpr int KC = 256, MC = 128;
-  for (int k0 = 0;; k0 += KC) {
-    const int kb = std::min(KC, K - k0);
-    for (int i0 = 0; i0 < M; i0 += MC) {
-      const T* a = TA ? A + static_cast<int64_t>(k0) * lda + i0 : A + static_cast<int64_t>(i0) * lda + k0;
-      gemm_tiles<T, TA>(std::min(MC, M - i0), N, kb, a, lda, B + static_cast<int64_t>(k0) * ldb, ldb,
-                        k0 == 0 ? beta : T(1), C + static_cast<int64_t>(i0) * ldc, ldc, alpha);
-    }
-    if (k0 + KC >= K) break;
-  }
-}
-
 // dst (L×L, ldd) = src (L×L, lds)ᵀ in registers: L = 16 floats by interleaving 32-bit elements, then
 // 64-bit pairs, then 128-bit lanes twice; L = 8 doubles by 64-bit elements, then lanes twice.
 LINATTN_AVX512 inline void transpose_block(const float* src, int64_t lds, float* dst, int64_t ldd) {
@@ -231,19 +214,37 @@ LINATTN_AVX512 const T* transposed(int N, int K, const T* B, int ldb) {
   return out;
 }
 
+// gemm_tiles over blocks of KC = 256 values of k (a 2L-column panel of B, 32 KB, stays in L1 while the
+// rows pass) and MC = 128 rows (their KC columns of A, 128 KB, stay in L2 while the panels pass); the
+// blocks after the first in k add to C (beta 1). With tb, B is N×K and each block's KC columns of it are
+// transposed as the block starts (a KC×N buffer, in cache for the block's products). The chunked
+// kernels' products are one block.
+template <typename T, bool TA>
+void gemm_blocks(bool tb, int M, int N, int K, const T* A, int lda, const T* B, int ldb, T beta, T* C, int ldc,
+                 T alpha) {
+  constexpr int KC = 256, MC = 128;
+  for (int k0 = 0;; k0 += KC) {
+    const int kb = std::min(KC, K - k0);
+    const T* b = tb ? transposed(N, kb, B + k0, ldb) : B + static_cast<int64_t>(k0) * ldb;
+    const int ld = tb ? N : ldb;
+    for (int i0 = 0; i0 < M; i0 += MC) {
+      const T* a = TA ? A + static_cast<int64_t>(k0) * lda + i0 : A + static_cast<int64_t>(i0) * lda + k0;
+      gemm_tiles<T, TA>(std::min(MC, M - i0), N, kb, a, lda, b, ld, k0 == 0 ? beta : T(1),
+                        C + static_cast<int64_t>(i0) * ldc, ldc, alpha);
+    }
+    if (k0 + KC >= K) break;
+  }
+}
+
 // Row-major C (M×N) = alpha·op(A) op(B) + beta·C by the tiles (float or double).
 template <typename T>
 void tile_gemm_rm(bool ta, bool tb, int M, int N, int K, const T* A, int lda, const T* B, int ldb, T beta, T* C,
                   int ldc, T alpha) {
   if (M <= 0 || N <= 0) return;
-  if (tb) {
-    B = transposed(N, K, B, ldb);
-    ldb = N;
-  }
   if (ta)
-    gemm_blocks<T, true>(M, N, K, A, lda, B, ldb, beta, C, ldc, alpha);
+    gemm_blocks<T, true>(tb, M, N, K, A, lda, B, ldb, beta, C, ldc, alpha);
   else
-    gemm_blocks<T, false>(M, N, K, A, lda, B, ldb, beta, C, ldc, alpha);
+    gemm_blocks<T, false>(tb, M, N, K, A, lda, B, ldb, beta, C, ldc, alpha);
 }
 
 #endif  // LINATTN_TILE_GEMM
