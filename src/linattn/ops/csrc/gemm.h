@@ -1,15 +1,18 @@
-// Row-major float / double gemm by register tiles, for the small products of the chunked kernels
-// (chunk × head-dim blocks: 64×128×128 and the like), on CPUs with AVX-512: C (M×N) = alpha·op(A) op(B)
-// + beta·C, op(X) = Xᵀ when asked, beta = 0 not reading C (BLAS's rule).
+// Row-major float / double gemm by register tiles, on CPUs with AVX-512: C (M×N) = alpha·op(A) op(B)
+// + beta·C, op(X) = Xᵀ when asked, beta = 0 not reading C (BLAS's rule). The fused kernels' products
+// (chunk × head-dim blocks: 64×128×128 and the like) and linattn.nn.Linear's run on it.
 //
 // Why not the BLAS: torch's MKL packs both operands into its own layout on every call, and on the AMD
-// processors it does not know it runs its generic kernel: a 64×128×128 sgemm took 20 µs on one core of
-// this AMD EPYC (105 GFLOP/s), the tiles below 7.9 µs (265 GFLOP/s), the same sums in the same order
-// (bit-identical results). Each tile keeps an R×(W·L) block of C in registers (R = 8 rows, W = 2 vectors
-// of L = 16 floats or 8 doubles: 16 of the 32 zmm registers) and walks k once: per k, W loads of B's row,
-// R broadcasts of A's elements, R·W fused multiply-adds. op(B) = B is read in place (its rows are
-// contiguous); op(B) = Bᵀ is first transposed into a per-thread buffer. Columns past the last full
-// vector run with masked loads and stores. LINATTN_GEMM=blas keeps every product on the BLAS.
+// processor of this project's runs it reached ~105–118 GFLOP/s on one core whatever the shape; the tiles
+// below ran a hot 64×128×128 product in 7.9 µs against MKL's 20 (265 GFLOP/s, a first 8-row version in
+// a stand-alone test) and products of a linear layer's size (2048 × 1024 · 1024 × 3072) at ~210 against
+// 104. Each tile keeps an R×(W·L) block of C in registers (R = 12 rows, W = 2 vectors of L = 16 floats
+// or 8 doubles: 24 of the 32 zmm registers; 8 rows ran large products ~10% slower, 14 spilled to the
+// stack) and walks k once: per k, W loads of B's row, R broadcasts of A's elements, R·W fused
+// multiply-adds, k in order (the sums of a plain loop over k). op(B) = B is read in place (its rows are
+// contiguous); op(B) = Bᵀ is transposed block by block into a per-thread buffer (gemm_blocks). Columns
+// past the last full vector run with masked loads and stores. LINATTN_GEMM=blas keeps every product on
+// the BLAS (MKL stays for bf16 and CPUs without AVX-512 anyway).
 #pragma once
 
 #include <algorithm>
@@ -82,7 +85,7 @@ LINATTN_AVX512 inline void gemm_tile(int K, const T* A, int lda, const T* B, int
   constexpr int L = Z::L;
   const typename Z::Mask full = static_cast<typename Z::Mask>(~0u), last = Tail ? tail : full;
   typename Z::V acc[R][W];
-#pragma GCC unroll 8
+#pragma GCC unroll 12
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 2
     for (int w = 0; w < W; ++w) acc[r][w] = Z::zero();
@@ -91,7 +94,7 @@ LINATTN_AVX512 inline void gemm_tile(int K, const T* A, int lda, const T* B, int
     typename Z::V bv[W];
 #pragma GCC unroll 2
     for (int w = 0; w < W; ++w) bv[w] = Z::load(b + w * L, w == W - 1 ? last : full);
-#pragma GCC unroll 8
+#pragma GCC unroll 12
     for (int r = 0; r < R; ++r) {
       const typename Z::V a = Z::set1(TA ? A[static_cast<int64_t>(k) * lda + r] : A[static_cast<int64_t>(r) * lda + k]);
 #pragma GCC unroll 2
@@ -99,7 +102,7 @@ LINATTN_AVX512 inline void gemm_tile(int K, const T* A, int lda, const T* B, int
     }
   }
   const typename Z::V va = Z::set1(alpha), vb = Z::set1(beta);
-#pragma GCC unroll 8
+#pragma GCC unroll 12
   for (int r = 0; r < R; ++r) {
     T* c = C + static_cast<int64_t>(r) * ldc;
 #pragma GCC unroll 2
@@ -112,17 +115,21 @@ LINATTN_AVX512 inline void gemm_tile(int K, const T* A, int lda, const T* B, int
   }
 }
 
-// The rows of one column panel: blocks of 8 rows, then the remaining 1–7 in one block.
+// The rows of one column panel: blocks of 12 rows, then the remaining 1–11 in one block.
 template <typename T, int W, bool TA, bool Tail>
 LINATTN_AVX512 void gemm_panel(int M, int K, const T* A, int lda, const T* B, int ldb, T* C, int ldc, T alpha, T beta,
                                typename Zmm<T>::Mask last) {
-  constexpr int R = 8;
+  constexpr int R = 12;
   int i = 0;
   auto a_at = [&](int row) { return TA ? A + row : A + static_cast<int64_t>(row) * lda; };
   for (; i + R <= M; i += R)
     gemm_tile<T, R, W, TA, Tail>(K, a_at(i), lda, B, ldb, C + static_cast<int64_t>(i) * ldc, ldc, alpha, beta, last);
   T* c = C + static_cast<int64_t>(i) * ldc;
   switch (M - i) {
+    case 11: gemm_tile<T, 11, W, TA, Tail>(K, a_at(i), lda, B, ldb, c, ldc, alpha, beta, last); break;
+    case 10: gemm_tile<T, 10, W, TA, Tail>(K, a_at(i), lda, B, ldb, c, ldc, alpha, beta, last); break;
+    case 9: gemm_tile<T, 9, W, TA, Tail>(K, a_at(i), lda, B, ldb, c, ldc, alpha, beta, last); break;
+    case 8: gemm_tile<T, 8, W, TA, Tail>(K, a_at(i), lda, B, ldb, c, ldc, alpha, beta, last); break;
     case 7: gemm_tile<T, 7, W, TA, Tail>(K, a_at(i), lda, B, ldb, c, ldc, alpha, beta, last); break;
     case 6: gemm_tile<T, 6, W, TA, Tail>(K, a_at(i), lda, B, ldb, c, ldc, alpha, beta, last); break;
     case 5: gemm_tile<T, 5, W, TA, Tail>(K, a_at(i), lda, B, ldb, c, ldc, alpha, beta, last); break;
