@@ -222,14 +222,14 @@ LINATTN_AVX512 const T* transposed(int N, int K, const T* B, int ldb) {
 }
 
 // gemm_tiles over blocks of KC = 256 values of k (a 2L-column panel of B, 32 KB, stays in L1 while the
-// rows pass) and MC = 128 rows (their KC columns of A, 128 KB, stay in L2 while the panels pass); the
+// rows pass) and MC = 120 rows (ten tiles; their KC columns of A, 120 KB, stay in L2 while the panels pass); the
 // blocks after the first in k add to C (beta 1). With tb, B is N×K and each block's KC columns of it are
 // transposed as the block starts (a KC×N buffer, in cache for the block's products). The chunked
 // kernels' products are one block.
 template <typename T, bool TA>
 void gemm_blocks(bool tb, int M, int N, int K, const T* A, int lda, const T* B, int ldb, T beta, T* C, int ldc,
                  T alpha) {
-  constexpr int KC = 256, MC = 128;
+  constexpr int KC = 256, MC = 120;
   for (int k0 = 0;; k0 += KC) {
     const int kb = std::min(KC, K - k0);
     const T* b = tb ? transposed(N, kb, B + k0, ldb) : B + static_cast<int64_t>(k0) * ldb;
