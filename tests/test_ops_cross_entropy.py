@@ -173,3 +173,27 @@ def test_model_return_logits_false_equals_the_logits_path(tie):
     assert torch.equal(loss2, loss) and int(correct) == int(correct_predictions(logits, targets))
     with pytest.raises(ValueError, match="return_logits=False: pass targets"):
         model(ids, return_logits=False)
+
+
+@pytest.mark.parametrize("rows", [16, 17, 64])
+@pytest.mark.parametrize("bias", [False, True])
+def test_tiled_blocks_equal_the_logits_path(rows, bias, monkeypatch):
+    """Blocks of at least TILE_ROWS rows on the tiled gemm (transposed logits): loss, count and the
+    three gradients as the logits path's, a partial last block and ignored rows included."""
+    from linattn.ops import cross_entropy as ce
+    from linattn.ops import native
+
+    calls = []
+    if native.tile_gemm():
+        real = native.gemm
+        monkeypatch.setattr(native, "gemm", lambda *a, **k: calls.append(1) or real(*a, **k))
+    h, w, b, t = _case((70,), 40, 33, bias, 0.2, 5)
+    leaves = [x.requires_grad_() for x in (h, w, b) if x is not None]
+    loss, correct = linear_cross_entropy(h, w, b, t, rows=rows)
+    want_loss, want_correct = _plain(h, w, b, t)
+    torch.testing.assert_close(loss, want_loss, rtol=1e-12, atol=1e-12)
+    assert int(correct) == int(want_correct)
+    for g1, g2 in zip(torch.autograd.grad(loss, leaves), torch.autograd.grad(want_loss, leaves)):
+        torch.testing.assert_close(g1, g2, rtol=1e-10, atol=1e-12)
+    if native.tile_gemm():
+        assert len(calls) == 3 * -(-70 // rows) and rows >= ce.TILE_ROWS

@@ -24,24 +24,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..ops import native
 from ..ops.autodiff import has_tangent
 
 __all__ = ["Linear", "linear", "MIN_ROWS"]
 
 #: fewer rows of x than this (decoding) take F.linear: the tiles' gains are in the large products
 MIN_ROWS = 16
-
-_TILES: dict = {}
-
-
-def _tiles_on() -> bool:
-    """The fused kernels are built and their gemm runs by tiles (read once)."""
-    if "on" not in _TILES:
-        from ..ops import native
-
-        _TILES["on"] = bool(native.available() and torch.ops.linattn_cpu.uses_tile_gemm())
-    return _TILES["on"]
-
 
 def _layout(w: torch.Tensor) -> str | None:
     """"row" (contiguous (N, K)), "column" (transpose of a contiguous (K, N)) or None."""
@@ -62,13 +51,7 @@ def _usable(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> bool:
         return False
     if torch.is_autocast_enabled("cpu") or torch.compiler.is_compiling() or has_tangent(x, w, b):
         return False
-    return _tiles_on()
-
-
-def _gemm(a, b, ta: bool, tb: bool, rows: int, cols: int) -> torch.Tensor:
-    out = a.new_empty(rows, cols)
-    torch.ops.linattn_cpu.gemm(a[None], b[None], out[None], ta, tb, 1.0, 0.0)
-    return out
+    return native.tile_gemm()
 
 
 class _TiledLinear(torch.autograd.Function):
@@ -77,7 +60,7 @@ class _TiledLinear(torch.autograd.Function):
         n, k = w.shape
         x2 = x.reshape(-1, k).contiguous()
         column = _layout(w) == "column"
-        y = _gemm(x2, w.t() if column else w, False, not column, x2.shape[0], n)
+        y = native.gemm(x2, w.t() if column else w, tb=not column)
         if b is not None:
             y += b
         ctx.save_for_backward(x2, w)
@@ -100,9 +83,9 @@ class _TiledLinear(torch.autograd.Function):
             column = _layout(w) == "column"
             if ctx.needs_input_grad[0]:
                 s = w.t() if column else w
-                dx = _gemm(dy2, s, False, column, dy2.shape[0], k).view(ctx.x_shape)
+                dx = native.gemm(dy2, s, tb=column).view(ctx.x_shape)
             if ctx.needs_input_grad[1]:
-                dw = _gemm(x2, dy2, True, False, k, n).t() if column else _gemm(dy2, x2, True, False, n, k)
+                dw = native.gemm(x2, dy2, ta=True).t() if column else native.gemm(dy2, x2, ta=True)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy2.sum(0)
         return dx, dw, db

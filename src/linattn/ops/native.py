@@ -151,6 +151,28 @@ def available() -> bool:
     return enabled() and load()
 
 
+def tile_gemm() -> bool:
+    """The fused kernels are built and their gemm runs by register tiles (csrc/gemm.h: an AVX-512 CPU,
+    LINATTN_GEMM not "blas", read once); LINATTN_NATIVE=0 turns it off like the other kernels."""
+    if not available():
+        return False
+    if "tiles" not in _state:
+        _state["tiles"] = bool(torch.ops.linattn_cpu.uses_tile_gemm())
+    return _state["tiles"]
+
+
+def gemm(a: torch.Tensor, b: torch.Tensor, *, ta: bool = False, tb: bool = False, out: torch.Tensor | None = None,
+         beta: float = 0.0) -> torch.Tensor:
+    """out = op(a) op(b) + beta·out for 2-D contiguous float32 / float64 CPU tensors by the kernels'
+    product (`linattn_cpu::gemm`; op(x) = xᵀ with ta / tb; beta = 0 does not read out, a new tensor
+    when None). The columns are split between torch's threads."""
+    rows, cols = a.shape[1] if ta else a.shape[0], b.shape[0] if tb else b.shape[1]
+    if out is None:
+        out = a.new_empty(rows, cols)
+    torch.ops.linattn_cpu.gemm(a[None], b[None], out[None], ta, tb, 1.0, beta)
+    return out
+
+
 def _ready() -> bool:
     """torch.compile is not tracing, and the kernels are enabled and built."""
     return not torch.compiler.is_compiling() and available()
