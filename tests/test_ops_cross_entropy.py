@@ -122,7 +122,7 @@ def test_no_grad_keeps_no_gradients_and_block_rows():
     with torch.no_grad():
         loss, correct = linear_cross_entropy(h, w, None, t)
     assert not loss.requires_grad and not correct.requires_grad
-    assert block_rows(8192) == 32 and block_rows(10**9) == 1
+    assert block_rows(8192) == 32 and block_rows(4096) == 64 and block_rows(248_320) == 32 and block_rows(10**9) == 32
 
 
 @pytest.mark.parametrize("call, match", [

@@ -44,9 +44,16 @@ BLOCK_BYTES = 1 << 20
 TILE_ROWS = 16
 
 
+#: rows per block at least: each block reads all of W (three times with gradients), so a large
+#: vocabulary's blocks cannot shrink to the cache (Qwen3.5's V = 248,320 gave one row per block: a
+#: training step of 256 tokens read its 1 GB head 768 times)
+MIN_BLOCK_ROWS = 32
+
+
 def block_rows(vocab: int) -> int:
-    """Rows per block for a vocabulary of `vocab` entries (≥ 1)."""
-    return max(1, BLOCK_BYTES // (4 * vocab))
+    """Rows per block for a vocabulary of `vocab` entries: logits of about BLOCK_BYTES, at least
+    MIN_BLOCK_ROWS rows."""
+    return max(MIN_BLOCK_ROWS, BLOCK_BYTES // (4 * vocab))
 
 
 def _logits(h, weight, bias, acc):
@@ -169,4 +176,4 @@ def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
                                      rows or block_rows(weight.shape[0]))
 
 
-__all__ = ["BLOCK_BYTES", "TILE_ROWS", "block_rows", "linear_cross_entropy"]
+__all__ = ["BLOCK_BYTES", "MIN_BLOCK_ROWS", "TILE_ROWS", "block_rows", "linear_cross_entropy"]
