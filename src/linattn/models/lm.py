@@ -31,6 +31,7 @@ from ..nn.base import OutputGate
 from ..ops.cross_entropy import linear_cross_entropy
 from ..nn.blocks import Block, ConvMixerBlock
 from ..nn.caches import PositionCounter, token_positions
+from ..nn.linear import Linear
 from ..nn.norms import make_norm
 from ..ops import packed
 from .checkpoint import CONFIG_NAME, CheckpointError, load_model, read_config, save_pretrained
@@ -279,7 +280,7 @@ class LinearTransformerLM(_Transformer):
 
     def __init__(self, config: ModelConfig):
         super().__init__(config)
-        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.d_model, config.vocab_size, bias=False)
         self._init_weights()
         if config.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
@@ -305,7 +306,7 @@ class LinearTransformerLM(_Transformer):
             h = h[:, -1:]
         elif logits_at is not None:
             h = h.gather(1, logits_at[..., None].expand(-1, -1, h.shape[-1]))
-        if not return_logits and type(self.lm_head) is nn.Linear and not torch.is_autocast_enabled(h.device.type):
+        if not return_logits and type(self.lm_head) in (nn.Linear, Linear) and not torch.is_autocast_enabled(h.device.type):
             loss, correct = linear_cross_entropy(h, self.lm_head.weight, self.lm_head.bias, targets,
                                                  ignore_index=IGNORE_INDEX)
             return correct, loss
@@ -420,7 +421,7 @@ class LinearTransformerEncoder(_Transformer):
             raise ValueError(f"attention: the kind(s) {', '.join(causal_only)} are causal only; a "
                              "LinearTransformerEncoder (bidirectional) takes 'linear' and 'softmax' layers")
         super().__init__(config)
-        self.head = nn.Linear(config.d_model, config.num_classes)
+        self.head = Linear(config.d_model, config.num_classes)
         self._init_weights()
 
     def encode(self, ids: torch.Tensor, mask: torch.Tensor | None = None,
