@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from .._checks import check_positive_int
 from ..ops.linear.chunked import DEFAULT_CHUNK_SIZE, state_dtype
