@@ -88,3 +88,10 @@ def test_linear_is_a_drop_in_nn_linear():
     ref.load_state_dict(lin.state_dict())
     x = torch.randn(4, 5)
     torch.testing.assert_close(lin(x), ref(x))
+
+
+@pytest.mark.parametrize("k, n", [(0, 5), (5, 0)])
+def test_linear_empty_weight_falls_back(k, n):
+    lin = L.Linear(k, n)
+    x = torch.randn(3, 20, k)
+    torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias))

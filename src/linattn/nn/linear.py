@@ -4,7 +4,7 @@ y = x Wᵀ + b with x (..., K), W (N, K), b (N). On the CPU, in float32 / float6
 built on a CPU with AVX-512 (`linattn_cpu::uses_tile_gemm`), and at least `MIN_ROWS` rows of x, the
 forward and both backward products go to `linattn_cpu::gemm` (register tiles, no packing; the columns
 split between threads): on the AMD EPYC of this project's runs, one core, MKL's sgemm ran (2048 × 1024)
-· (1024 × 3072) at 103 GFLOP/s and the tiles at 161 (W row-major) to 186 (W column-major). Everything
+· (1024 × 3072) at 103–106 GFLOP/s and the tiles at 194–212, either layout of W (design §23). Everything
 else (decoding's few rows, bf16, CUDA, tensor subclasses such as torchao's quantized weights, autocast,
 torch.compile tracing, forward-mode AD) takes F.linear, and so does a backward asked for second order
 (`create_graph=True`: the products are then differentiable torch ops).
@@ -32,6 +32,7 @@ __all__ = ["Linear", "linear", "MIN_ROWS"]
 #: fewer rows of x than this (decoding) take F.linear: the tiles' gains are in the large products
 MIN_ROWS = 16
 
+
 def _layout(w: torch.Tensor) -> str | None:
     """"row" (contiguous (N, K)), "column" (transpose of a contiguous (K, N)) or None."""
     if w.is_contiguous():
@@ -47,7 +48,7 @@ def _usable(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> bool:
     if type(w) not in (torch.Tensor, nn.Parameter) or (b is not None and (type(b) not in (torch.Tensor, nn.Parameter)
                                                                          or b.dtype != x.dtype)):
         return False
-    if w.dim() != 2 or x.dim() == 0 or x.numel() < MIN_ROWS * w.shape[1] or _layout(w) is None:
+    if w.dim() != 2 or 0 in w.shape or x.dim() == 0 or x.numel() < MIN_ROWS * w.shape[1] or _layout(w) is None:
         return False
     if torch.is_autocast_enabled("cpu") or torch.compiler.is_compiling() or has_tangent(x, w, b):
         return False
