@@ -43,16 +43,11 @@ def _layout(w: torch.Tensor) -> str | None:
 
 
 def _usable(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> bool:
-    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.float64) or w.dtype != x.dtype:
-        return False
-    if type(w) not in (torch.Tensor, nn.Parameter) or (b is not None and (type(b) not in (torch.Tensor, nn.Parameter)
-                                                                         or b.dtype != x.dtype)):
-        return False
     if w.dim() != 2 or 0 in w.shape or x.dim() == 0 or x.numel() < MIN_ROWS * w.shape[1] or _layout(w) is None:
         return False
     if torch.is_autocast_enabled("cpu") or torch.compiler.is_compiling() or has_tangent(x, w, b):
         return False
-    return native.tile_gemm()
+    return native.tile_operands(x, w, b)
 
 
 class _TiledLinear(torch.autograd.Function):
@@ -65,7 +60,7 @@ class _TiledLinear(torch.autograd.Function):
         if b is not None:
             y += b
         ctx.save_for_backward(x2, w)
-        ctx.x_shape, ctx.has_bias = x.shape, b is not None
+        ctx.x_shape, ctx.has_bias, ctx.column = x.shape, b is not None, column
         return y.view(*x.shape[:-1], n)
 
     @staticmethod
@@ -80,8 +75,7 @@ class _TiledLinear(torch.autograd.Function):
             if ctx.needs_input_grad[1]:
                 dw = dy2.t() @ x2
         else:
-            dy2 = dy2.contiguous()
-            column = _layout(w) == "column"
+            dy2, column = dy2.contiguous(), ctx.column
             if ctx.needs_input_grad[0]:
                 s = w.t() if column else w
                 dx = native.gemm(dy2, s, tb=column).view(ctx.x_shape)

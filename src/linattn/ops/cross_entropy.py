@@ -63,10 +63,7 @@ def _logits(h, weight, bias, acc):
 
 def _tiled(h, weight, bias, rows: int) -> bool:
     """The blocks' products go to the kernels' tiled gemm (module docstring)."""
-    plain = all(t is None or type(t) in (torch.Tensor, torch.nn.Parameter) for t in (h, weight, bias))
-    return (plain and rows >= TILE_ROWS and h.device.type == "cpu" and h.dtype in (torch.float32, torch.float64)
-            and weight.dtype == h.dtype and (bias is None or bias.dtype == h.dtype) and h.is_contiguous()
-            and weight.is_contiguous() and native.tile_gemm())
+    return rows >= TILE_ROWS and h.is_contiguous() and weight.is_contiguous() and native.tile_operands(h, weight, bias)
 
 
 class _LinearCrossEntropy(torch.autograd.Function):

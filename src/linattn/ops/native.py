@@ -161,6 +161,16 @@ def tile_gemm() -> bool:
     return _state["tiles"]
 
 
+def tile_operands(*tensors) -> bool:
+    """The tiled gemm runs here (`tile_gemm`) and takes these operands: plain tensors (no subclass such
+    as torchao's) on the CPU, all float32 or all float64; None entries are skipped."""
+    given = [t for t in tensors if t is not None]
+    if not given or any(type(t) not in (torch.Tensor, torch.nn.Parameter) or t.device.type != "cpu" for t in given):
+        return False
+    dtype = given[0].dtype
+    return dtype in (torch.float32, torch.float64) and all(t.dtype == dtype for t in given) and tile_gemm()
+
+
 def gemm(a: torch.Tensor, b: torch.Tensor, *, ta: bool = False, tb: bool = False, out: torch.Tensor | None = None,
          beta: float = 0.0) -> torch.Tensor:
     """out = op(a) op(b) + beta·out for 2-D contiguous float32 / float64 CPU tensors by the kernels'
