@@ -107,6 +107,7 @@ inline void gemm_rm(bool ta, bool tb, int M, int N, int K, const In* A, int lda,
     }
   }
 #endif
+  prefetch_queue().flush();  // the BLAS does not drain the hints: issue them before its product
   const char tA = tb ? 'T' : 'N', tB = ta ? 'T' : 'N';
   blas_gemm<In>()(&tA, &tB, &N, &M, &K, &alpha, B, &ldb, A, &lda, &beta, C, &ldc);
 }

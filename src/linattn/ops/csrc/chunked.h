@@ -157,20 +157,21 @@ inline void widen_features(const at::BFloat16* src, float* dst, int64_t n, int64
 
 // While the chunk of tokens [t0, t1) of a row (starting at element row0 of q, k, v, o) is computed:
 // the next chunk's v and o, and the same chunk of the next block's q and k (a block's features are
-// computed at its start), are hinted into cache
+// computed at its start), are queued to be hinted into cache as the chunk's products run (prefetch.h)
 template <typename T>
 inline void prefetch_ahead(const T* q, const T* k, const T* v, const T* o, int64_t row0, int64_t t0, int64_t t1,
                            int64_t block, int64_t N, int64_t F, int64_t E) {
   const int64_t n = t1 - t0;
+  prefetch_queue().flush();
   if (t1 < N) {
     const int64_t len = std::min(n, N - t1) * E * int64_t(sizeof(T));
-    prefetch_lines(v + (row0 + t1) * E, len);
-    prefetch_lines(o + (row0 + t1) * E, len, true);
+    prefetch_soon(v + (row0 + t1) * E, len);
+    prefetch_soon(o + (row0 + t1) * E, len, true);
   }
   if (t0 + block < N) {
     const int64_t len = std::min(n, N - t0 - block) * F * int64_t(sizeof(T));
-    prefetch_lines(q + (row0 + t0 + block) * F, len);
-    prefetch_lines(k + (row0 + t0 + block) * F, len);
+    prefetch_soon(q + (row0 + t0 + block) * F, len);
+    prefetch_soon(k + (row0 + t0 + block) * F, len);
   }
 }
 

@@ -13,6 +13,8 @@
 #include <initializer_list>
 #include <type_traits>
 
+#include "prefetch.h"
+
 namespace {
 
 #if defined(__GNUC__) && defined(__x86_64__) && !defined(__clang__)
@@ -80,21 +82,6 @@ inline uint16_t bf16_bits(float x) {
 LINATTN_CLONES void narrow_bf16(const float* __restrict__ src, at::BFloat16* __restrict__ dst, int64_t n) {
   uint16_t* __restrict__ out = reinterpret_cast<uint16_t*>(dst);
   for (int64_t i = 0; i < n; ++i) out[i] = bf16_bits(src[i]);
-}
-
-// Hints the cache lines of [p, p + bytes) into cache ahead of their use (for a store when write):
-// the chunk loops ask for the next chunk's rows while the current chunk's gemms run, so that the
-// first touch of q, k, v and o does not wait on memory (it did, in the widening and narrowing loops
-// of bf16 inputs and in MKL's packing and scaling of fp32 ones)
-inline void prefetch_lines(const void* p, int64_t bytes, bool write = false) {
-  const char* c = static_cast<const char*>(p);
-  for (int64_t o = 0; o < bytes; o += 64) {
-    if (write) {
-      __builtin_prefetch(c + o, 1, 3);
-    } else {
-      __builtin_prefetch(c + o, 0, 3);
-    }
-  }
 }
 
 // The dtype of a step's inputs (q, k, v): the state's (kv's), or bf16 on a float32 state (the

@@ -21,6 +21,8 @@
 #include <cstring>
 #include <vector>
 
+#include "prefetch.h"
+
 #if defined(__GNUC__) && defined(__x86_64__)
 #include <immintrin.h>
 #define LINATTN_TILE_GEMM 1
@@ -122,8 +124,11 @@ LINATTN_AVX512 void gemm_panel(int M, int K, const T* A, int lda, const T* B, in
   constexpr int R = 12;
   int i = 0;
   auto a_at = [&](int row) { return TA ? A + row : A + static_cast<int64_t>(row) * lda; };
-  for (; i + R <= M; i += R)
+  PrefetchQueue& hints = prefetch_queue();
+  for (; i + R <= M; i += R) {
     gemm_tile<T, R, W, TA, Tail>(K, a_at(i), lda, B, ldb, C + static_cast<int64_t>(i) * ldc, ldc, alpha, beta, last);
+    hints.drain(K / 4 + 1);  // about one line per 4 k-steps of the tile: ~1,500 lines over a chunk
+  }
   T* c = C + static_cast<int64_t>(i) * ldc;
   switch (M - i) {
     case 11: gemm_tile<T, 11, W, TA, Tail>(K, a_at(i), lda, B, ldb, c, ldc, alpha, beta, last); break;

@@ -216,10 +216,11 @@ template <typename T, typename X>
 inline void prefetch_next(const T* q, const T* k, const T* v, X* x, int64_t i, int64_t n, int64_t D, int64_t E) {
   if (n <= 0) return;
   const int64_t b = int64_t(sizeof(T));
-  prefetch_lines(q + i * D, n * D * b);
-  prefetch_lines(k + i * D, n * D * b);
-  prefetch_lines(v + i * E, n * E * b);
-  prefetch_lines(x + i * E, n * E * b, !std::is_const<X>::value);
+  prefetch_queue().flush();
+  prefetch_soon(q + i * D, n * D * b);
+  prefetch_soon(k + i * D, n * D * b);
+  prefetch_soon(v + i * E, n * E * b);
+  prefetch_soon(x + i * E, n * E * b, !std::is_const<X>::value);
 }
 
 // The accumulation type of T: float for bf16, else T
@@ -321,7 +322,7 @@ void backward_rows(const Rows& rows, const at::Tensor& q, const at::Tensor& k, c
         }
         prefetch_next(pq, pk, pv, pdo, t + i0 + c, std::min<int64_t>(chunk, N - i0 - c), D, E);
         if constexpr (!wide)
-          prefetch_lines(po + (t + i0 + c) * E, std::min<int64_t>(chunk, N - i0 - c) * E * int64_t(sizeof(T)));
+          prefetch_soon(po + (t + i0 + c) * E, std::min<int64_t>(chunk, N - i0 - c) * E * int64_t(sizeof(T)));
         if constexpr (!wide) row_dots(dO, po + (t + i0) * E, c, E, Dsum.data());  // bf16: D from P and dP
         gemm_rm<Acc>(false, true, c, nk, d, Q, d, K, d, Acc(0), P.data(), nk);  // S
         probabilities(P.data(), c, nk, w, scale, plse + t + i0);
