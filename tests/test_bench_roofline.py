@@ -41,6 +41,39 @@ def test_window_count_is_the_span_that_runs():
     assert R.softmax_flops(100, 8, 4) == 100 * 100 * 12
 
 
+@pytest.mark.skipif(not native.load(), reason="the fused CPU kernels are not built")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_forward_formulas_are_what_the_kernels_execute(dtype):
+    """The documented forward counts against the FLOPs the kernels' products and solves execute
+    (csrc/flop_count.h), N a multiple of the chunk; the backward executes more than 3× the forward (it
+    recomputes the chunk states and scores)."""
+    from linattn.bench.methods import Shape
+
+    b, h, n, k, v, c = 1, 2, 256, 32, 48, 64
+    cfg = R.RooflineConfig(shape=Shape(batch=b, heads=h, head_dim=k, value_dim=v, chunk=c), n=n)
+    for name, (run, gate, beta, fl) in R.families(cfg).items():
+        if name.startswith("softmax"):
+            continue
+        x, extra = R._inputs(cfg, dtype, "cpu", gate, beta)
+        with torch.no_grad():
+            ran = R.executed_flops(lambda: run(**x, **extra))
+        if name.startswith("sliding"):
+            # the first block of c queries has no block before it: c keys, not 2c
+            assert ran == pytest.approx(fl * (2 * (n // c) - 1) / (2 * (n // c)))
+        elif name in ("delta rule", "Gated DeltaNet", "KDA"):
+            # the solve's strictly lower triangle: c(c − 1)/2 multiply-adds per column, not c²/2
+            assert ran == pytest.approx(fl - b * h * (n // c) * c * v)
+        else:
+            assert ran == fl
+        leaves = {name_: t.detach().requires_grad_() for name_, t in x.items()}
+
+        def step():
+            o = run(**leaves, **extra)
+            o.backward(torch.ones_like(o))
+
+        assert R.executed_flops(step) > 3 * ran
+
+
 def test_matmul_peak_kernels_are_checked():
     from linattn.bench.flops import matmul_peak
 
@@ -67,9 +100,15 @@ def test_roofline_tiny_run(tmp_path, capsys):
     assert len(fams) == 8 and {r["dtype"] for r in data["results"]} == {"fp32", "bf16"}
     for r in data["results"]:
         for mode, mult in (("fwd", 1), ("fwd_bwd", 3)):
-            t = r[mode]
-            assert t["gflops"] == pytest.approx(mult * r["flops_fwd"] / t["median_s"] / 1e9)
+            t, ran = r[mode], r["flops_executed"][mode]
+            assert t["model_gflops"] == pytest.approx(mult * r["flops_fwd"] / t["median_s"] / 1e9)
+            assert t["gflops"] == pytest.approx((t["model_gflops"] * 1e9 * t["median_s"] if ran is None else ran)
+                                                / t["median_s"] / 1e9)
+            assert t["counted"] == ("model" if ran is None else "executed")
             assert t["pct_peak"] == pytest.approx(100 * t["gflops"] / data["peaks"][r["dtype"]]["gflops"])
+        # the fused kernels count what they run; SDPA's products are not theirs
+        kernels = native.load() and not r["family"].startswith("softmax")
+        assert (r["flops_executed"]["fwd"] is not None) == kernels
     names = ("linear", "gated, scalar g", "Gated DeltaNet", "KDA")
     assert {s["family"] for s in data["steps"]} == {*names, *(f"{n}, in place" for n in names)}
     assert data["peaks"]["fp32"]["tile"] in (64, 128, 256, 512)

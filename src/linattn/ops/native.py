@@ -183,6 +183,13 @@ def gemm(a: torch.Tensor, b: torch.Tensor, *, ta: bool = False, tb: bool = False
     return out
 
 
+def executed_flops() -> int | None:
+    """The floating-point operations the fused kernels' products (gemms, and the delta family's
+    triangular solves) have executed in this process so far (csrc/flop_count.h); None when the kernels
+    are not built. The difference across a call is the matmul work that call ran."""
+    return int(torch.ops.linattn_cpu.executed_flops()) if available() else None
+
+
 def _ready() -> bool:
     """torch.compile is not tracing, and the kernels are enabled and built."""
     return not torch.compiler.is_compiling() and available()

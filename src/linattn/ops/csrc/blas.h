@@ -10,6 +10,7 @@
 
 #include <type_traits>
 
+#include "flop_count.h"
 #include "gemm.h"
 
 namespace {
@@ -99,6 +100,7 @@ class SequentialBlas {
 template <typename In, typename Out = linattn_acc<In>>
 inline void gemm_rm(bool ta, bool tb, int M, int N, int K, const In* A, int lda, const In* B, int ldb, Out beta, Out* C,
                     int ldc, Out alpha = Out(1)) {
+  linattn_count::add_flops(int64_t{2} * M * N * K);
 #if LINATTN_TILE_GEMM
   if constexpr (std::is_same<In, Out>::value) {
     if (tile_gemm_enabled()) {

@@ -314,6 +314,9 @@ bool uses_tile_gemm() {
 #endif
 }
 
+// The FLOPs the kernels' products and solves have executed since the extension loaded (flop_count.h)
+int64_t executed_flops() { return linattn_count::executed_flops().load(std::memory_order_relaxed); }
+
 }  // namespace
 
 TORCH_LIBRARY(linattn_cpu, m) {
@@ -321,6 +324,7 @@ TORCH_LIBRARY(linattn_cpu, m) {
   m.def("has_blas_bf16() -> bool", has_blas_bf16);
   m.def("release_pool() -> int", release_pool);
   m.def("uses_tile_gemm() -> bool", uses_tile_gemm);
+  m.def("executed_flops() -> int", executed_flops);
   m.def("gemm(Tensor a, Tensor b, Tensor(c!) c, bool ta, bool tb, float alpha, float beta) -> ()");
   m.def(
       "chunked(Tensor q, Tensor k, Tensor v, Tensor kv0, Tensor z0, int phi, bool normalize, float eps, int chunk, "

@@ -38,6 +38,7 @@ template <typename Acc>
 LINATTN_CLONES void solve_strips(bool trans, int c, int64_t E, const Acc* __restrict__ A, Acc* __restrict__ B) {
   constexpr int W = 128 / sizeof(Acc);  // two 512-bit registers
   constexpr int G = 4;                  // 2G accumulators: 6 or 8 rows measured slower (register spills)
+  linattn_count::add_flops(int64_t{c} * (c - 1) * E);
   int64_t x0 = 0;
   for (; x0 + W <= E; x0 += W) {
     for (int g0 = 0; g0 < c; g0 += G) {
