@@ -238,6 +238,18 @@ struct RowInputs {
   Row<T, Acc> row(int64_t t) const {
     return {q + t * D, k + t * D, v + t * E, beta + t, g != nullptr ? g + t * g_width : nullptr};
   }
+  // Queues tokens [t, t + n) of q, k, v, β and g to be hinted into cache as the products before their
+  // chunk run (prefetch.h); what is still queued from the chunk before is issued first
+  void hint(int64_t t, int64_t n) const {
+    if (n <= 0) return;
+    prefetch_queue().flush();
+    const Row<T, Acc> at = row(t);
+    prefetch_soon(at.q, n * D * int64_t(sizeof(T)));
+    prefetch_soon(at.k, n * D * int64_t(sizeof(T)));
+    prefetch_soon(at.v, n * E * int64_t(sizeof(T)));
+    prefetch_soon(at.beta, n * int64_t(sizeof(Acc)));
+    if (at.g != nullptr) prefetch_soon(at.g, n * g_width * int64_t(sizeof(Acc)));
+  }
 };
 
 // The same for the backward's tensors: dO read, dq, dk, dv, dβ and dg (none without a gate) written
@@ -272,6 +284,7 @@ void row_forward(const Rows& rows, int64_t r, const RowInputs<T, Acc>& x, Acc* S
   Acc* saved = saved_all != nullptr ? saved_all + rows.first_block(r) * DE : nullptr;
   for (int64_t t0 = 0; t0 < N; t0 += chunk) {
     if (saved != nullptr && t0 % block == 0) std::copy(S, S + DE, saved + (t0 / block) * DE);
+    x.hint(rows.start(r) + t0 + chunk, std::min(chunk, N - t0 - chunk));
     step(in, S, t0, static_cast<int>(std::min(chunk, N - t0)), rows.start(r) + t0);
   }
 }

@@ -58,6 +58,8 @@ void gated_rows(const Rows& rows, const at::Tensor& q, const at::Tensor& k, cons
           const int64_t t0 = t_row + s + c0;
           Acc* den_out = saves != nullptr && normalize ? saves->den + t0 : nullptr;
           prefetch_ahead(pq, pk, pv, po, t_row, s + c0, std::min(N, s + c0 + chunk), block, N, F, E);
+          if (s + c0 + c < N)  // the next chunk's gates (per channel: as many bytes as its q)
+            prefetch_soon(pg + (t0 + c) * G, std::min<int64_t>(chunk, N - s - c0 - c) * G * int64_t(sizeof(Acc)));
           const M* V = as_operand<M>(pv + t0 * E, Vw, int64_t(c) * E);
           M* O;
           if constexpr (widen) {
