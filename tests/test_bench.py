@@ -121,8 +121,9 @@ def test_bench_ops_tiny_run(tmp_path, capsys):
     assert " ".join(bf16["line"].split()) in " ".join(printed.split())
     assert bf16["line"].startswith("bf16 → ") and "torch ops: " in bf16["line"]
     assert bf16["torch_ops"]["path"] in ("bf16 gemms", "fp32 gemms") and bf16["torch_ops"]["reason"]
-    if bf16["fused"] is not None and bf16["mode"] == "auto":  # without AMX the fused kernels widen bf16
-        assert (bf16["fused"]["path"] == "bf16 gemms") == bool(bf16["cpu"]["amx"]), bf16
+    if bf16["fused"] is not None and bf16["mode"] == "auto":  # bf16 gemms with AMX or linattn's AVX512-BF16 tiles
+        tiles = bool(torch.ops.linattn_cpu.uses_bf16_tiles())
+        assert (bf16["fused"]["path"] == "bf16 gemms") == bool(bf16["cpu"]["amx"] or tiles), bf16
         assert bf16["fused"]["reason"] in bf16["line"]
 
 

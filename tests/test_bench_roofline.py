@@ -80,7 +80,10 @@ def test_matmul_peak_kernels_are_checked():
     with pytest.raises(ValueError, match="kernel: unknown"):
         matmul_peak(kernel="mkl")
     with pytest.raises(ValueError, match="kernel: linattn's product runs on the CPU in float32"):
-        matmul_peak(torch.bfloat16, kernel="linattn")
+        matmul_peak(torch.float16, kernel="linattn")
+    if not native.bf16_tiles():
+        with pytest.raises(ValueError, match="bfloat16 with AVX512-BF16"):
+            matmul_peak(torch.bfloat16, kernel="linattn")
 
 
 def test_unknown_family_is_refused():
@@ -118,7 +121,7 @@ def test_roofline_tiny_run(tmp_path, capsys):
     assert fp32["by_kernel"][fp32["kernel"]] == pytest.approx(fp32["gflops"])
     if native.load():
         assert set(fp32["by_kernel"]) == {"torch.bmm", "linattn"}
-    assert set(data["peaks"]["bf16"]["by_kernel"]) == {"torch.bmm"}
+    assert set(data["peaks"]["bf16"]["by_kernel"]) == ({"torch.bmm", "linattn"} if native.bf16_tiles() else {"torch.bmm"})
     assert {s["shape"] for s in data["steps"]} == {"8×64×64", "16×128×128", "32×128×128"}
     assert all(s["x_copy"] > 0 and s["state_bytes"] > 0 for s in data["steps"])
 

@@ -85,6 +85,53 @@ def test_gemm_beta_zero_does_not_read_c(dtype):
                                rtol=1e-5 if dtype == torch.float32 else 1e-13, atol=1e-5)
 
 
+def _bf16_products(a, b, c, ta, tb, alpha, beta, threads=1):
+    """linattn's gemm of bf16 a, b into the float32 c against the float64 product of the same bf16
+    values: products exact, summed in float, so within (k + 2) float roundings of the magnitudes."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = c.clone()
+        torch.ops.linattn_cpu.gemm(a, b, out, ta, tb, alpha, beta)
+    finally:
+        torch.set_num_threads(before)
+    A = a.double().transpose(1, 2) if ta else a.double()
+    B = b.double().transpose(1, 2) if tb else b.double()
+    want = alpha * (A @ B) + (beta * c.double() if beta != 0 else 0)
+    scale = abs(alpha) * (A.abs() @ B.abs()) + (abs(beta) * c.double().abs() if beta != 0 else 0) + 1
+    k = A.shape[-1]
+    assert out.dtype == torch.float32
+    assert ((out.double() - want).abs() <= 4e-7 * (k + 2) * scale).all()
+
+
+@settings(max_examples=120, deadline=None)
+@given(m=st.integers(1, 40), n=st.integers(1, 70), k=st.integers(0, 41), batch=st.integers(1, 3),
+       ta=st.booleans(), tb=st.booleans(), alpha=st.sampled_from([1.0, -0.5, 2.0]),
+       beta=st.sampled_from([0.0, 1.0, 0.25]), seed=st.integers(0, 99))
+def test_bf16_gemm_matches_float64_products(m, n, k, batch, ta, tb, alpha, beta, seed):
+    """bf16 operands, float32 results (csrc/gemm_bf16.h where the CPU has AVX512-BF16, else MKL's bf16
+    gemm): odd k (the last k outside the pairs), row and column tails, every transpose pair."""
+    a, b, c = _operands(batch, m, n, k, ta, tb, torch.float64, seed)
+    c = c.float() if beta != 0 else torch.full(c.shape, float("nan"))  # beta = 0 does not read c
+    _bf16_products(a.bfloat16(), b.bfloat16(), c, ta, tb, alpha, beta)
+
+
+@pytest.mark.parametrize("m, n, k", [(64, 128, 128), (64, 64, 127), (300, 100, 600), (129, 33, 513), (24, 17, 1)])
+@pytest.mark.parametrize("ta, tb", [(False, False), (True, False), (False, True), (True, True)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_bf16_gemm_blocks_and_chunk_shapes(m, n, k, ta, tb, threads):
+    """The kernels' chunk products, and products over several blocks of k (pairs packed per block of
+    256) and rows, one product's columns split between two threads."""
+    a, b, c = _operands(1, m, n, k, ta, tb, torch.float64, 5)
+    _bf16_products(a.bfloat16(), b.bfloat16(), c.float(), ta, tb, 0.5, 0.25, threads)
+
+
+def test_bf16_gemm_odd_row_stride_of_transposed_b():
+    """op(B) = Bᵀ with an odd row stride (its pairs are not whole 32-bit words of the rows): word by word."""
+    a, b, c = _operands(1, 13, 20, 7, False, True, torch.float64, 6)
+    _bf16_products(a.bfloat16(), b.bfloat16(), c.float(), False, True, 1.0, 1.0)
+
+
 def test_gemm_rejects_mismatched_operands_by_name():
     a, b, c = _operands(1, 4, 5, 6, False, False, torch.float32, 0)
     with pytest.raises(RuntimeError, match="b's shape"):
@@ -93,6 +140,8 @@ def test_gemm_rejects_mismatched_operands_by_name():
         torch.ops.linattn_cpu.gemm(a, b, c[:, :3].contiguous(), False, False, 1.0, 0.0)
     with pytest.raises(RuntimeError, match="float32 or all float64"):
         torch.ops.linattn_cpu.gemm(a, b.double(), c, False, False, 1.0, 0.0)
+    with pytest.raises(RuntimeError, match="a and b bfloat16 with c float32"):
+        torch.ops.linattn_cpu.gemm(a.bfloat16(), b.bfloat16(), c.bfloat16(), False, False, 1.0, 0.0)
 
 
 def test_linattn_gemm_blas_keeps_the_blas():
@@ -100,7 +149,10 @@ def test_linattn_gemm_blas_keeps_the_blas():
     code = ("import torch; from linattn.ops import native; assert native.load(); "
             "a = torch.randn(2, 5, 7, dtype=torch.float64); b = torch.randn(2, 7, 3, dtype=torch.float64); "
             "c = torch.empty(2, 5, 3, dtype=torch.float64); torch.ops.linattn_cpu.gemm(a, b, c, False, False, 1.0, 0.0); "
-            "assert torch.allclose(c, a @ b); print(torch.ops.linattn_cpu.uses_tile_gemm())")
+            "assert torch.allclose(c, a @ b); x = torch.randn(1, 6, 5).bfloat16(); y = torch.randn(1, 5, 4).bfloat16(); "
+            "z = torch.empty(1, 6, 4); torch.ops.linattn_cpu.gemm(x, y, z, False, False, 1.0, 0.0); "
+            "assert torch.allclose(z, x.float() @ y.float(), atol=1e-5); "
+            "assert not torch.ops.linattn_cpu.uses_bf16_tiles(); print(torch.ops.linattn_cpu.uses_tile_gemm())")
     env = {**os.environ, "LINATTN_GEMM": "blas"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]

@@ -121,14 +121,18 @@ def test_native_reports_and_exposes_its_choice(monkeypatch):
     assert s["line"] == ("bf16 → fused kernels: fp32 gemms (forced by LINATTN_BF16_PATH=fp32); "
                          "torch ops: fp32 gemms (forced by LINATTN_BF16_PATH=fp32)")
     monkeypatch.setenv("LINATTN_BF16_PATH", "bf16")
-    has = bool(torch.ops.linattn_cpu.has_blas_bf16())
+    tiles = native.bf16_tiles()
+    has = bool(torch.ops.linattn_cpu.has_blas_bf16()) or tiles
     assert native.bf16_compute() == (BF16 if has else FP32)
     monkeypatch.setenv("LINATTN_BF16_PATH", "auto")
     auto = native.bf16_choice()
     feats = precision.cpu_bf16_features()
     assert auto.speedup is None and not auto.forced  # the fused kernels' choice is never timed
-    assert auto.dtype == (BF16 if feats["amx"] and has else FP32)
-    assert (auto.reason == "AMX") == (auto.dtype == BF16)
+    # bf16 gemms: linattn's own tiles where the CPU has AVX512-BF16, else MKL's with AMX
+    assert tiles == bool(feats["dot"] and torch.ops.linattn_cpu.uses_tile_gemm())
+    assert auto.dtype == (BF16 if tiles or (feats["amx"] and has) else FP32)
+    assert auto.reason == ("AVX512-BF16: linattn's bf16 register tiles" if tiles else "AMX" if auto.dtype == BF16
+                           else auto.reason)
 
 
 def _bf16(*shape, gen, positive=False):

@@ -34,12 +34,15 @@ KERNELS = ("torch.bmm", "linattn")
 
 
 def linattn_gemm_available(dtype: torch.dtype, device: torch.device | str = "cpu") -> bool:
-    """True where `linattn_cpu::gemm` runs: the CPU, float32 / float64, the fused kernels built."""
-    if torch.device(device).type != "cpu" or dtype not in (torch.float32, torch.float64):
+    """True where `linattn_cpu::gemm` runs: the CPU, the fused kernels built, float32 / float64, or
+    bfloat16 where its AVX512-BF16 tiles run (bf16 operands, float32 results)."""
+    if torch.device(device).type != "cpu" or dtype not in (torch.float32, torch.float64, torch.bfloat16):
         return False
     from ..ops import native
 
-    return native.enabled() and native.load()
+    if not (native.enabled() and native.load()):
+        return False
+    return dtype != torch.bfloat16 or native.bf16_tiles()
 
 
 def matmul_peak(dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", *, tile: int = 64,
@@ -52,14 +55,15 @@ def matmul_peak(dtype: torch.dtype = torch.float32, device: torch.device | str =
     if kernel not in KERNELS:
         raise ValueError(f"kernel: unknown {kernel!r}; choose from {list(KERNELS)}")
     if kernel == "linattn" and not linattn_gemm_available(dtype, device):
-        raise ValueError(f"kernel: linattn's product runs on the CPU in float32 / float64 with the fused kernels "
-                         f"built, not {dtype} on {device}")
+        raise ValueError(f"kernel: linattn's product runs on the CPU in float32 / float64 (bfloat16 with "
+                         f"AVX512-BF16) with the fused kernels built, not {dtype} on {device}")
     best = {"gflops": 0.0, "batch": None, "tile": tile, "dtype": str(dtype).replace("torch.", ""), "kernel": kernel}
     gen = torch.Generator(device="cpu").manual_seed(0)
     for b in batches:
         x = torch.randn(b, tile, tile, generator=gen).to(device=device, dtype=dtype)
         y = torch.randn(b, tile, tile, generator=gen).to(device=device, dtype=dtype)
-        out = torch.empty(b, tile, tile, device=device, dtype=dtype)
+        wide = kernel == "linattn" and dtype == torch.bfloat16  # bf16 operands, float32 results
+        out = torch.empty(b, tile, tile, device=device, dtype=torch.float32 if wide else dtype)
         if kernel == "linattn":
             def run():
                 torch.ops.linattn_cpu.gemm(x, y, out, False, False, 1.0, 0.0)

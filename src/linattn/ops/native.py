@@ -14,15 +14,19 @@ delta.cpp, with one per key channel, KDA's, in kda.cpp; the one-token step of ev
 delta.cpp), `csrc/swa.cpp` sliding-window attention's (linattn.ops.swa.cpu), `csrc/conv.cpp` the short
 convolution's (linattn.nn.convolution, forward and backward without the padded copy). The files
 share headers: `csrc/common.h` (φ, bf16 conversions, work buffers, the ISA clones), `csrc/blas.h`
-(torch's BLAS), `csrc/pool.h` (the one pool of result buffers), `csrc/chunked.h` (the pieces of the
+(the one row-major product `gemm_rm`: `csrc/gemm.h`'s float/double register tiles and `csrc/gemm_bf16.h`'s
+AVX512-BF16 ones where the CPU has them, else torch's BLAS), `csrc/flop_count.h` (the FLOPs the
+products execute, `executed_flops`), `csrc/prefetch.h` (cache hints spread over a chunk's products),
+`csrc/pool.h` (the one pool of result buffers), `csrc/chunked.h` (the pieces of the
 ungated and gated chunk loops), `csrc/delta.h` (those of the delta family's chunk loops), `csrc/rows.h`
 (the rows a chunked kernel walks: (batch, head), or with cu_seqlens (sequence, head): packed sequences
 in one call, design §17).
 
-bf16 inputs: the chunked kernels multiply them with MKL's bf16 gemm where the CPU has AMX, else
-widen each block to fp32 in cache and use the fp32 gemm (`bf16_choice`, the rule of
-linattn.ops.precision; LINATTN_BF16_PATH=bf16|fp32 forces either). Either way scores, states and
-accumulations are float32 and the outputs bf16. The steps always widen bf16 q, k, v to the float32
+bf16 inputs: the ungated and gated chunked kernels multiply them in bf16 (linattn's AVX512-BF16 tiles,
+or MKL's bf16 gemm with AMX), else widen each block to fp32 in cache and use the fp32 gemm
+(`bf16_choice`, the rule of linattn.ops.precision; LINATTN_BF16_PATH=bf16|fp32 forces either); the
+delta family and the sliding window always widen. Either way accumulations are float32 and the
+outputs bf16 (in bf16 gemms, the scores and states are rounded to bf16 as operands). The steps always widen bf16 q, k, v to the float32
 state's dtype (a rank-1 update and a matrix-vector product: nothing for a bf16 gemm to speed up).
 
 The extension is built the first time a kernel can be used (about 15 s) into a folder named after a
@@ -232,14 +236,29 @@ def step(state, q, k, v, *, phi: int, normalize: bool, eps: float, angles=None, 
 
 
 def bf16_choice() -> precision.Bf16Choice:
-    """How the fused chunked kernels multiply bf16 inputs on this machine: bf16 gemms (MKL's
-    gemm_bf16bf16f32) with AMX, else fp32 gemms on blocks widened in cache (linattn.ops.precision's
-    rule; LINATTN_BF16_PATH=bf16|fp32 forces either). Made once per process (and mode)."""
+    """How the fused chunked kernels multiply bf16 inputs on this machine: bf16 gemms where the CPU has
+    AVX512-BF16 (linattn's own bf16 register tiles, csrc/gemm_bf16.h) or AMX (MKL's
+    gemm_bf16bf16f32), else fp32 gemms on blocks widened in cache (linattn.ops.precision's rule;
+    LINATTN_BF16_PATH=bf16|fp32 forces either). Made once per process (and mode).
+
+    The bf16 gemms round the operands the kernels form (scores, the chunk state) to bf16; the fp32
+    path rounds only the inputs and outputs. On the 2-core AMD EPYC development machine (one core,
+    1 × 16 × 2048 × 128 × 128, bf16), the tiles against the widened path: forward 1.23× (linear),
+    1.28× (scalar gates), 1.50× (GLA); fwd+bwd 1.31×, 1.29×, 1.03× (the delta family and the sliding
+    window widen their blocks on either path)."""
     return precision.cached_choice("fused", _fused_choice)
 
 
+def bf16_tiles() -> bool:
+    """The fused kernels multiply bf16 operands by their own AVX512-BF16 tiles (csrc/gemm_bf16.h)."""
+    return available() and bool(torch.ops.linattn_cpu.uses_bf16_tiles())
+
+
 def _fused_choice(mode: str) -> precision.Bf16Choice:
-    ok = available() and bool(torch.ops.linattn_cpu.has_blas_bf16())
+    tiles = bf16_tiles()
+    if tiles and mode == "auto":
+        return precision.Bf16Choice(torch.bfloat16, "AVX512-BF16: linattn's bf16 register tiles")
+    ok = tiles or (available() and bool(torch.ops.linattn_cpu.has_blas_bf16()))
     return precision.choose(precision.cpu_bf16_features(), None, "MKL's bf16 gemm", mode, available=ok)
 
 
@@ -273,12 +292,14 @@ def wide(q: torch.Tensor) -> bool:
 
 
 def chunked_ready(dtype: torch.dtype) -> bool:
-    """The fused chunked kernels found torch's BLAS gemm for inputs of `dtype`: fp32/fp64, and for
-    bf16 MKL's bf16 gemm, or the fp32 one where bf16 takes the fp32 path (`bf16_choice`)."""
+    """The fused chunked kernels found a gemm for inputs of `dtype`: torch's BLAS for fp32/fp64, and for
+    bf16 their own bf16 tiles or MKL's bf16 gemm, or the fp32 one where bf16 takes the fp32 path
+    (`bf16_choice`)."""
     low = dtype == torch.bfloat16 and bf16_choice().dtype == torch.bfloat16
     key = "blas_bf16" if low else "blas"
     if _state.get(key) is None:
-        _state[key] = bool(torch.ops.linattn_cpu.has_blas_bf16() if low else torch.ops.linattn_cpu.has_blas())
+        ops = torch.ops.linattn_cpu
+        _state[key] = bool((ops.has_blas_bf16() or ops.uses_bf16_tiles()) if low else ops.has_blas())
     return _state[key]
 
 

@@ -12,6 +12,7 @@
 
 #include "flop_count.h"
 #include "gemm.h"
+#include "gemm_bf16.h"
 
 namespace {
 
@@ -105,6 +106,12 @@ inline void gemm_rm(bool ta, bool tb, int M, int N, int K, const In* A, int lda,
   if constexpr (std::is_same<In, Out>::value) {
     if (tile_gemm_enabled()) {
       tile_gemm_rm<In>(ta, tb, M, N, K, A, lda, B, ldb, beta, C, ldc, alpha);
+      return;
+    }
+  } else if constexpr (std::is_same<In, at::BFloat16>::value) {
+    if (bf16_tiles_enabled()) {
+      bf16_gemm_rm(ta, tb, M, N, K, reinterpret_cast<const uint16_t*>(A), lda, reinterpret_cast<const uint16_t*>(B),
+                   ldb, beta, C, ldc, alpha);
       return;
     }
   }

@@ -270,13 +270,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> chunked_b
 // linattn_cpu::gemm: c[i] = alpha·op(a[i]) op(b[i]) + beta·c[i] for each i of the batch, by the kernels'
 // own row-major product (gemm_rm: the register tiles where they run, else the BLAS), in place on c; with
 // beta = 0, c is not read. a: (batch, M, K), or (batch, K, M) with ta; b: (batch, K, N), or (batch, N, K)
-// with tb; c: (batch, M, N); float32 or float64, contiguous. For tests and the roofline's matmul peak.
+// with tb; c: (batch, M, N); float32 or float64, or bf16 a, b with a float32 c (gemm_bf16.h's tiles where
+// the CPU has AVX512-BF16, else MKL's bf16 gemm); contiguous. For tests and the roofline's matmul peak.
 void gemm_op(const at::Tensor& a, const at::Tensor& b, at::Tensor c, bool ta, bool tb, double alpha, double beta) {
   const char* op = "linattn_cpu::gemm";
   TORCH_CHECK(a.dim() == 3 && b.dim() == 3 && c.dim() == 3, op, ": a, b and c must be 3-D (batch, rows, columns)");
-  TORCH_CHECK(a.scalar_type() == b.scalar_type() && a.scalar_type() == c.scalar_type() &&
-                  (a.scalar_type() == at::kFloat || a.scalar_type() == at::kDouble),
-              op, ": a, b and c must all be float32 or all float64");
+  const bool bf16 = a.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(a.scalar_type() == b.scalar_type() &&
+                  (bf16 ? c.scalar_type() == at::kFloat
+                        : a.scalar_type() == c.scalar_type() &&
+                              (a.scalar_type() == at::kFloat || a.scalar_type() == at::kDouble)),
+              op, ": a, b and c must all be float32 or all float64, or a and b bfloat16 with c float32");
   TORCH_CHECK(a.is_contiguous() && b.is_contiguous() && c.is_contiguous(), op, ": a, b and c must be contiguous");
   const int64_t batch = a.size(0), M = ta ? a.size(2) : a.size(1), K = ta ? a.size(1) : a.size(2);
   const int64_t N = tb ? b.size(1) : b.size(2);
@@ -284,27 +288,30 @@ void gemm_op(const at::Tensor& a, const at::Tensor& b, at::Tensor c, bool ta, bo
               " does not match a's ", a.sizes());
   TORCH_CHECK(c.size(0) == batch && c.size(1) == M && c.size(2) == N, op, ": c must have shape (", batch, ", ", M,
               ", ", N, "), got ", c.sizes());
-  TORCH_CHECK(has_blas(), op, ": no BLAS gemm found in torch");
+  TORCH_CHECK(has_blas() && (!bf16 || has_blas_bf16() || bf16_tiles_enabled()), op, ": no BLAS gemm found in torch");
   // with fewer products than threads, each product's columns are split in blocks of a multiple of 32
   const int64_t threads = at::get_num_threads();
   const int64_t width = batch >= threads ? std::max<int64_t>(N, 1)
                                          : std::max<int64_t>(64, (N + 2 * threads - 1) / (2 * threads) + 31) / 32 * 32;
   const int64_t blocks = (N + width - 1) / width;
-  AT_DISPATCH_FLOATING_TYPES(a.scalar_type(), "linattn_cpu_gemm", [&] {
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, a.scalar_type(), "linattn_cpu_gemm", [&] {
+    using Acc = linattn_acc<scalar_t>;
     const scalar_t* A = a.data_ptr<scalar_t>();
     const scalar_t* B = b.data_ptr<scalar_t>();
-    scalar_t* C = c.data_ptr<scalar_t>();
+    Acc* C = c.data_ptr<Acc>();
     at::parallel_for(0, batch * blocks, 1, [&](int64_t t0, int64_t t1) {
       const SequentialBlas one_thread;
       for (int64_t t = t0; t < t1; ++t) {
         const int64_t i = t / blocks, n0 = t % blocks * width, nb = std::min(width, N - n0);
         gemm_rm<scalar_t>(ta, tb, static_cast<int>(M), static_cast<int>(nb), static_cast<int>(K), A + i * M * K,
                           static_cast<int>(ta ? M : K), B + i * K * N + (tb ? n0 * K : n0), static_cast<int>(tb ? K : N),
-                          scalar_t(beta), C + i * M * N + n0, static_cast<int>(N), scalar_t(alpha));
+                          Acc(beta), C + i * M * N + n0, static_cast<int>(N), Acc(alpha));
       }
     });
   });
 }
+
+bool uses_bf16_tiles() { return bf16_tiles_enabled(); }
 
 bool uses_tile_gemm() {
 #if LINATTN_TILE_GEMM
@@ -325,6 +332,7 @@ TORCH_LIBRARY(linattn_cpu, m) {
   m.def("release_pool() -> int", release_pool);
   m.def("uses_tile_gemm() -> bool", uses_tile_gemm);
   m.def("executed_flops() -> int", executed_flops);
+  m.def("uses_bf16_tiles() -> bool", uses_bf16_tiles);
   m.def("gemm(Tensor a, Tensor b, Tensor(c!) c, bool ta, bool tb, float alpha, float beta) -> ()");
   m.def(
       "chunked(Tensor q, Tensor k, Tensor v, Tensor kv0, Tensor z0, int phi, bool normalize, float eps, int chunk, "
