@@ -13,10 +13,10 @@ GFLOP/s and % of the peak count the FLOPs the fused CPU kernels' products (gemms
 triangular solves) execute, as they run (`executed_flops`, csrc/flop_count.h); elementwise work is not
 counted. The forward formulas below are what they execute (tests/test_bench_roofline.py checks them
 against the count). The backward recomputes each chunk's scores and the states entering its chunks
-(the memory-efficient backward), so fwd+bwd executes more than 3× the forward: at 1 × 2 × 512 × 128 ×
-128, chunk 64, 3.46× (linear and gated), 3.58× (delta rule, Gated DeltaNet), 3.68× (KDA), 3.28× (sliding
-window; its forward executes 0.94× the formula there: the first block has no earlier keys). The table
-shows fwd+bwd as 3× the forward formula beside it. Where the kernels do not run (other devices, SDPA),
+(the memory-efficient backward), so fwd+bwd executes more than 3× the forward: at the default 1 × 16 ×
+2048 × 128 × 128, chunk 64, 3.46× (linear and gated), 3.58× (delta rule, Gated DeltaNet), 3.69× (KDA),
+3.50× (sliding window; its forward executes 0.98× the formula there: the first block has no earlier
+keys). The table shows fwd+bwd as 3× the forward formula beside it. Where the kernels do not run (other devices, SDPA),
 the formulas are the count.
 
 FLOP counts, forward, per (batch, head), N tokens, chunk C, key dim K, value dim V; multiply-adds × 2.

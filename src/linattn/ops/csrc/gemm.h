@@ -120,11 +120,10 @@ LINATTN_AVX512 inline void gemm_tile(int K, const T* A, int lda, const T* B, int
 // The rows of one column panel: blocks of 12 rows, then the remaining 1–11 in one block.
 template <typename T, int W, bool TA, bool Tail>
 LINATTN_AVX512 void gemm_panel(int M, int K, const T* A, int lda, const T* B, int ldb, T* C, int ldc, T alpha, T beta,
-                               typename Zmm<T>::Mask last) {
+                               typename Zmm<T>::Mask last, PrefetchQueue& hints) {
   constexpr int R = 12;
   int i = 0;
   auto a_at = [&](int row) { return TA ? A + row : A + static_cast<int64_t>(row) * lda; };
-  PrefetchQueue& hints = prefetch_queue();
   for (; i + R <= M; i += R) {
     gemm_tile<T, R, W, TA, Tail>(K, a_at(i), lda, B, ldb, C + static_cast<int64_t>(i) * ldc, ldc, alpha, beta, last);
     hints.drain(K / 4 + 1);  // about one line per 4 k-steps of the tile: ~1,500 lines over a chunk
@@ -150,16 +149,18 @@ LINATTN_AVX512 void gemm_panel(int M, int K, const T* A, int lda, const T* B, in
 // the last < L columns masked.
 template <typename T, bool TA>
 LINATTN_AVX512 void gemm_tiles(int M, int N, int K, const T* A, int lda, const T* B, int ldb, T beta, T* C, int ldc,
-                               T alpha) {
+                               T alpha, PrefetchQueue& hints) {
   using Z = Zmm<T>;
   constexpr int L = Z::L;
   const typename Z::Mask full = static_cast<typename Z::Mask>(~0u);
   int j = 0;
-  for (; j + 2 * L <= N; j += 2 * L) gemm_panel<T, 2, TA, false>(M, K, A, lda, B + j, ldb, C + j, ldc, alpha, beta, full);
-  for (; j + L <= N; j += L) gemm_panel<T, 1, TA, false>(M, K, A, lda, B + j, ldb, C + j, ldc, alpha, beta, full);
+  for (; j + 2 * L <= N; j += 2 * L)
+    gemm_panel<T, 2, TA, false>(M, K, A, lda, B + j, ldb, C + j, ldc, alpha, beta, full, hints);
+  for (; j + L <= N; j += L)
+    gemm_panel<T, 1, TA, false>(M, K, A, lda, B + j, ldb, C + j, ldc, alpha, beta, full, hints);
   if (j < N) {
     const auto last = static_cast<typename Z::Mask>((1u << (N - j)) - 1u);
-    gemm_panel<T, 1, TA, true>(M, K, A, lda, B + j, ldb, C + j, ldc, alpha, beta, last);
+    gemm_panel<T, 1, TA, true>(M, K, A, lda, B + j, ldb, C + j, ldc, alpha, beta, last, hints);
   }
 }
 
@@ -235,6 +236,7 @@ template <typename T, bool TA>
 void gemm_blocks(bool tb, int M, int N, int K, const T* A, int lda, const T* B, int ldb, T beta, T* C, int ldc,
                  T alpha) {
   constexpr int KC = 256, MC = 120;
+  PrefetchQueue& hints = prefetch_queue();  // one thread-local lookup per product, not per panel
   for (int k0 = 0;; k0 += KC) {
     const int kb = std::min(KC, K - k0);
     const T* b = tb ? transposed(N, kb, B + k0, ldb) : B + static_cast<int64_t>(k0) * ldb;
@@ -242,7 +244,7 @@ void gemm_blocks(bool tb, int M, int N, int K, const T* A, int lda, const T* B, 
     for (int i0 = 0; i0 < M; i0 += MC) {
       const T* a = TA ? A + static_cast<int64_t>(k0) * lda + i0 : A + static_cast<int64_t>(i0) * lda + k0;
       gemm_tiles<T, TA>(std::min(MC, M - i0), N, kb, a, lda, b, ld, k0 == 0 ? beta : T(1),
-                        C + static_cast<int64_t>(i0) * ldc, ldc, alpha);
+                        C + static_cast<int64_t>(i0) * ldc, ldc, alpha, hints);
     }
     if (k0 + KC >= K) break;
   }

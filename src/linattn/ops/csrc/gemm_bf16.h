@@ -92,10 +92,10 @@ LINATTN_AVX512BF16 inline void bf16_tile(int pairs, const uint16_t* a, int64_t a
 // The rows of one column panel: blocks of 12 rows, then the remaining 1–11 in one block.
 template <int W, bool Tail>
 LINATTN_AVX512BF16 void bf16_panel(int M, int pairs, const uint16_t* a, int64_t ars, int64_t aps, const uint32_t* b,
-                                   int64_t ldb, float* C, int ldc, float alpha, float beta, __mmask16 last) {
+                                   int64_t ldb, float* C, int ldc, float alpha, float beta, __mmask16 last,
+                                   PrefetchQueue& hints) {
   constexpr int R = 12;
   int i = 0;
-  PrefetchQueue& hints = prefetch_queue();
   for (; i + R <= M; i += R) {
     bf16_tile<R, W, Tail>(pairs, a + i * ars, ars, aps, b, ldb, C + static_cast<int64_t>(i) * ldc, ldc, alpha, beta,
                           last);
@@ -122,13 +122,16 @@ LINATTN_AVX512BF16 void bf16_panel(int M, int pairs, const uint16_t* a, int64_t 
 // C (M×N) = alpha·op(A) B + beta·C over `pairs` pairs of k, B packed (pairs × N words): panels of 32
 // columns, then one of 16, then the last < 16 masked.
 LINATTN_AVX512BF16 inline void bf16_tiles(int M, int N, int pairs, const uint16_t* a, int64_t ars, int64_t aps,
-                                          const uint32_t* b, float beta, float* C, int ldc, float alpha) {
+                                          const uint32_t* b, float beta, float* C, int ldc, float alpha,
+                                          PrefetchQueue& hints) {
   int j = 0;
-  for (; j + 32 <= N; j += 32) bf16_panel<2, false>(M, pairs, a, ars, aps, b + j, N, C + j, ldc, alpha, beta, 0xFFFF);
-  for (; j + 16 <= N; j += 16) bf16_panel<1, false>(M, pairs, a, ars, aps, b + j, N, C + j, ldc, alpha, beta, 0xFFFF);
+  for (; j + 32 <= N; j += 32)
+    bf16_panel<2, false>(M, pairs, a, ars, aps, b + j, N, C + j, ldc, alpha, beta, 0xFFFF, hints);
+  for (; j + 16 <= N; j += 16)
+    bf16_panel<1, false>(M, pairs, a, ars, aps, b + j, N, C + j, ldc, alpha, beta, 0xFFFF, hints);
   if (j < N) {
     const auto last = static_cast<__mmask16>((1u << (N - j)) - 1u);
-    bf16_panel<1, true>(M, pairs, a, ars, aps, b + j, N, C + j, ldc, alpha, beta, last);
+    bf16_panel<1, true>(M, pairs, a, ars, aps, b + j, N, C + j, ldc, alpha, beta, last, hints);
   }
 }
 
@@ -168,7 +171,8 @@ LINATTN_AVX512BF16 inline const uint32_t* packed_b(bool tb, int N, int pairs, co
     interleave_rows(B + static_cast<int64_t>(k0) * ldb, ldb, pairs, N, buf.data());
   } else {  // an odd row stride: word by word
     for (int p = 0; p < pairs; ++p)
-      for (int j = 0; j < N; ++j) buf[static_cast<size_t>(p) * N + j] = pair_at(B + static_cast<int64_t>(j) * ldb + k0 + 2 * p);
+      for (int j = 0; j < N; ++j)
+        buf[static_cast<size_t>(p) * N + j] = pair_at(B + static_cast<int64_t>(j) * ldb + k0 + 2 * p);
   }
   return buf.data();
 }
@@ -180,6 +184,7 @@ LINATTN_AVX512BF16 inline void bf16_gemm_rm(bool ta, bool tb, int M, int N, int 
   constexpr int KC = 256, MC = 120;
   const int even = K - K % 2;
   thread_local std::vector<uint32_t> a_buf;
+  PrefetchQueue& hints = prefetch_queue();
   for (int k0 = 0;; k0 += KC) {
     const int pairs = std::min(KC, even - k0) / 2;
     const uint32_t* b = packed_b(tb, N, pairs, B, ldb, k0);
@@ -192,13 +197,14 @@ LINATTN_AVX512BF16 inline void bf16_gemm_rm(bool ta, bool tb, int M, int N, int 
     }
     for (int i0 = 0; i0 < M; i0 += MC)
       bf16_tiles(std::min(MC, M - i0), N, pairs, a + i0 * ars, ars, aps, b, k0 == 0 ? beta : 1.0f,
-                 C + static_cast<int64_t>(i0) * ldc, ldc, alpha);
+                 C + static_cast<int64_t>(i0) * ldc, ldc, alpha, hints);
     if (k0 + KC >= even) break;
   }
   if (K % 2 == 1) {  // the last k: C += alpha · op(A)[:, K − 1] op(B)[K − 1, :]
     const int k = K - 1;
     for (int i = 0; i < M; ++i) {
-      const float ai = alpha * bf16_value(ta ? A[static_cast<int64_t>(k) * lda + i] : A[static_cast<int64_t>(i) * lda + k]);
+      const uint16_t a = ta ? A[static_cast<int64_t>(k) * lda + i] : A[static_cast<int64_t>(i) * lda + k];
+      const float ai = alpha * bf16_value(a);
       float* c = C + static_cast<int64_t>(i) * ldc;
       for (int j = 0; j < N; ++j)
         c[j] += ai * bf16_value(tb ? B[static_cast<int64_t>(j) * ldb + k] : B[static_cast<int64_t>(k) * ldb + j]);
