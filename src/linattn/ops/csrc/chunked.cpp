@@ -64,7 +64,7 @@ void chunked_rows(const Rows& rows, const at::Tensor& q, const at::Tensor& k, co
     const SequentialBlas one_thread;
     Aligned<Acc> A(chunk * chunk), den(chunk), U(low_out ? chunk * E : 0);
     Aligned<M> A_low(low_op ? chunk * chunk : 0), S_low(low_op ? F * E : 0), Vw(widen ? chunk * E : 0);
-    BlockFeatures<T, M> fb(phi, block, F);
+    BlockFeatures<T, M> fb(phi, chunk, F);
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t r = rows.row(i), N = rows.length(r), t_row = rows.start(r);
       Acc* S = pS + r * F * E;
@@ -76,17 +76,18 @@ void chunked_rows(const Rows& rows, const at::Tensor& q, const at::Tensor& k, co
           std::copy(S, S + F * E, saves->S_blocks + b * F * E);
           std::copy(z, z + F, saves->z_blocks + b * F);
         }
-        fb.compute(pq + (t_row + s) * F, pk + (t_row + s) * F, m * F, phi);
         for (int64_t c0 = 0; c0 < m; c0 += chunk) {
           const int c = static_cast<int>(std::min(chunk, m - c0)), f = static_cast<int>(F), e = static_cast<int>(E);
-          const M* Qc = fb.Q + c0 * F;
-          const M* Kc = fb.K + c0 * F;
+          // the chunk's features, from rows hinted while the chunk before ran
+          fb.compute(pq + (t_row + s + c0) * F, pk + (t_row + s + c0) * F, int64_t(c) * F, phi);
+          const M* Qc = fb.Q;
+          const M* Kc = fb.K;
           const M* Vc = as_operand<M>(pv + (t_row + s + c0) * E, Vw, int64_t(c) * E);
           T* Oc = po + (t_row + s + c0) * E;
-          prefetch_ahead(pq, pk, pv, po, t_row, s + c0, std::min(N, s + c0 + chunk), block, N, F, E);
+          prefetch_ahead(pq, pk, pv, po, t_row, s + c0, std::min(N, s + c0 + chunk), N, F, E);
           gemm_rm<M>(false, true, c, c, f, Qc, f, Kc, f, Acc(0), A.data(), c);  // A = Q̃K̃ᵀ
           if (normalize) {
-            mask_and_denominators(A.data(), c, fb.Qa + c0 * F, z, F, eps_t, den.data());
+            mask_and_denominators(A.data(), c, fb.Qa, z, F, eps_t, den.data());
             if (saves != nullptr) std::copy(den.begin(), den.begin() + c, saves->den + t_row + s + c0);
           } else {
             mask_upper(A.data(), c);
@@ -105,7 +106,7 @@ void chunked_rows(const Rows& rows, const at::Tensor& q, const at::Tensor& k, co
             divide_rows(U_out, den.data(), c, E);
           }
           gemm_rm<M>(true, false, f, e, c, Kc, f, Vc, e, Acc(1), S, e);  // S += K̃ᵀV
-          add_column_sums(z, fb.Ka + c0 * F, c, F);
+          add_column_sums(z, fb.Ka, c, F);
         }
       }
     }

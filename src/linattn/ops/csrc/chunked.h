@@ -155,24 +155,19 @@ inline void widen_features(const at::BFloat16* src, float* dst, int64_t n, int64
   }
 }
 
-// While the chunk of tokens [t0, t1) of a row (starting at element row0 of q, k, v, o) is computed:
-// the next chunk's v and o, and the same chunk of the next block's q and k (a block's features are
-// computed at its start), are queued to be hinted into cache as the chunk's products run (prefetch.h)
+// While the chunk of tokens [t0, t1) of a row (starting at element row0 of q, k, v, o) is computed, the
+// next chunk's rows of q, k, v and o are queued to be hinted into cache as the chunk's products run
+// (prefetch.h); the chunk loops compute each chunk's features as it starts, from these rows
 template <typename T>
 inline void prefetch_ahead(const T* q, const T* k, const T* v, const T* o, int64_t row0, int64_t t0, int64_t t1,
-                           int64_t block, int64_t N, int64_t F, int64_t E) {
-  const int64_t n = t1 - t0;
+                           int64_t N, int64_t F, int64_t E) {
   prefetch_queue().flush();
-  if (t1 < N) {
-    const int64_t len = std::min(n, N - t1) * E * int64_t(sizeof(T));
-    prefetch_soon(v + (row0 + t1) * E, len);
-    prefetch_soon(o + (row0 + t1) * E, len, true);
-  }
-  if (t0 + block < N) {
-    const int64_t len = std::min(n, N - t0 - block) * F * int64_t(sizeof(T));
-    prefetch_soon(q + (row0 + t0 + block) * F, len);
-    prefetch_soon(k + (row0 + t0 + block) * F, len);
-  }
+  if (t1 >= N) return;
+  const int64_t n = std::min(t1 - t0, N - t1), b = int64_t(sizeof(T));
+  prefetch_soon(q + (row0 + t1) * F, n * F * b);
+  prefetch_soon(k + (row0 + t1) * F, n * F * b);
+  prefetch_soon(v + (row0 + t1) * E, n * E * b);
+  prefetch_soon(o + (row0 + t1) * E, n * E * b, true);
 }
 
 // The features of one block of a row, for inputs of type T and gemm operands of type M (T, or float

@@ -19,7 +19,7 @@ namespace {
 using linattn_pool::empty_result;
 
 // The forward of the rows for inputs of type T and gemm operands of type M (T, or float for bf16 on
-// the fp32 path: then a block's features and a chunk's values are widened in cache, the chunk runs
+// the fp32 path: then a chunk's features and values are widened in cache, the chunk runs
 // the fp32 code, and its outputs are rounded to bf16 once)
 template <typename T, typename M>
 void gated_rows(const Rows& rows, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
@@ -39,7 +39,7 @@ void gated_rows(const Rows& rows, const at::Tensor& q, const at::Tensor& k, cons
   at::parallel_for(0, rows.count(), 1, [&](int64_t i0, int64_t i1) {
     const SequentialBlas one_thread;
     Work<M> wk(chunk, F, E, vector);
-    BlockFeatures<T, M> fb(phi, block, F);
+    BlockFeatures<T, M> fb(phi, chunk, F);
     Aligned<M> Vw(widen ? chunk * E : 0), Ow(widen ? chunk * E : 0);
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t r = rows.row(i), N = rows.length(r), t_row = rows.start(r);
@@ -52,12 +52,13 @@ void gated_rows(const Rows& rows, const at::Tensor& q, const at::Tensor& k, cons
           std::copy(S, S + F * E, saves->S_blocks + b * F * E);
           if (normalize) std::copy(z, z + F, saves->z_blocks + b * F);
         }
-        fb.compute(pq + (t_row + s) * F, pk + (t_row + s) * F, m * F, phi);
         for (int64_t c0 = 0; c0 < m; c0 += chunk) {
           const int c = static_cast<int>(std::min(chunk, m - c0));
           const int64_t t0 = t_row + s + c0;
           Acc* den_out = saves != nullptr && normalize ? saves->den + t0 : nullptr;
-          prefetch_ahead(pq, pk, pv, po, t_row, s + c0, std::min(N, s + c0 + chunk), block, N, F, E);
+          // the chunk's features, from rows hinted while the chunk before ran
+          fb.compute(pq + t0 * F, pk + t0 * F, int64_t(c) * F, phi);
+          prefetch_ahead(pq, pk, pv, po, t_row, s + c0, std::min(N, s + c0 + chunk), N, F, E);
           if (s + c0 + c < N)  // the next chunk's gates (per channel: as many bytes as its q)
             prefetch_soon(pg + (t0 + c) * G, std::min<int64_t>(chunk, N - s - c0 - c) * G * int64_t(sizeof(Acc)));
           const M* V = as_operand<M>(pv + t0 * E, Vw, int64_t(c) * E);
@@ -68,11 +69,9 @@ void gated_rows(const Rows& rows, const at::Tensor& q, const at::Tensor& k, cons
             O = po + t0 * E;
           }
           if (vector) {
-            vector_chunk_forward<M>(wk, c, F, E, fb.Qa + c0 * F, fb.Ka + c0 * F, V, pg + t0 * G, S, z, O, normalize,
-                                    eps_t, den_out);
+            vector_chunk_forward<M>(wk, c, F, E, fb.Qa, fb.Ka, V, pg + t0 * G, S, z, O, normalize, eps_t, den_out);
           } else {
-            scalar_chunk_forward<M>(wk, c, F, E, fb.Q + c0 * F, fb.K + c0 * F, fb.Qa + c0 * F, fb.Ka + c0 * F, V,
-                                    pg + t0, S, z, O, normalize, eps_t);
+            scalar_chunk_forward<M>(wk, c, F, E, fb.Q, fb.K, fb.Qa, fb.Ka, V, pg + t0, S, z, O, normalize, eps_t);
             if (den_out != nullptr) std::copy(wk.den.begin(), wk.den.begin() + c, den_out);
           }
           if constexpr (widen) narrow_bf16(O, po + t0 * E, int64_t(c) * E);
