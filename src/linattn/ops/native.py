@@ -250,16 +250,20 @@ def bf16_choice() -> precision.Bf16Choice:
 
 
 def bf16_tiles() -> bool:
-    """The fused kernels multiply bf16 operands by their own AVX512-BF16 tiles (csrc/gemm_bf16.h)."""
-    return available() and bool(torch.ops.linattn_cpu.uses_bf16_tiles())
+    """The fused kernels multiply bf16 operands by their own AVX512-BF16 tiles (csrc/gemm_bf16.h);
+    read once, like `tile_gemm`."""
+    if not available():
+        return False
+    if "bf16_tiles" not in _state:
+        _state["bf16_tiles"] = bool(torch.ops.linattn_cpu.uses_bf16_tiles())
+    return _state["bf16_tiles"]
 
 
 def _fused_choice(mode: str) -> precision.Bf16Choice:
     tiles = bf16_tiles()
-    if tiles and mode == "auto":
-        return precision.Bf16Choice(torch.bfloat16, "AVX512-BF16: linattn's bf16 register tiles")
     ok = tiles or (available() and bool(torch.ops.linattn_cpu.has_blas_bf16()))
-    return precision.choose(precision.cpu_bf16_features(), None, "MKL's bf16 gemm", mode, available=ok)
+    return precision.choose(precision.cpu_bf16_features(), None, "MKL's bf16 gemm", mode, available=ok,
+                            faster="AVX512-BF16: linattn's bf16 register tiles" if tiles else None)
 
 
 def bf16_compute() -> torch.dtype:
@@ -299,7 +303,7 @@ def chunked_ready(dtype: torch.dtype) -> bool:
     key = "blas_bf16" if low else "blas"
     if _state.get(key) is None:
         ops = torch.ops.linattn_cpu
-        _state[key] = bool((ops.has_blas_bf16() or ops.uses_bf16_tiles()) if low else ops.has_blas())
+        _state[key] = (bool(ops.has_blas_bf16()) or bf16_tiles()) if low else bool(ops.has_blas())
     return _state[key]
 
 

@@ -108,18 +108,22 @@ def _proc_cpu_flags() -> set[str] | None:
 
 
 def choose(features: dict, probe: Callable[[], float] | None, what: str, forced: str = "auto", *,
-           available: bool = True) -> Bf16Choice:
+           available: bool = True, faster: str | None = None) -> Bf16Choice:
     """The rule of the module doc for one place (`what`, e.g. "MKL's bf16 gemm").
 
     features: `cpu_bf16_features()`; probe: measures time(fp32 form) / time(bf16 form) (> 1: bf16
     faster), called only when the flags are inconclusive; None: there fp32 is taken untimed;
-    forced: the LINATTN_BF16_PATH mode; available: False when no bf16 form exists here (→ fp32)."""
+    forced: the LINATTN_BF16_PATH mode; available: False when no bf16 form exists here (→ fp32);
+    faster: the reason, when a bf16 form here is known to beat fp32 without AMX (linattn's AVX512-BF16
+    tiles): then bf16 is taken as with AMX."""
     if not available:
         return Bf16Choice(torch.float32, f"{what} is not available", forced=forced != "auto")
     if forced == "bf16":
         return Bf16Choice(torch.bfloat16, f"forced by {ENV}=bf16", forced=True)
     if forced == "fp32":
         return Bf16Choice(torch.float32, f"forced by {ENV}=fp32", forced=True)
+    if faster is not None:
+        return Bf16Choice(torch.bfloat16, faster)
     if features.get("amx"):
         return Bf16Choice(torch.bfloat16, "AMX")
     if features.get("dot") is False:
