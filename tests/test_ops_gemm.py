@@ -57,12 +57,14 @@ def test_gemm_chunk_shapes_in_float64(m, n, k, ta, tb):
     torch.testing.assert_close(out, _reference(a, b, c, ta, tb, 1.0, 1.0), rtol=1e-13, atol=1e-12)
 
 
-@pytest.mark.parametrize("m, n, k", [(300, 100, 600), (130, 200, 257), (129, 33, 256)])
+@pytest.mark.parametrize("m, n, k", [(300, 100, 600), (130, 200, 257), (129, 33, 256), (130, 600, 300),
+                                     (40, 257, 520)])
 @pytest.mark.parametrize("tb", [False, True])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_gemm_blocks_of_k_and_rows_and_column_splits(m, n, k, tb, threads):
-    """Products larger than one block (k > 256 in blocks added to C, rows in blocks of 128) and, with
-    one product and two threads, its columns split between the threads."""
+    """Products larger than one block (k > 256 in blocks added to C, rows in blocks of 120, columns in
+    blocks of 256, the last one partial) and, with one product and two threads, its columns split between
+    the threads."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
