@@ -42,6 +42,13 @@ def test_bench_hf_tiny_table(tmp_path, capsys):
         assert (r["floor_s"] is not None and r["floor_s"] > 0) == (r["metric"] == "decode")
         assert r["weight_bytes"] == 4 * sum(linears)
         assert r["accelerate"] > 0 and r["accelerate_note"] is None
+    for r in rows:  # the decode row's accelerate and floor come from rounds that alternate them
+        if r["metric"] == "decode":
+            assert r["rounds"] == 3 and list(r["ratios"]) == ["accelerate / floor"] and r["ratios"][
+                "accelerate / floor"] > 0
+        else:
+            assert "ratios" not in r
+    assert "decode (tiny, 1 thread(s)), 3 alternated rounds" in printed
     assert "transformers' Qwen3.5" in printed and "gemv floor (same weights)" in printed
     assert all(r["llama.cpp F32"] is None and r["llama.cpp Q8_0"] is None for r in rows)
     assert data["llama_cpp"] == [{"shape": "tiny", "check": None, "notes": {
@@ -62,7 +69,17 @@ def test_bench_hf_without_accelerate_prints_na(tmp_path, capsys, monkeypatch):
     assert "accelerate n/a: this linattn has no linattn.hf.accelerate" in printed
 
 
+def test_bench_hf_decode_rounds_zero_measures_apart(tmp_path, capsys):
+    data, printed = run_tiny(tmp_path, capsys, "--no-llama-cpp", "--decode-rounds", "0", "--threads", "1")
+    decode = next(r for r in data["results"] if r["metric"] == "decode")
+    assert "ratios" not in decode and decode["accelerate"] > 0 and decode["floor_s"] > 0
+    assert "alternated rounds" not in printed
+
+
 def test_bench_hf_options_are_checked(capsys):
     with pytest.raises(SystemExit):
         main(["bench", "hf", "--shapes", "qwen9"])
     assert "shapes must be among tiny,small,qwen3.5-0.8b" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["bench", "hf", "--decode-rounds", "-1"])
+    assert "--decode-rounds: expected an integer >= 0, got -1" in capsys.readouterr().err

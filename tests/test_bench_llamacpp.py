@@ -99,6 +99,21 @@ def test_render_sets_accelerate_against_llama_cpp():
     assert "llama.cpp F32 greedy check (tiny): 1/2 next tokens DIFFER" in text
 
 
+def test_render_takes_the_alternated_rounds_ratio():
+    """A decode row measured in alternated rounds: "accelerate vs F32" is the median ratio within the rounds
+    (here 1.25×), not the ratio of the two median rounds (3.00×), and the rounds' ratios are printed."""
+    r = {"shape": "tiny", "threads": 2, "metric": "decode", "transformers": 7.0, "kernels": 7.0, "accelerate": 1.0,
+         "llama.cpp F32": 3.0, "llama.cpp Q8_0": None, "floor_s": 0.9, "weight_bytes": 0, "accelerate_note": None,
+         "llama_cpp_note": None, "rounds": 3,
+         "ratios": {"accelerate / floor": 1.11, "llama.cpp F32 / floor": 1.39, "llama.cpp F32 / accelerate": 1.25}}
+    console = Console(record=True, width=400)
+    render_hf({"results": [r], "llama_cpp": []}, console)
+    text = console.export_text()
+    assert "1.25×" in text and "3.00×" not in text
+    assert ("decode (tiny, 2 thread(s)), 3 alternated rounds, ratios of times within a round (median): accelerate "
+            "/ floor 1.11×, llama.cpp F32 / floor 1.39×, llama.cpp F32 / accelerate 1.25×") in text
+
+
 def test_tiny_end_to_end_greedy_tokens_equal_transformers(tmp_path, capsys):
     """`linattn bench hf` on the tiny shape with llama.cpp: both GGUFs measured, F32's greedy tokens
     transformers'."""
@@ -122,4 +137,8 @@ def test_tiny_end_to_end_greedy_tokens_equal_transformers(tmp_path, capsys):
         assert rows["prefill 16"][c] > 0 and rows["decode"][c] > 0 and rows["train 16"][c] is None
         assert rows["decode int8"][c] is None and rows["decode"]["llama_cpp_note"] is None
     assert "llama.cpp F32 greedy check (tiny): 4/4 next tokens equal" in printed
+    decode = rows["decode"]  # accelerate, the floor and llama.cpp F32 in alternated rounds
+    assert decode["rounds"] == 3 and set(decode["ratios"]) == {
+        "accelerate / floor", "llama.cpp F32 / floor", "llama.cpp F32 / accelerate"}
+    assert all(v > 0 for v in decode["ratios"].values())
     assert "accelerate vs Q8_0" in printed and "llama.cpp n/a" not in printed

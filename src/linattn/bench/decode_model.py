@@ -24,7 +24,6 @@ step stands beside the floor of its own format.
 from __future__ import annotations
 
 import re
-import statistics
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -35,7 +34,7 @@ from ..models import KINDS, LinearTransformerLM, ModelConfig
 from ..report import fmt_time, make_table, progress
 from .consistency import unstable
 from .methods import short_dtype
-from .timing import Timing, measure
+from .timing import alternate, median_round, round_ratio
 
 #: the kinds a model row can take: those with a constant-size state (softmax's KV cache grows)
 MODEL_KINDS = tuple(k.name for k in KINDS.values() if k.rnn)
@@ -131,27 +130,18 @@ def _point(model, batch: int, ctx: int, cfg: ModelDecodeConfig) -> dict:
     fns = {"eager": eager, "fused": lambda: decoder.step(tok), "stream": decoder.weight_streaming}
     for fn in fns.values():
         fn()
-    # rounds that alternate the three (a loaded machine drifts between measurements); median of rounds
-    per_round = {key: [] for key in fns}
-    for _ in range(cfg.rounds):
-        for key, fn in fns.items():
-            per_round[key].append(measure(fn, min_run_time=cfg.min_run_time / cfg.rounds))
-    times = {key: _median_timing(ts) for key, ts in per_round.items()}
+    per_round = alternate(fns, rounds=cfg.rounds, min_run_time=cfg.min_run_time)
+    times = {key: median_round(ts) for key, ts in per_round.items()}
     row = {key: t.as_dict() for key, t in times.items()}
     stream = times["stream"].median
-    def ratio(a: str, b: str) -> float:  # median over the rounds of the ratio within a round
-        return statistics.median(x.median / y.median for x, y in zip(per_round[a], per_round[b]))
+
+    def ratio(a: str, b: str) -> float:
+        return round_ratio(per_round, a, b)
 
     row.update(weight_bytes=decoder.weight_bytes, stream_gb_s=decoder.weight_bytes / stream / 1e9,
                fused_over_stream=ratio("fused", "stream"), eager_over_stream=ratio("eager", "stream"),
                eager_over_fused=ratio("eager", "fused"), fused_tokens_s=batch / times["fused"].median)
     return row
-
-
-def _median_timing(ts: list[Timing]) -> Timing:
-    """The round whose median is the median of the rounds' (its IQR with it), blocks summed."""
-    mid = sorted(ts, key=lambda t: t.median)[len(ts) // 2]
-    return Timing(median=mid.median, iqr=mid.iqr, blocks=sum(t.blocks for t in ts))
 
 
 def run_model_decode(cfg: ModelDecodeConfig, console: Console | None = None) -> dict:

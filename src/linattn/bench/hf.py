@@ -48,7 +48,7 @@ from torch import nn
 
 from ..report import make_table, progress
 from . import llamacpp
-from .timing import measure
+from .timing import alternate, measure, median_round, round_ratio
 
 _LINEAR_HEADS = dict(linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=16,
                      linear_num_value_heads=16, linear_conv_kernel_dim=4)
@@ -83,11 +83,17 @@ class HfBenchConfig:
     llama_cpp: bool = True
     #: llama.cpp's converter: a llama.cpp checkout or llama-cpp-python sdist (None: $LINATTN_LLAMA_CPP_SOURCE)
     llama_cpp_source: str | None = None
+    #: rounds that alternate accelerate's fp32 decode, its gemv floor and llama.cpp F32's decode (the decode
+    #: row's figures and ratios then come from them: the machine's memory bandwidth drifts between
+    #: measurements taken minutes apart); 0: each measured once, apart
+    decode_rounds: int = 3
 
     def __post_init__(self):
         bad = [s for s in self.shapes if s not in SHAPES]
         if bad or not self.shapes:
             raise ValueError(f"shapes must be among {','.join(SHAPES)}, got {self.shapes!r}")
+        if self.decode_rounds < 0:
+            raise ValueError(f"decode_rounds must be >= 0, got {self.decode_rounds}")
         for name in ("decode_prompt", "train_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -124,18 +130,17 @@ def torch_path():
             setattr(module, n, f)
 
 
-def gemv_floor(model: nn.Module, min_run_time: float, dtype: torch.dtype = torch.float32) -> tuple[float, int]:
-    """(seconds, bytes) to read every nn.Linear weight of `model` once with the fused decoder's
-    matrix-vector kernels at B = 1 (one product per weight, as a fused step runs them: fp32
+def floor_plan(model: nn.Module, dtype: torch.dtype = torch.float32):
+    """(plan, bytes): a DecodePlan whose `stream()` reads every nn.Linear weight of `model` once with the
+    fused decoder's matrix-vector kernels at B = 1 (one product per weight, as a fused step runs them: fp32
     activations, the weights as they are, fp32, bf16 (dtype bfloat16) or torchao int8; with torchao's
-    dynamic int8, the activations rounded to int8 and integer products)."""
+    dynamic int8, the activations rounded to int8 and integer products), and the bytes it reads."""
     from ..models.weights import activation_quantization, plan_weight
     from ..ops import native
 
     if not (native.enabled() and native.load()):
         raise ValueError("bench hf: the gemv floor needs the fused CPU kernels (linattn.ops.native), which did not load")
     plan = torch.classes.linattn_cpu.DecodePlan(1, dtype == torch.bfloat16)
-    keep = []
     for lin in (m for m in model.modules() if isinstance(m, nn.Linear)):
         t, kn = plan_weight(lin, dtype)
         t.pop("bias", None)
@@ -143,8 +148,12 @@ def gemv_floor(model: nn.Module, min_run_time: float, dtype: torch.dtype = torch
         x, out = torch.zeros(1, lin.in_features), torch.zeros(1, lin.out_features)  # fp32, as the plan's buffers
         plan.add("group", {"input": x}, {"_": 0}, {"_": 0.0})
         plan.add("product", {**t, "out": out}, {"kn": kn, "epilogue": 0, "act_quant": act}, {"_": 0.0})
-        keep.append((t, x, out))
-    total = int(plan.weight_bytes())
+    return plan, int(plan.weight_bytes())
+
+
+def gemv_floor(model: nn.Module, min_run_time: float, dtype: torch.dtype = torch.float32) -> tuple[float, int]:
+    """(seconds, bytes) of floor_plan(model, dtype).stream(): the bound a decoding step at B = 1 cannot beat."""
+    plan, total = floor_plan(model, dtype)
     return measure(plan.stream, min_run_time=min_run_time).median, total
 
 
@@ -174,17 +183,44 @@ def _metrics(model, cfg: HfBenchConfig, vocab: int) -> dict:
     return out
 
 
-def _decode(model, cfg: HfBenchConfig, vocab: int, g: torch.Generator) -> float:
-    """Seconds per token of a one-token forward on the cache of a `decode_prompt`-token prompt."""
+def _decode_step(model, cfg: HfBenchConfig, vocab: int, g: torch.Generator):
+    """A function running one one-token forward on the cache of a `decode_prompt`-token prompt (the cache
+    grows by a token a call)."""
     prompt = torch.randint(0, vocab, (1, cfg.decode_prompt), generator=g)
     with torch.no_grad():
-        cache = model(prompt, use_cache=True, logits_to_keep=1).past_key_values
+        cache = model(prompt, use_cache=True, logits_to_keep=1).cache
     tok = prompt[:, -1:]
 
-    def step():  # one token on the cache (which grows by one token a call)
+    def step():
         with torch.no_grad():
-            model(tok, past_key_values=cache, use_cache=True, logits_to_keep=1)
-    return measure(step, min_run_time=cfg.min_run_time).median
+            model(tok, cache=cache, use_cache=True, logits_to_keep=1)
+    return step
+
+
+def _decode(model, cfg: HfBenchConfig, vocab: int, g: torch.Generator) -> float:
+    """Seconds per token of _decode_step."""
+    return measure(_decode_step(model, cfg, vocab, g), min_run_time=cfg.min_run_time).median
+
+
+def _decode_contest(acc, model, threads: int, cfg: HfBenchConfig, ggufs: llamacpp.Ggufs, vocab: int,
+                    llama_probe: float | None) -> dict:
+    """accelerate's fp32 decode, the gemv floor of `model` and (where its GGUF runs) llama.cpp F32's decode,
+    in cfg.decode_rounds rounds that alternate them on `threads` threads: {"rounds", "seconds": {name:
+    median round}, "ratios": {"a / b": median over the rounds of the within-round ratio}}."""
+    plan, _ = floor_plan(model)
+    fns = {"accelerate": _decode_step(acc, cfg, vocab, torch.Generator().manual_seed(cfg.seed)),
+           "floor": plan.stream}
+    prompt = torch.randint(0, vocab, (cfg.decode_prompt,), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
+    with contextlib.ExitStack() as stack:
+        if llamacpp.F32 in ggufs.paths and llama_probe:
+            fns[llamacpp.F32] = stack.enter_context(llamacpp.decode_stepper(
+                ggufs.paths[llamacpp.F32], threads, prompt, cfg.min_run_time + 0.2 * cfg.decode_rounds, llama_probe))
+        for fn in fns.values():
+            fn()
+        per_round = alternate(fns, rounds=cfg.decode_rounds, min_run_time=cfg.min_run_time)
+    pairs = [("accelerate", "floor"), (llamacpp.F32, "floor"), (llamacpp.F32, "accelerate")]
+    return {"rounds": cfg.decode_rounds, "seconds": {k: median_round(ts).median for k, ts in per_round.items()},
+            "ratios": {f"{a} / {b}": round_ratio(per_round, a, b) for a, b in pairs if a in fns}}
 
 
 def _low_precision_decodes(acc, cfg: HfBenchConfig, vocab: int) -> list[dict]:
@@ -253,6 +289,14 @@ def _point(shape: str, model, threads: int, cfg: HfBenchConfig, ggufs: llamacpp.
     llama, llama_notes = llamacpp.columns(ggufs, threads, cfg.lengths, cfg.decode_prompt, cfg.min_run_time, vocab,
                                           cfg.seed)
     llama_note = "; ".join(f"{c}: {n}" for c, n in llama_notes.items()) or None
+    contest = None
+    if cfg.decode_rounds and cols["accelerate"] is not None:
+        torch.set_num_threads(threads)
+        try:
+            contest = _decode_contest(acc, model, threads, cfg, ggufs, vocab,
+                                      (llama[llamacpp.F32] or {}).get("decode"))
+        finally:
+            torch.set_num_threads(before)
     rows = []
     for metric in cols["transformers"]:
         row = {"shape": shape, "threads": threads, "metric": metric}
@@ -264,6 +308,10 @@ def _point(shape: str, model, threads: int, cfg: HfBenchConfig, ggufs: llamacpp.
         row["weight_bytes"] = weight_bytes
         row["accelerate_note"] = why
         row["llama_cpp_note"] = llama_note
+        if metric == "decode" and contest is not None:  # the alternated rounds' figures replace the apart ones
+            row["accelerate"], row["floor_s"] = contest["seconds"]["accelerate"], contest["seconds"]["floor"]
+            row[llamacpp.F32] = contest["seconds"].get(llamacpp.F32, row[llamacpp.F32])
+            row["rounds"], row["ratios"] = contest["rounds"], contest["ratios"]
         rows.append(row)
     for low in low_precision:  # accelerate only: transformers' own path has no fused int8 / bf16 decode here
         rows.append({"shape": shape, "threads": threads, "metric": f"decode {low['weights']}", "transformers": None,
@@ -307,6 +355,8 @@ def _vs_llama(rows: list[dict], r: dict, col: str) -> str:
     """How many times faster accelerate is than llama.cpp column `col` on row `r`; the int8 decode is
     set against llama.cpp's Q8_0 decode (both int8 weights), and so is the int8 dynamic one."""
     theirs = r[col]
+    if (ratio := r.get("ratios", {}).get(f"{col} / accelerate")) is not None:
+        return f"{ratio:.2f}×"
     if r["metric"] in ("decode int8", "decode int8 dyn") and col == "llama.cpp Q8_0":
         theirs = next((o[col] for o in rows if (o["shape"], o["threads"], o["metric"]) ==
                        (r["shape"], r["threads"], "decode")), None)
@@ -336,6 +386,11 @@ def render_hf(res: dict, console: Console) -> None:
         console.print(f"accelerate n/a: {note}", highlight=False)
     for note in sorted({r.get("llama_cpp_note") for r in res["results"] if r.get("llama_cpp_note")}):
         console.print(f"llama.cpp n/a: {note}", highlight=False)
+    for r in res["results"]:
+        if r.get("ratios"):
+            said = ", ".join(f"{k} {v:.2f}×" for k, v in r["ratios"].items())
+            console.print(f"decode ({r['shape']}, {r['threads']} thread(s)), {r['rounds']} alternated rounds, ratios "
+                          f"of times within a round (median): {said}", highlight=False)
     for entry in res.get("llama_cpp", []):
         if (c := entry["check"]) is not None:
             same = sum(a == b for a, b in zip(c["llama.cpp"], c["transformers"]))
@@ -383,5 +438,6 @@ def plot_hf(res: dict, path) -> None:
     fig.savefig(path, dpi=100)
 
 
-__all__ = ["COLUMNS", "HfBenchConfig", "LLAMA_COLUMNS", "SHAPES", "check_hf", "gemv_floor", "plot_hf", "qwen_model",
+__all__ = ["COLUMNS", "HfBenchConfig", "LLAMA_COLUMNS", "SHAPES", "check_hf", "floor_plan", "gemv_floor", "plot_hf",
+           "qwen_model",
            "render_hf", "run_hf"]

@@ -233,10 +233,12 @@ def greedy_check(path: Path, model: nn.Module, seed: int, steps: int = GREEDY_ST
             "max_abs_logit_diff": diff}
 
 
-def _decode_seconds(path: Path, threads: int, prompt: list[int], min_run_time: float, probe: float) -> float:
-    """Seconds per one-token eval after `prompt`, on a context sized for the calls measure() makes at
-    `probe` seconds a token (with room for a 3× speed-up)."""
-    calls = int(3 * (min_run_time + 0.1) / max(probe, 1e-6)) + 64
+@contextlib.contextmanager
+def decode_stepper(path: Path, threads: int, prompt: list[int], seconds: float, probe: float):
+    """A function that evaluates one more token after `prompt` (GGUF `path`, `threads` threads), on a
+    context sized for `seconds` of such calls at `probe` seconds a token (with room for a 3× speed-up);
+    the model is closed on exit."""
+    calls = int(3 * (seconds + 0.1) / max(probe, 1e-6)) + 64
     n_ctx = len(prompt) + calls
     llm = _llama(path, threads, n_ctx, min(len(prompt), 512))
     try:
@@ -247,9 +249,15 @@ def _decode_seconds(path: Path, threads: int, prompt: list[int], min_run_time: f
             if llm.n_tokens >= n_ctx:
                 raise RuntimeError(f"decode filled its context of {n_ctx} tokens (probe {probe * 1e3:.3f} ms/token)")
             llm.eval(tok)
-        return measure(step, min_run_time=min_run_time).median
+        yield step
     finally:
         llm.close()
+
+
+def _decode_seconds(path: Path, threads: int, prompt: list[int], min_run_time: float, probe: float) -> float:
+    """Seconds per one-token eval after `prompt` (decode_stepper)."""
+    with decode_stepper(path, threads, prompt, min_run_time, probe) as step:
+        return measure(step, min_run_time=min_run_time).median
 
 
 def metrics(path: Path, threads: int, lengths: list[int], decode_prompt: int, min_run_time: float, vocab: int,
@@ -295,4 +303,5 @@ def columns(ggufs: Ggufs, threads: int, lengths: list[int], decode_prompt: int, 
 
 
 __all__ = ["ENV_SOURCE", "F32", "FORMATS", "Ggufs", "byte_tokenizer", "columns", "convert", "converted",
+           "decode_stepper",
            "find_converter", "greedy_check", "metrics", "prepare_folder", "why_unavailable"]

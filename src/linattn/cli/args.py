@@ -41,15 +41,24 @@ def dtype_arg(value: str) -> str:
     return value
 
 
-def positive_int(value: str) -> int:
-    """argparse type: an integer > 0."""
+def _int_at_least(value: str, low: int, what: str) -> int:
     try:
         n = int(value)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r} (pass e.g. 8)") from None
-    if n <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {n} (pass e.g. 8)")
+        raise argparse.ArgumentTypeError(f"expected {what}, got {value!r} (pass e.g. 8)") from None
+    if n < low:
+        raise argparse.ArgumentTypeError(f"expected {what}, got {n} (pass e.g. 8)")
     return n
+
+
+def positive_int(value: str) -> int:
+    """argparse type: an integer > 0."""
+    return _int_at_least(value, 1, "a positive integer")
+
+
+def nonnegative_int(value: str) -> int:
+    """argparse type: an integer >= 0."""
+    return _int_at_least(value, 0, "an integer >= 0")
 
 
 def float_in(low: float, high: float = float("inf"), *, low_inclusive: bool = False, example: str = "0.5"):

@@ -9,8 +9,8 @@ import sys
 import torch
 from rich.console import Console
 
-from .args import (add_command, add_common_options, int_list, positive_float, positive_int, resolve_device,
-                   torch_dtype)
+from .args import (add_command, add_common_options, int_list, nonnegative_int, positive_float, positive_int,
+                   resolve_device, torch_dtype)
 from ..ops.linear.chunked import DEFAULT_CHUNK_SIZE
 from ..report import args_dict, machine_info, make_console, output_dir, timestamp, write_json
 
@@ -92,6 +92,9 @@ def _add_hf_parser(sub) -> None:
                          "also need llama-cpp-python (the llamacpp extra)")
     hf.add_argument("--no-llama-cpp", dest="llama_cpp", action="store_false",
                     help="skip the llama.cpp columns (no GGUF conversion)")
+    hf.add_argument("--decode-rounds", type=nonnegative_int, default=3, metavar="N",
+                    help="rounds that alternate accelerate's fp32 decode, the gemv floor and llama.cpp F32's decode, "
+                         "the decode row's figures and ratios (0: each measured once, apart; default: %(default)s)")
     add_common_options(hf)
 
 
@@ -368,5 +371,6 @@ def run_hf_command(args) -> int:
         raise ValueError("bench hf runs on the CPU (the fused decoder and its gemv floor)")
     cfg = HfBenchConfig(shapes=args.shapes, threads=args.threads, lengths=args.lengths,
                         decode_prompt=args.decode_prompt, train_len=args.train_len, min_run_time=args.min_run_time,
-                        seed=args.seed, llama_cpp=args.llama_cpp, llama_cpp_source=args.llama_cpp_source)
+                        seed=args.seed, llama_cpp=args.llama_cpp, llama_cpp_source=args.llama_cpp_source,
+                        decode_rounds=args.decode_rounds)
     return _finish("bench-hf", run_hf(cfg, console), args, device, out, console, render_hf, plot_hf, check_hf)
