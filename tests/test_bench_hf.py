@@ -70,7 +70,9 @@ def test_bench_hf_without_accelerate_prints_na(tmp_path, capsys, monkeypatch):
 
 
 def test_bench_hf_decode_rounds_zero_measures_apart(tmp_path, capsys):
-    data, printed = run_tiny(tmp_path, capsys, "--no-llama-cpp", "--decode-rounds", "0", "--threads", "1")
+    data, printed = run_tiny(tmp_path, capsys, "--no-llama-cpp", "--decode-rounds", "0", "--threads", "1",
+                             "--no-huge-pages")
+    assert data["config"]["huge_pages"] is False and data["config"]["decode_rounds"] == 0
     decode = next(r for r in data["results"] if r["metric"] == "decode")
     assert "ratios" not in decode and decode["accelerate"] > 0 and decode["floor_s"] > 0
     assert "alternated rounds" not in printed

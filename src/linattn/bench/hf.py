@@ -28,7 +28,10 @@ converted to GGUF F32 and Q8_0 and run by llama.cpp on the same threads: the col
 "llama.cpp Q8_0" (prefill and decode; training n/a), with llama.cpp F32's greedy tokens checked against
 transformers' in the same run; "n/a" with the reason otherwise, or under `llama_cpp=False`.
 
-Times are medians of torch.utils.benchmark blocked runs (bench.timing.measure, `min_run_time` each).
+Times are medians of torch.utils.benchmark blocked runs (bench.timing.measure, `min_run_time` each);
+the decode row's accelerate, floor and llama.cpp F32 figures come from `decode_rounds` rounds that
+alternate them. The models' weights are first put on transparent huge pages (linattn.models.huge_pages;
+`huge_pages=False` / `--no-huge-pages` leaves them), which every column's decode then streams.
 Shapes (SHAPES): "small", the 4-layer shape of the first measurements (3 Gated DeltaNet + 1 attention,
 hidden 1024); "qwen3.5-0.8b", the published Qwen3.5-0.8B text model (24 layers, full attention every
 4th, hidden 1024, FFN 3584, 8 × 256 attention heads with 2 KV heads, vocabulary 248,320, tied
@@ -46,6 +49,7 @@ import torch
 from rich.console import Console
 from torch import nn
 
+from ..models.huge_pages import huge_pages
 from ..report import make_table, progress
 from . import llamacpp
 from .timing import alternate, measure, median_round, round_ratio
@@ -87,6 +91,9 @@ class HfBenchConfig:
     #: row's figures and ratios then come from them: the machine's memory bandwidth drifts between
     #: measurements taken minutes apart); 0: each measured once, apart
     decode_rounds: int = 3
+    #: the models' weights on transparent huge pages (linattn.models.huge_pages) before anything is
+    #: measured: every column's decode streams them (llama.cpp reads its own GGUF mapping)
+    huge_pages: bool = True
 
     def __post_init__(self):
         bad = [s for s in self.shapes if s not in SHAPES]
@@ -238,6 +245,8 @@ def _low_precision_decodes(acc, cfg: HfBenchConfig, vocab: int) -> list[dict]:
             m = copy.deepcopy(acc)
             if fmt == "bf16":
                 m = m.to(torch.bfloat16)
+                if cfg.huge_pages:
+                    huge_pages(m)
             else:
                 quantize_int8(m, dynamic=fmt == "int8 dyn")
             dtype = torch.bfloat16 if fmt == "bf16" else torch.float32
@@ -276,6 +285,8 @@ def _point(shape: str, model, threads: int, cfg: HfBenchConfig, ggufs: llamacpp.
         with use_linattn_kernels("qwen3_5"):
             cols["kernels"] = _metrics(model, cfg, vocab)
         acc, why = _accelerated(model)
+        if acc is not None and cfg.huge_pages:
+            huge_pages(acc)  # the matrices accelerate built (the shared ones are done)
         cols["accelerate"], low_precision = None, []
         if acc is not None:
             try:  # linattn.hf.accelerate is young: a failure is the column's note, not the run's end
@@ -330,6 +341,8 @@ def run_hf(cfg: HfBenchConfig, console: Console | None = None) -> dict:
         task = bar.add_task("bench hf", total=len(cfg.shapes) * len(cfg.threads))
         for shape in cfg.shapes:
             model = qwen_model(shape, cfg.seed)
+            if cfg.huge_pages:
+                huge_pages(model)
             bar.update(task, description=f"{shape}: GGUF conversion")
             with llamacpp.converted(model, enabled=cfg.llama_cpp, source=cfg.llama_cpp_source, seed=cfg.seed,
                                     reference=torch_path) as gg:
