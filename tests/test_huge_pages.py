@@ -1,4 +1,4 @@
-"""linattn.models.huge_pages: large CPU tensors asked onto 2 MB pages, values unchanged; small, tied and
+"""linattn.models.huge_pages (models/pages.py): large CPU tensors asked onto 2 MB pages, values unchanged; small, tied and
 non-plain tensors skipped; bad input refused."""
 
 import sys
@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from linattn.models.huge_pages import HUGE_PAGE, huge_pages
+from linattn.models.pages import HUGE_PAGE, huge_pages
 
 linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise is Linux's")
 

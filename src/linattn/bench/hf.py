@@ -49,7 +49,7 @@ import torch
 from rich.console import Console
 from torch import nn
 
-from ..models.huge_pages import huge_pages
+from ..models.pages import huge_pages
 from ..report import make_table, progress
 from . import llamacpp
 from .timing import alternate, measure, median_round, round_ratio

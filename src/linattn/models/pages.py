@@ -1,4 +1,4 @@
-"""Transparent huge pages for a model's weights (Linux): `huge_pages(model)`.
+"""Transparent huge pages for a model's weights (Linux): `linattn.models.huge_pages(model)`.
 
 A decoding step at batch 1 streams every weight once, and on small (4 KB) pages a core spends part of
 that stream on TLB misses. On one core of this project's AMD EPYC, one pass over a 1.5 GB buffer of
