@@ -42,10 +42,13 @@ def test_bench_hf_tiny_table(tmp_path, capsys):
         assert (r["floor_s"] is not None and r["floor_s"] > 0) == (r["metric"] == "decode")
         assert r["weight_bytes"] == 4 * sum(linears)
         assert r["accelerate"] > 0 and r["accelerate_note"] is None
-    for r in rows:  # the decode row's accelerate and floor come from rounds that alternate them
+    for r in rows:  # every metric from rounds that alternate its columns, the ratios within a round
         if r["metric"] == "decode":
             assert r["rounds"] == 3 and list(r["ratios"]) == ["accelerate / floor"] and r["ratios"][
                 "accelerate / floor"] > 0
+        elif r["metric"] in base:
+            assert r["rounds"] == 3 and set(r["ratios"]) == {"transformers / kernels", "transformers / accelerate"}
+            assert all(v > 0 for v in r["ratios"].values())
         else:
             assert "ratios" not in r
     assert "decode (tiny, 1 thread(s)), 3 alternated rounds" in printed
@@ -69,12 +72,14 @@ def test_bench_hf_without_accelerate_prints_na(tmp_path, capsys, monkeypatch):
     assert "accelerate n/a: this linattn has no linattn.hf.accelerate" in printed
 
 
-def test_bench_hf_decode_rounds_zero_measures_apart(tmp_path, capsys):
-    data, printed = run_tiny(tmp_path, capsys, "--no-llama-cpp", "--decode-rounds", "0", "--threads", "1",
+def test_bench_hf_rounds_zero_measures_apart(tmp_path, capsys):
+    data, printed = run_tiny(tmp_path, capsys, "--no-llama-cpp", "--rounds", "0", "--threads", "1",
                              "--no-huge-pages")
-    assert data["config"]["huge_pages"] is False and data["config"]["decode_rounds"] == 0
+    assert data["config"]["huge_pages"] is False and data["config"]["rounds"] == 0
     decode = next(r for r in data["results"] if r["metric"] == "decode")
     assert "ratios" not in decode and decode["accelerate"] > 0 and decode["floor_s"] > 0
+    prefill = next(r for r in data["results"] if r["metric"] == "prefill 16")
+    assert prefill["rounds"] == 1  # one round: the columns measured once each, in turn
     assert "alternated rounds" not in printed
 
 
@@ -83,5 +88,21 @@ def test_bench_hf_options_are_checked(capsys):
         main(["bench", "hf", "--shapes", "qwen9"])
     assert "shapes must be among tiny,small,qwen3.5-0.8b" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        main(["bench", "hf", "--decode-rounds", "-1"])
-    assert "--decode-rounds: expected an integer >= 0, got -1" in capsys.readouterr().err
+        main(["bench", "hf", "--rounds", "-1"])
+    assert "--rounds: expected an integer >= 0, got -1" in capsys.readouterr().err
+
+
+def test_render_takes_the_within_round_speed_ups():
+    """A prefill row measured in rounds: "accelerate ×" is the median within-round ratio (2.50×), not the
+    ratio of the two columns' median rounds (7.00×)."""
+    from rich.console import Console
+
+    from linattn.bench.hf import render_hf
+
+    r = {"shape": "tiny", "threads": 1, "metric": "prefill 16", "transformers": 7.0, "kernels": 3.5, "accelerate": 1.0,
+         "llama.cpp F32": None, "llama.cpp Q8_0": None, "floor_s": None, "weight_bytes": 0, "accelerate_note": None,
+         "llama_cpp_note": None, "rounds": 3, "ratios": {"transformers / kernels": 1.5, "transformers / accelerate": 2.5}}
+    console = Console(record=True, width=400)
+    render_hf({"results": [r], "llama_cpp": []}, console)
+    text = console.export_text()
+    assert "2.50×" in text and "1.50×" in text and "7.00×" not in text and "2.00×" not in text

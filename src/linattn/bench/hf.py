@@ -29,8 +29,9 @@ converted to GGUF F32 and Q8_0 and run by llama.cpp on the same threads: the col
 transformers' in the same run; "n/a" with the reason otherwise, or under `llama_cpp=False`.
 
 Times are medians of torch.utils.benchmark blocked runs (bench.timing.measure, `min_run_time` each);
-the decode row's accelerate, floor and llama.cpp F32 figures come from `decode_rounds` rounds that
-alternate them. The models' weights are first put on transparent huge pages (linattn.models.huge_pages;
+each prefill and the training step come from `rounds` rounds that take transformers, kernels and
+accelerate in turn, and the decode row's accelerate, floor and llama.cpp F32 figures from rounds that
+alternate those three; the speed-ups are medians of the ratios within a round. The models' weights are first put on transparent huge pages (linattn.models.huge_pages;
 `huge_pages=False` / `--no-huge-pages` leaves them), which every column's decode then streams.
 Shapes (SHAPES): "small", the 4-layer shape of the first measurements (3 Gated DeltaNet + 1 attention,
 hidden 1024); "qwen3.5-0.8b", the published Qwen3.5-0.8B text model (24 layers, full attention every
@@ -87,10 +88,11 @@ class HfBenchConfig:
     llama_cpp: bool = True
     #: llama.cpp's converter: a llama.cpp checkout or llama-cpp-python sdist (None: $LINATTN_LLAMA_CPP_SOURCE)
     llama_cpp_source: str | None = None
-    #: rounds that alternate accelerate's fp32 decode, its gemv floor and llama.cpp F32's decode (the decode
-    #: row's figures and ratios then come from them: the machine's memory bandwidth drifts between
-    #: measurements taken minutes apart); 0: each measured once, apart
-    decode_rounds: int = 3
+    #: rounds that take the columns in turn: each prefill and the training step across transformers, kernels
+    #: and accelerate, and the decode of accelerate, its gemv floor and llama.cpp F32 (the machine's memory
+    #: bandwidth drifts between measurements minutes apart; the ratios are medians of within-round ratios);
+    #: 0: one round of the metrics, and the decode contest skipped (each decode measured apart)
+    rounds: int = 3
     #: the models' weights on transparent huge pages (linattn.models.huge_pages) before anything is
     #: measured: every column's decode streams them (llama.cpp reads its own GGUF mapping)
     huge_pages: bool = True
@@ -99,8 +101,8 @@ class HfBenchConfig:
         bad = [s for s in self.shapes if s not in SHAPES]
         if bad or not self.shapes:
             raise ValueError(f"shapes must be among {','.join(SHAPES)}, got {self.shapes!r}")
-        if self.decode_rounds < 0:
-            raise ValueError(f"decode_rounds must be >= 0, got {self.decode_rounds}")
+        if self.rounds < 0:
+            raise ValueError(f"rounds must be >= 0, got {self.rounds}")
         for name in ("decode_prompt", "train_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -164,8 +166,9 @@ def gemv_floor(model: nn.Module, min_run_time: float, dtype: torch.dtype = torch
     return measure(plan.stream, min_run_time=min_run_time).median, total
 
 
-def _metrics(model, cfg: HfBenchConfig, vocab: int) -> dict:
-    """{metric: seconds} of `model` as it is now (prefill per length, decode per token, train step)."""
+def _workloads(model, cfg: HfBenchConfig, vocab: int) -> dict:
+    """{metric: (function, trains)}: a prefill per length (no cache, the last token's logits) and a training
+    step (forward with labels = inputs, backward), the inputs drawn from cfg.seed."""
     g = torch.Generator().manual_seed(cfg.seed)
     out = {}
     for t in cfg.lengths:
@@ -174,20 +177,55 @@ def _metrics(model, cfg: HfBenchConfig, vocab: int) -> dict:
         def prefill(x=x):
             with torch.no_grad():
                 model(x, use_cache=False, logits_to_keep=1)
-        out[f"prefill {t}"] = measure(prefill, min_run_time=cfg.min_run_time).median
-    out["decode"] = _decode(model, cfg, vocab, g)
+        out[f"prefill {t}"] = (prefill, False)
     x = torch.randint(0, vocab, (1, cfg.train_len), generator=g)
-    model.train()
 
     def train_step():
         model.zero_grad(set_to_none=True)
         model(x, labels=x, use_cache=False).loss.backward()
-    try:
-        out[f"train {cfg.train_len}"] = measure(train_step, min_run_time=cfg.min_run_time).median
-    finally:
-        model.zero_grad(set_to_none=True)
-        model.eval()
+    out[f"train {cfg.train_len}"] = (train_step, True)
     return out
+
+
+def _alternated_metrics(runs: dict, cfg: HfBenchConfig, vocab: int) -> tuple[dict, dict, dict]:
+    """The columns' prefills and training step, each metric in max(cfg.rounds, 1) rounds that take the
+    columns in turn. runs: {column: (model, context)}, the context (a function returning a context
+    manager) entered around each of the column's measurements. Returns ({column: {metric: seconds of the
+    median round}}, {metric: {"transformers / column": median within-round ratio}}, {column: why it
+    failed}): a column whose first call raises is dropped with its error."""
+    rounds = max(cfg.rounds, 1)
+    work = {c: _workloads(m, cfg, vocab) for c, (m, _) in runs.items()}
+    cols: dict = {c: {} for c in runs}
+    ratios: dict = {}
+    failed: dict = {}
+    for metric in work[next(iter(runs))]:
+        fns = {}
+        for c, (model, context) in runs.items():
+            if c in failed:
+                continue
+            fn, trains = work[c][metric]
+
+            def run(fn=fn, trains=trains, model=model, context=context):
+                with context():
+                    model.train(trains)
+                    try:
+                        fn()
+                    finally:
+                        if trains:
+                            model.zero_grad(set_to_none=True)
+                        model.eval()
+            try:
+                run()  # a warm-up call, and the column's chance to fail
+            except Exception as exc:  # noqa: BLE001  (accelerate is young: its failure is the column's note)
+                failed[c] = f"{c} ran into {type(exc).__name__}: {exc}"[:300]
+                continue
+            fns[c] = run
+        per_round = alternate(fns, rounds=rounds, min_run_time=cfg.min_run_time)
+        for c, ts in per_round.items():
+            cols[c][metric] = median_round(ts).median
+        ratios[metric] = {f"transformers / {c}": round_ratio(per_round, "transformers", c)
+                          for c in per_round if c != "transformers" and "transformers" in per_round}
+    return cols, ratios, failed
 
 
 def _decode_step(model, cfg: HfBenchConfig, vocab: int, g: torch.Generator):
@@ -212,7 +250,7 @@ def _decode(model, cfg: HfBenchConfig, vocab: int, g: torch.Generator) -> float:
 def _decode_contest(acc, model, threads: int, cfg: HfBenchConfig, ggufs: llamacpp.Ggufs, vocab: int,
                     llama_probe: float | None) -> dict:
     """accelerate's fp32 decode, the gemv floor of `model` and (where its GGUF runs) llama.cpp F32's decode,
-    in cfg.decode_rounds rounds that alternate them on `threads` threads: {"rounds", "seconds": {name:
+    in cfg.rounds rounds that alternate them on `threads` threads: {"rounds", "seconds": {name:
     median round}, "ratios": {"a / b": median over the rounds of the within-round ratio}}."""
     plan, _ = floor_plan(model)
     fns = {"accelerate": _decode_step(acc, cfg, vocab, torch.Generator().manual_seed(cfg.seed)),
@@ -221,12 +259,12 @@ def _decode_contest(acc, model, threads: int, cfg: HfBenchConfig, ggufs: llamacp
     with contextlib.ExitStack() as stack:
         if llamacpp.F32 in ggufs.paths and llama_probe:
             fns[llamacpp.F32] = stack.enter_context(llamacpp.decode_stepper(
-                ggufs.paths[llamacpp.F32], threads, prompt, cfg.min_run_time + 0.2 * cfg.decode_rounds, llama_probe))
+                ggufs.paths[llamacpp.F32], threads, prompt, cfg.min_run_time + 0.2 * cfg.rounds, llama_probe))
         for fn in fns.values():
             fn()
-        per_round = alternate(fns, rounds=cfg.decode_rounds, min_run_time=cfg.min_run_time)
+        per_round = alternate(fns, rounds=cfg.rounds, min_run_time=cfg.min_run_time)
     pairs = [("accelerate", "floor"), (llamacpp.F32, "floor"), (llamacpp.F32, "accelerate")]
-    return {"rounds": cfg.decode_rounds, "seconds": {k: median_round(ts).median for k, ts in per_round.items()},
+    return {"rounds": cfg.rounds, "seconds": {k: median_round(ts).median for k, ts in per_round.items()},
             "ratios": {f"{a} / {b}": round_ratio(per_round, a, b) for a, b in pairs if a in fns}}
 
 
@@ -279,29 +317,34 @@ def _point(shape: str, model, threads: int, cfg: HfBenchConfig, ggufs: llamacpp.
     torch.set_num_threads(threads)
     try:
         floor, weight_bytes = gemv_floor(model, cfg.min_run_time)
-        cols: dict = {}
-        with torch_path():
-            cols["transformers"] = _metrics(model, cfg, vocab)
-        with use_linattn_kernels("qwen3_5"):
-            cols["kernels"] = _metrics(model, cfg, vocab)
         acc, why = _accelerated(model)
         if acc is not None and cfg.huge_pages:
             huge_pages(acc)  # the matrices accelerate built (the shared ones are done)
-        cols["accelerate"], low_precision = None, []
+        runs = {"transformers": (model, torch_path), "kernels": (model, lambda: use_linattn_kernels("qwen3_5"))}
         if acc is not None:
-            try:  # linattn.hf.accelerate is young: a failure is the column's note, not the run's end
-                cols["accelerate"] = _metrics(acc, cfg, vocab)
-            except Exception as exc:  # noqa: BLE001
-                why = f"accelerate(model) ran into {type(exc).__name__}: {exc}"[:300]
-            if cfg.low_precision and cols["accelerate"] is not None:
-                low_precision = _low_precision_decodes(acc, cfg, vocab)
+            runs["accelerate"] = (acc, contextlib.nullcontext)
+        measured, ratios, failed = _alternated_metrics(runs, cfg, vocab)
+        why = failed.pop("accelerate", why)
+        if failed:  # transformers' own path or its patched kernels failing is the run's end
+            raise RuntimeError("; ".join(failed.values()))
+        cols: dict = dict.fromkeys(COLUMNS)
+        for c, (m, context) in runs.items():
+            if measured[c]:
+                with context():
+                    decode = _decode(m, cfg, vocab, torch.Generator().manual_seed(cfg.seed))
+                metrics = list(measured[c])
+                cols[c] = {**{k: measured[c][k] for k in metrics[:-1]}, "decode": decode,
+                           metrics[-1]: measured[c][metrics[-1]]}
+        low_precision = []
+        if cfg.low_precision and cols["accelerate"] is not None:
+            low_precision = _low_precision_decodes(acc, cfg, vocab)
     finally:
         torch.set_num_threads(before)
     llama, llama_notes = llamacpp.columns(ggufs, threads, cfg.lengths, cfg.decode_prompt, cfg.min_run_time, vocab,
                                           cfg.seed)
     llama_note = "; ".join(f"{c}: {n}" for c, n in llama_notes.items()) or None
     contest = None
-    if cfg.decode_rounds and cols["accelerate"] is not None:
+    if cfg.rounds and cols["accelerate"] is not None:
         torch.set_num_threads(threads)
         try:
             contest = _decode_contest(acc, model, threads, cfg, ggufs, vocab,
@@ -319,6 +362,8 @@ def _point(shape: str, model, threads: int, cfg: HfBenchConfig, ggufs: llamacpp.
         row["weight_bytes"] = weight_bytes
         row["accelerate_note"] = why
         row["llama_cpp_note"] = llama_note
+        if metric in ratios:
+            row["rounds"], row["ratios"] = max(cfg.rounds, 1), ratios[metric]
         if metric == "decode" and contest is not None:  # the alternated rounds' figures replace the apart ones
             row["accelerate"], row["floor_s"] = contest["seconds"]["accelerate"], contest["seconds"]["floor"]
             row[llamacpp.F32] = contest["seconds"].get(llamacpp.F32, row[llamacpp.F32])
@@ -384,7 +429,10 @@ def render_hf(res: dict, console: Console) -> None:
     rows = []
     for r in res["results"]:
         base = r["transformers"]
-        ups = [f"{base / r[c]:.2f}×" if r[c] and base else "n/a" for c in ("kernels", "accelerate")]
+        ups = []
+        for c in ("kernels", "accelerate"):  # the within-round ratio where the metric was alternated
+            x = r.get("ratios", {}).get(f"transformers / {c}") or (base / r[c] if r[c] and base else None)
+            ups.append(f"{x:.2f}×" if x else "n/a")
         floor = "" if r["floor_s"] is None else f"{r['floor_s'] * 1e3:.2f} ms ({r['weight_bytes'] / 1e6:.0f} MB)"
         llama = [_shown(r["metric"], r.get(c)) for c in LLAMA_COLUMNS]
         rows.append([r["shape"], str(r["threads"]), r["metric"], *(_shown(r["metric"], r[c]) for c in COLUMNS),
@@ -400,7 +448,7 @@ def render_hf(res: dict, console: Console) -> None:
     for note in sorted({r.get("llama_cpp_note") for r in res["results"] if r.get("llama_cpp_note")}):
         console.print(f"llama.cpp n/a: {note}", highlight=False)
     for r in res["results"]:
-        if r.get("ratios"):
+        if r.get("ratios") and r["metric"] == "decode":
             said = ", ".join(f"{k} {v:.2f}×" for k, v in r["ratios"].items())
             console.print(f"decode ({r['shape']}, {r['threads']} thread(s)), {r['rounds']} alternated rounds, ratios "
                           f"of times within a round (median): {said}", highlight=False)

@@ -95,9 +95,10 @@ def _add_hf_parser(sub) -> None:
     hf.add_argument("--no-huge-pages", dest="huge_pages", action="store_false",
                     help="leave the weights on the pages they have (default: transparent huge pages first, "
                          "linattn.models.huge_pages)")
-    hf.add_argument("--decode-rounds", type=nonnegative_int, default=3, metavar="N",
-                    help="rounds that alternate accelerate's fp32 decode, the gemv floor and llama.cpp F32's decode, "
-                         "the decode row's figures and ratios (0: each measured once, apart; default: %(default)s)")
+    hf.add_argument("--rounds", type=nonnegative_int, default=3, metavar="N",
+                    help="rounds that take the columns in turn: each prefill and the training step across "
+                         "transformers, kernels and accelerate, and accelerate's fp32 decode, the gemv floor and "
+                         "llama.cpp F32's decode (0: one round, the decodes measured apart; default: %(default)s)")
     add_common_options(hf)
 
 
@@ -375,5 +376,5 @@ def run_hf_command(args) -> int:
     cfg = HfBenchConfig(shapes=args.shapes, threads=args.threads, lengths=args.lengths,
                         decode_prompt=args.decode_prompt, train_len=args.train_len, min_run_time=args.min_run_time,
                         seed=args.seed, llama_cpp=args.llama_cpp, llama_cpp_source=args.llama_cpp_source,
-                        decode_rounds=args.decode_rounds, huge_pages=args.huge_pages)
+                        rounds=args.rounds, huge_pages=args.huge_pages)
     return _finish("bench-hf", run_hf(cfg, console), args, device, out, console, render_hf, plot_hf, check_hf)
