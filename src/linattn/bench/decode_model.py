@@ -134,13 +134,10 @@ def _point(model, batch: int, ctx: int, cfg: ModelDecodeConfig) -> dict:
     times = {key: median_round(ts) for key, ts in per_round.items()}
     row = {key: t.as_dict() for key, t in times.items()}
     stream = times["stream"].median
-
-    def ratio(a: str, b: str) -> float:
-        return round_ratio(per_round, a, b)
-
     row.update(weight_bytes=decoder.weight_bytes, stream_gb_s=decoder.weight_bytes / stream / 1e9,
-               fused_over_stream=ratio("fused", "stream"), eager_over_stream=ratio("eager", "stream"),
-               eager_over_fused=ratio("eager", "fused"), fused_tokens_s=batch / times["fused"].median)
+               fused_over_stream=round_ratio(per_round, "fused", "stream"),
+               eager_over_stream=round_ratio(per_round, "eager", "stream"),
+               eager_over_fused=round_ratio(per_round, "eager", "fused"), fused_tokens_s=batch / times["fused"].median)
     return row
 
 

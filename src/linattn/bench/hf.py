@@ -31,8 +31,9 @@ transformers' in the same run; "n/a" with the reason otherwise, or under `llama_
 Times are medians of torch.utils.benchmark blocked runs (bench.timing.measure, `min_run_time` each);
 each prefill and the training step come from `rounds` rounds that take transformers, kernels and
 accelerate in turn, and the decode row's accelerate, floor and llama.cpp F32 figures from rounds that
-alternate those three; the speed-ups are medians of the ratios within a round. The models' weights are first put on transparent huge pages (linattn.models.huge_pages;
-`huge_pages=False` / `--no-huge-pages` leaves them), which every column's decode then streams.
+alternate those three; the speed-ups are medians of the ratios within a round. The models' weights
+are first put on transparent huge pages (linattn.models.huge_pages; `huge_pages=False` /
+`--no-huge-pages` leaves them), which every column's decode then streams.
 Shapes (SHAPES): "small", the 4-layer shape of the first measurements (3 Gated DeltaNet + 1 attention,
 hidden 1024); "qwen3.5-0.8b", the published Qwen3.5-0.8B text model (24 layers, full attention every
 4th, hidden 1024, FFN 3584, 8 × 256 attention heads with 2 KV heads, vocabulary 248,320, tied
@@ -247,12 +248,11 @@ def _decode(model, cfg: HfBenchConfig, vocab: int, g: torch.Generator) -> float:
     return measure(_decode_step(model, cfg, vocab, g), min_run_time=cfg.min_run_time).median
 
 
-def _decode_contest(acc, model, threads: int, cfg: HfBenchConfig, ggufs: llamacpp.Ggufs, vocab: int,
+def _decode_contest(acc, plan, threads: int, cfg: HfBenchConfig, ggufs: llamacpp.Ggufs, vocab: int,
                     llama_probe: float | None) -> dict:
-    """accelerate's fp32 decode, the gemv floor of `model` and (where its GGUF runs) llama.cpp F32's decode,
-    in cfg.rounds rounds that alternate them on `threads` threads: {"rounds", "seconds": {name:
-    median round}, "ratios": {"a / b": median over the rounds of the within-round ratio}}."""
-    plan, _ = floor_plan(model)
+    """accelerate's fp32 decode, the gemv floor (`plan`: floor_plan of the model) and (where its GGUF runs)
+    llama.cpp F32's decode, in cfg.rounds rounds that alternate them on `threads` threads: {"rounds",
+    "seconds": {name: median round}, "ratios": {"a / b": median over the rounds of the within-round ratio}}."""
     fns = {"accelerate": _decode_step(acc, cfg, vocab, torch.Generator().manual_seed(cfg.seed)),
            "floor": plan.stream}
     prompt = torch.randint(0, vocab, (cfg.decode_prompt,), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
@@ -309,14 +309,19 @@ def _accelerated(model):
         return None, f"{type(exc).__name__}: {exc}"
 
 
+def _metric_names(cfg: HfBenchConfig) -> list[str]:
+    """The rows of a shape × threads point, in order."""
+    return [*(f"prefill {t}" for t in cfg.lengths), "decode", f"train {cfg.train_len}"]
+
+
 def _point(shape: str, model, threads: int, cfg: HfBenchConfig, ggufs: llamacpp.Ggufs) -> list[dict]:
     from ..hf import use_linattn_kernels
 
     vocab = SHAPES[shape]["vocab_size"]
+    plan, weight_bytes = floor_plan(model)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        floor, weight_bytes = gemv_floor(model, cfg.min_run_time)
         acc, why = _accelerated(model)
         if acc is not None and cfg.huge_pages:
             huge_pages(acc)  # the matrices accelerate built (the shared ones are done)
@@ -329,12 +334,12 @@ def _point(shape: str, model, threads: int, cfg: HfBenchConfig, ggufs: llamacpp.
             raise RuntimeError("; ".join(failed.values()))
         cols: dict = dict.fromkeys(COLUMNS)
         for c, (m, context) in runs.items():
-            if measured[c]:
+            if not measured[c]:
+                continue
+            cols[c] = dict(measured[c])
+            if not (cfg.rounds and c == "accelerate"):  # accelerate's decode comes from the contest below
                 with context():
-                    decode = _decode(m, cfg, vocab, torch.Generator().manual_seed(cfg.seed))
-                metrics = list(measured[c])
-                cols[c] = {**{k: measured[c][k] for k in metrics[:-1]}, "decode": decode,
-                           metrics[-1]: measured[c][metrics[-1]]}
+                    cols[c]["decode"] = _decode(m, cfg, vocab, torch.Generator().manual_seed(cfg.seed))
         low_precision = []
         if cfg.low_precision and cols["accelerate"] is not None:
             low_precision = _low_precision_decodes(acc, cfg, vocab)
@@ -344,15 +349,20 @@ def _point(shape: str, model, threads: int, cfg: HfBenchConfig, ggufs: llamacpp.
                                           cfg.seed)
     llama_note = "; ".join(f"{c}: {n}" for c, n in llama_notes.items()) or None
     contest = None
-    if cfg.rounds and cols["accelerate"] is not None:
-        torch.set_num_threads(threads)
-        try:
-            contest = _decode_contest(acc, model, threads, cfg, ggufs, vocab,
-                                      (llama[llamacpp.F32] or {}).get("decode"))
-        finally:
-            torch.set_num_threads(before)
+    torch.set_num_threads(threads)
+    try:
+        if cfg.rounds and cols["accelerate"] is not None:
+            contest = _decode_contest(acc, plan, threads, cfg, ggufs, vocab, (llama[llamacpp.F32] or {}).get("decode"))
+            cols["accelerate"]["decode"] = contest["seconds"]["accelerate"]
+            floor = contest["seconds"]["floor"]
+            if llamacpp.F32 in contest["seconds"]:
+                llama[llamacpp.F32]["decode"] = contest["seconds"][llamacpp.F32]
+        else:
+            floor = measure(plan.stream, min_run_time=cfg.min_run_time).median
+    finally:
+        torch.set_num_threads(before)
     rows = []
-    for metric in cols["transformers"]:
+    for metric in _metric_names(cfg):
         row = {"shape": shape, "threads": threads, "metric": metric}
         for c in COLUMNS:
             row[c] = None if cols[c] is None else cols[c][metric]
@@ -364,9 +374,7 @@ def _point(shape: str, model, threads: int, cfg: HfBenchConfig, ggufs: llamacpp.
         row["llama_cpp_note"] = llama_note
         if metric in ratios:
             row["rounds"], row["ratios"] = max(cfg.rounds, 1), ratios[metric]
-        if metric == "decode" and contest is not None:  # the alternated rounds' figures replace the apart ones
-            row["accelerate"], row["floor_s"] = contest["seconds"]["accelerate"], contest["seconds"]["floor"]
-            row[llamacpp.F32] = contest["seconds"].get(llamacpp.F32, row[llamacpp.F32])
+        if metric == "decode" and contest is not None:
             row["rounds"], row["ratios"] = contest["rounds"], contest["ratios"]
         rows.append(row)
     for low in low_precision:  # accelerate only: transformers' own path has no fused int8 / bf16 decode here
