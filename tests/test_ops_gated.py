@@ -298,9 +298,9 @@ def _small(vector=False, normalize=False):
 
 
 @pytest.mark.parametrize("bad, match", [
-    (lambda g: g + 1.0, r"g \(the log of the decay\) must be ≤ 0 everywhere, got a maximum of"),
-    (lambda g: g.index_fill(2, torch.tensor([3]), float("nan")), "must be ≤ 0 everywhere, got a maximum of nan"),
-    (lambda g: g.index_fill(2, torch.tensor([3]), float("-inf")), "must be finite, got a minimum of -inf"),
+    (lambda g: g + 1.0, r"g \(the log of the decay\) must be ≤ 0 and finite, got [0-9]"),
+    (lambda g: g.index_fill(2, torch.tensor([3]), float("nan")), "must be ≤ 0 and finite, got nan"),
+    (lambda g: g.index_fill(2, torch.tensor([3]), float("-inf")), "must be ≤ 0 and finite, got -inf"),
 ])
 @pytest.mark.parametrize("vector", [False, True])
 def test_bad_gate_values_are_refused(op_path, bad, match, vector):

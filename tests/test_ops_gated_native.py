@@ -154,3 +154,38 @@ def test_the_kernels_name_bad_shapes_and_dtypes():
         ops.gated_step(kv, None, x.double(), x.double(), x.double(), torch.zeros(1, 2, 1), 1, 1e-6)
     with pytest.raises(ValueError, match=r"g \(the log of the decay\) must be ≤ 0 and finite, got 0.5"):
         ops.gated_step(kv, None, x, x, x, torch.full((1, 2, 1), 0.5), 1, 1e-6)
+
+
+
+def _as_one_row(x):
+    """(1, H, N, ...) -> (1, 1, H·N, ...): the heads' rows one after the other, as packed sequences."""
+    return x.transpose(0, 1).reshape(1, 1, -1, *x.shape[3:])
+
+
+@pytest.mark.parametrize("vector", [False, True])
+@pytest.mark.parametrize("bad", [0.25, float("nan"), float("-inf"), float("inf")])
+@pytest.mark.parametrize("where", [0, 63, 64, 130, 199])
+def test_the_chunked_kernel_checks_every_gate_it_reads(vector, bad, where):
+    """The chunked kernel reads g once and checks it there (no separate pass over g): one value out of
+    range anywhere (a chunk's first row, its last, a piece's start after a cut, the sequence's end)
+    raises the ValueError of the Python check, with or without a gradient, packed or not, on 1 and 2
+    threads."""
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 2, 200, 8, generator=gen) for _ in range(3))
+    g = _gates((1, 2, 200, 8) if vector else (1, 2, 200), gen)
+    if vector:
+        g[0, 1, 100:110] = -5.0  # pieces cut inside the second chunk
+    g[0, 1, where] = bad
+    msg = r"g \(the log of the decay\) must be ≤ 0 and finite, got " + ("nan" if math.isnan(bad) else str(bad))
+    packed = [_as_one_row(x) for x in (q, k, v, g)]
+    threads = torch.get_num_threads()
+    try:
+        for n_threads in (1, 2):
+            torch.set_num_threads(n_threads)
+            for grad in (False, True):
+                with pytest.raises(ValueError, match=msg):
+                    gated_linear_attention(q.requires_grad_(grad), k, v, g, chunk_size=64)
+            with pytest.raises(ValueError, match=msg):
+                gated_linear_attention(*packed, chunk_size=64, cu_seqlens=torch.tensor([0, 150, 200, 400]))
+    finally:
+        torch.set_num_threads(threads)

@@ -259,3 +259,26 @@ def test_the_kernels_name_bad_shapes():
         torch.ops.linattn_cpu.kda_chunked(q, q[..., :3], q, beta, q, S0, 1.0, False, 8, False)
     with pytest.raises(RuntimeError, match="the saved block states do not match"):
         torch.ops.linattn_cpu.kda_chunked_backward(q, q, q, beta, q, torch.zeros(3), q, None, 1.0, False, 8)
+
+
+@pytest.mark.parametrize("bad", [0.3, float("nan"), float("-inf"), float("inf")])
+@pytest.mark.parametrize("where", [0, 7, 8, 18])
+def test_the_kernel_checks_every_gate_it_reads(bad, where):
+    """The chunked kernel checks the per-channel g as it reads it (no separate pass over B·H·N·D values):
+    one value out of range in any chunk raises delta_rule's ValueError, with or without a gradient,
+    packed or not, on 1 and 2 threads."""
+    q, k, v, beta, g, S0 = inputs(dtype=torch.float32)
+    g[1, 0, where, 3] = bad
+    msg = r"g must be a finite log-decay ≤ 0 \(α = e\^g in \(0, 1\]\), got " + ("nan" if bad != bad else str(bad))
+    threads = torch.get_num_threads()
+    try:
+        for n_threads in (1, 2):
+            torch.set_num_threads(n_threads)
+            for grad in (False, True):
+                with pytest.raises(ValueError, match=msg):
+                    kda(q.clone().requires_grad_(grad), k, v, beta, g, initial_state=S0, chunk_size=8)
+            rows = [x.reshape(1, 1, 2 * 2 * 19, *x.shape[3:]) for x in (q, k, v, beta, g)]  # 4 sequences
+            with pytest.raises(ValueError, match=msg):
+                kda(*rows, chunk_size=8, cu_seqlens=torch.arange(0, 77, 19))
+    finally:
+        torch.set_num_threads(threads)

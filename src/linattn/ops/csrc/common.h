@@ -11,6 +11,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <initializer_list>
+#include <limits>
 #include <type_traits>
 
 #include "prefetch.h"
@@ -48,6 +49,25 @@ inline Acc exp_nonpositive(Acc x) {
   Acc scale;
   std::memcpy(&scale, &e, sizeof(scale));
   return p * scale;
+}
+
+// True where every one of the n gates is a finite log-decay ≤ 0 (NaN fails)
+template <typename Acc>
+LINATTN_CLONES bool gates_valid(const Acc* __restrict__ g, int64_t n) {
+  const Acc lowest = std::numeric_limits<Acc>::lowest();
+  int bad = 0;
+#pragma omp simd reduction(| : bad)
+  for (int64_t x = 0; x < n; ++x) bad |= !(g[x] <= Acc(0) && g[x] >= lowest);
+  return bad == 0;
+}
+
+// Raises a ValueError (`message` followed by the value) at the first of g's values (contiguous) that
+// is not a finite log-decay ≤ 0: where a kernel that checks the gates as it reads them found one
+inline void raise_invalid_gate(const at::Tensor& g, const char* message) {
+  AT_DISPATCH_FLOATING_TYPES(g.scalar_type(), "linattn_cpu_invalid_gate", [&] {
+    const scalar_t* p = g.data_ptr<scalar_t>();
+    for (int64_t i = 0; i < g.numel(); ++i) TORCH_CHECK_VALUE(gates_valid(p + i, 1), message, p[i]);
+  });
 }
 
 // φ = elu + 1 = exp(min(x, 0)) + max(x, 0) of n values, in Acc

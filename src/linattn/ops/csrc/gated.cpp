@@ -6,6 +6,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <atomic>
 #include <limits>
 #include <tuple>
 
@@ -36,8 +37,10 @@ void gated_rows(const Rows& rows, const at::Tensor& q, const at::Tensor& k, cons
   Acc* pS = kv.data_ptr<Acc>();
   Acc* pz = normalize ? z_all.data_ptr<Acc>() : nullptr;
   const Acc eps_t = static_cast<Acc>(eps);
+  std::atomic<bool> all_valid{true};
   at::parallel_for(0, rows.count(), 1, [&](int64_t i0, int64_t i1) {
     const SequentialBlas one_thread;
+    bool valid = true;
     Work<M> wk(chunk, F, E, vector);
     BlockFeatures<T, M> fb(phi, chunk, F);
     Aligned<M> Vw(widen ? chunk * E : 0), Ow(widen ? chunk * E : 0);
@@ -69,8 +72,10 @@ void gated_rows(const Rows& rows, const at::Tensor& q, const at::Tensor& k, cons
             O = po + t0 * E;
           }
           if (vector) {
-            vector_chunk_forward<M>(wk, c, F, E, fb.Qa, fb.Ka, V, pg + t0 * G, S, z, O, normalize, eps_t, den_out);
+            vector_chunk_forward<M>(wk, c, F, E, fb.Qa, fb.Ka, V, pg + t0 * G, S, z, O, normalize, eps_t, den_out,
+                                    valid);
           } else {
+            valid = valid && gates_valid(pg + t0, c);
             scalar_chunk_forward<M>(wk, c, F, E, fb.Q, fb.K, fb.Qa, fb.Ka, V, pg + t0, S, z, O, normalize, eps_t);
             if (den_out != nullptr) std::copy(wk.den.begin(), wk.den.begin() + c, den_out);
           }
@@ -78,7 +83,9 @@ void gated_rows(const Rows& rows, const at::Tensor& q, const at::Tensor& k, cons
         }
       }
     }
+    if (!valid) all_valid = false;
   });
+  if (!all_valid) raise_invalid_gate(g, "g (the log of the decay) must be ≤ 0 and finite, got ");
 }
 
 // Returns (o, kv, z, den, S_blocks, z_blocks); z and z_blocks empty without z0 (normalize = z0 given),

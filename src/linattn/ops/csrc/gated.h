@@ -23,6 +23,8 @@
 //   ∂L/∂g_s = Σ_{t≥s in it} (q_t ⊙ ∂q_t − k_t ⊙ ∂k_t) + Σ_e S_out ⊙ R_out (+ z_out ⊙ r_out), in double.
 #pragma once
 
+#include <limits>
+
 #include "chunked.h"
 
 namespace {
@@ -124,50 +126,63 @@ LINATTN_CLONES void add_rows_and_decay(Acc* __restrict__ P, const Acc* __restric
   }
 }
 
-// The rows of a vector-gated piece starting at g (rows of F): γ_0 = 0, γ_i = γ_{i−1} + g_i; returns the
-// largest len ≤ maxlen whose γ stay ≥ −kSpanLimit (γ rows 0…len−1 left in gam). γ only falls row by
-// row (g ≤ 0), so each new row is the only one to check.
+// The rows of a vector-gated piece starting at g (rows of F): the largest len ≤ maxlen whose log-decay
+// over rows 2…len, Σ_{s=1}^{len−1} g_s, stays ≥ −kSpanLimit in every feature. Summed in Acc (span, F
+// long): only where the piece is cut depends on it, and the forward and the backward cut alike. Each
+// row falls row by row (g ≤ 0), so each new row is the only one to check. valid &= every gate read
+// (rows 0…len, the row that ends the piece too) is a finite g ≤ 0, as gates_valid.
 template <typename Acc>
-LINATTN_CLONES int piece_length(const Acc* __restrict__ g, int maxlen, int64_t F, double* __restrict__ gam) {
-  for (int64_t f = 0; f < F; ++f) gam[f] = 0;
+LINATTN_CLONES int piece_length(const Acc* __restrict__ g, int maxlen, int64_t F, Acc* __restrict__ span,
+                                bool& valid) {
+  const Acc limit = static_cast<Acc>(-kSpanLimit), lowest = std::numeric_limits<Acc>::lowest();
+  int bad = 0;
+#pragma omp simd reduction(| : bad)
+  for (int64_t f = 0; f < F; ++f) {
+    span[f] = Acc(0);
+    bad |= !(g[f] <= Acc(0) && g[f] >= lowest);
+  }
   int len = 1;
   for (; len < maxlen; ++len) {
-    const double* __restrict__ prev = gam + (len - 1) * F;
-    double* __restrict__ row = gam + len * F;
     const Acc* __restrict__ gr = g + len * F;
     int beyond = 0;
+#pragma omp simd reduction(| : beyond, bad)
     for (int64_t f = 0; f < F; ++f) {
-      row[f] = prev[f] + static_cast<double>(gr[f]);
-      beyond |= row[f] < -kSpanLimit;
+      span[f] += gr[f];
+      beyond |= span[f] < limit;
+      bad |= !(gr[f] <= Acc(0) && gr[f] >= lowest);
     }
     if (beyond) break;
   }
+  valid = valid && bad == 0;
   return len;
 }
 
-// A piece's decays: dec_f = e^{g_0f + γ_{len−1,f}} (the whole piece), w_if = e^{γ_{len−1,f} − γ_if} ∈
-// [e^{−kSpanLimit}, 1], and its scaled features Qv = Q / w, Kv = K ⊙ w (rows of F, Acc). Differences in
-// double, exponentials in a loop of Acc alone (it vectorizes).
+// A piece's decays from its gates g (len rows of F): w_if = e^{Σ_{s>i} g_sf} ∈ [e^{−kSpanLimit}, 1]
+// and dec_f = e^{Σ_s g_sf} (the whole piece), the sums taken from the last row back in double (sum, F
+// long: no difference of two long sums), the exponentials in a loop of Acc alone (it vectorizes); and
+// the scaled features Qv = Q / w, Kv = K ⊙ w (rows of F, Acc).
 template <typename Acc>
-LINATTN_CLONES void piece_factors(const Acc* __restrict__ g0, const double* __restrict__ gam, int len, int64_t F,
-                                  const Acc* __restrict__ Q, const Acc* __restrict__ K, Acc* __restrict__ dec,
+LINATTN_CLONES void piece_factors(const Acc* __restrict__ g, int len, int64_t F, const Acc* __restrict__ Q,
+                                  const Acc* __restrict__ K, double* __restrict__ sum, Acc* __restrict__ dec,
                                   Acc* __restrict__ w, Acc* __restrict__ Qv, Acc* __restrict__ Kv) {
-  const double* __restrict__ last = gam + (len - 1) * F;
-  for (int64_t f = 0; f < F; ++f) dec[f] = static_cast<Acc>(static_cast<double>(g0[f]) + last[f]);
+  for (int64_t f = 0; f < F; ++f) sum[f] = 0;
+  for (int i = len - 1; i >= 0; --i) {
+    const int64_t o = int64_t(i) * F;
+    for (int64_t f = 0; f < F; ++f) {
+      w[o + f] = static_cast<Acc>(sum[f]);
+      sum[f] += static_cast<double>(g[o + f]);
+    }
+#pragma omp simd
+    for (int64_t f = 0; f < F; ++f) {
+      const Acc wx = exp_nonpositive(w[o + f]);
+      w[o + f] = wx;
+      Qv[o + f] = Q[o + f] / wx;
+      Kv[o + f] = K[o + f] * wx;
+    }
+  }
+  for (int64_t f = 0; f < F; ++f) dec[f] = static_cast<Acc>(sum[f]);
 #pragma omp simd
   for (int64_t f = 0; f < F; ++f) dec[f] = exp_nonpositive(dec[f]);
-  for (int i = 0; i < len; ++i) {
-    const int64_t o = i * F;
-    for (int64_t f = 0; f < F; ++f) w[o + f] = static_cast<Acc>(last[f] - gam[o + f]);
-  }
-  const int64_t n = len * F;
-#pragma omp simd
-  for (int64_t x = 0; x < n; ++x) {
-    const Acc wx = exp_nonpositive(w[x]);
-    w[x] = wx;
-    Qv[x] = Q[x] / wx;
-    Kv[x] = K[x] * wx;
-  }
 }
 
 // The gates' gradient over c rows, last row first: carry (starting from the end term) += Σ_f (Q dQ − K dK)
@@ -228,8 +243,8 @@ template <typename T>
 struct Work {
   using Acc = linattn_acc<T>;
   static constexpr bool low = !std::is_same<T, Acc>::value;
-  Aligned<Acc> A, D, den, U, eb, w, Qv, Kv, dec, S_hat, z_hat;
-  Aligned<double> beta, gam;
+  Aligned<Acc> A, D, den, U, eb, w, Qv, Kv, dec, S_hat, z_hat, span;
+  Aligned<double> beta, sum;
   Aligned<T> A_low, S_low, Qv_low, Kv_low;
 
   Work(int64_t chunk, int64_t F, int64_t E, bool vector)
@@ -244,8 +259,9 @@ struct Work {
         dec(vector ? F : 0),
         S_hat(vector ? F * E : 0),
         z_hat(vector ? F : 0),
+        span(vector ? F : 0),
         beta(chunk),
-        gam(vector ? chunk * F : 0),
+        sum(vector ? F : 0),
         A_low(low ? chunk * chunk : 0),
         S_low(low ? F * E : 0),
         Qv_low(low ? chunk * F : 0),
@@ -282,15 +298,15 @@ void scalar_chunk_forward(Work<T>& wk, int c, int64_t F, int64_t E, const T* Q, 
   }
 }
 
-// The forward of one vector-gated piece of len rows whose γ (piece_length) is in gam, from (S, z), which
-// it advances; O = nullptr: the state only.
+// The forward of one vector-gated piece of len rows (piece_length), from (S, z), which it advances;
+// O = nullptr: the state only.
 template <typename T>
-void piece_forward(Work<T>& wk, int len, int64_t F, int64_t E, const double* gam, const linattn_acc<T>* Qa,
+void piece_forward(Work<T>& wk, int len, int64_t F, int64_t E, const linattn_acc<T>* Qa,
                    const linattn_acc<T>* Ka, const T* V, const linattn_acc<T>* g, linattn_acc<T>* S, linattn_acc<T>* z,
                    T* O, bool normalize, linattn_acc<T> eps, linattn_acc<T>* den_out) {
   using Acc = linattn_acc<T>;
   const int f = static_cast<int>(F), e = static_cast<int>(E);
-  piece_factors(g, gam, len, F, Qa, Ka, wk.dec.data(), wk.w.data(), wk.Qv.data(), wk.Kv.data());
+  piece_factors(g, len, F, Qa, Ka, wk.sum.data(), wk.dec.data(), wk.w.data(), wk.Qv.data(), wk.Kv.data());
   decay_rows(S, wk.dec.data(), F, E);
   if (normalize) decay_rows(z, wk.dec.data(), F, 1);
   const T* Kop = as_operand<T>(wk.Kv.data(), wk.Kv_low, len * F);
@@ -313,14 +329,16 @@ void piece_forward(Work<T>& wk, int len, int64_t F, int64_t E, const double* gam
   if (normalize) add_column_sums(z, wk.Kv.data(), len, F);
 }
 
-// One chunk (c rows) of vector gates, piece by piece, advancing (S, z); O = nullptr: the state only
+// One chunk (c rows) of vector gates, piece by piece, advancing (S, z); O = nullptr: the state only.
+// valid &= every gate of the chunk is a finite g ≤ 0 (piece_length).
 template <typename T>
 void vector_chunk_forward(Work<T>& wk, int c, int64_t F, int64_t E, const linattn_acc<T>* Qa,
                           const linattn_acc<T>* Ka, const T* V, const linattn_acc<T>* g, linattn_acc<T>* S,
-                          linattn_acc<T>* z, T* O, bool normalize, linattn_acc<T> eps, linattn_acc<T>* den_out) {
+                          linattn_acc<T>* z, T* O, bool normalize, linattn_acc<T> eps, linattn_acc<T>* den_out,
+                          bool& valid) {
   for (int p = 0; p < c;) {
-    const int len = piece_length(g + p * F, c - p, F, wk.gam.data());
-    piece_forward<T>(wk, len, F, E, wk.gam.data(), Qa + p * F, Ka + p * F, V + p * E, g + p * F, S, z,
+    const int len = piece_length(g + p * F, c - p, F, wk.span.data(), valid);
+    piece_forward<T>(wk, len, F, E, Qa + p * F, Ka + p * F, V + p * E, g + p * F, S, z,
                      O == nullptr ? nullptr : O + p * E, normalize, eps, den_out == nullptr ? nullptr : den_out + p);
     p += len;
   }

@@ -114,15 +114,15 @@ void scalar_chunk_backward(Work<T>& wk, Grads<T>& gr, const Span<T>& sp, int64_t
   chain_features(gr.dK.data(), sp.fK, sp.dk, int64_t(c) * F);
 }
 
-// The backward of one vector-gated piece (its γ in gam; its states in st)
+// The backward of one vector-gated piece (its states in st)
 template <typename T>
-void piece_backward(Work<T>& wk, Grads<T>& gr, const Span<T>& sp, int64_t F, int64_t E, const double* gam,
+void piece_backward(Work<T>& wk, Grads<T>& gr, const Span<T>& sp, int64_t F, int64_t E,
                     const ChunkStates<linattn_acc<T>>& st, bool normalize, double* carry) {
   using Acc = linattn_acc<T>;
   const int c = sp.c, f = static_cast<int>(F), e = static_cast<int>(E);
   const int64_t cc = int64_t(c) * c;
   end_term(st.S_out, st.R, st.z_out, st.r, F, E, true, carry);
-  piece_factors(sp.g, gam, c, F, sp.Qa, sp.Ka, wk.dec.data(), wk.w.data(), wk.Qv.data(), wk.Kv.data());
+  piece_factors(sp.g, c, F, sp.Qa, sp.Ka, wk.sum.data(), wk.dec.data(), wk.w.data(), wk.Qv.data(), wk.Kv.data());
   std::copy(st.S, st.S + F * E, wk.S_hat.begin());
   decay_rows(wk.S_hat.data(), wk.dec.data(), F, E);  // Ŝ = e^{λ} ⊙ S
   if (normalize) {
@@ -168,17 +168,17 @@ void piece_backward(Work<T>& wk, Grads<T>& gr, const Span<T>& sp, int64_t F, int
 }
 
 // A vector-gated chunk backward: its pieces in reverse, each between the states entering and leaving it
-// (recomputed into Sp, zp when the chunk has more than one piece); the γ of the piece at row p are kept
-// at row p of wk.gam
+// (recomputed into Sp, zp when the chunk has more than one piece), cut where the forward cut it
 template <typename T>
 void vector_chunk_backward(Work<T>& wk, Grads<T>& gr, const Span<T>& ch, int64_t F, int64_t E,
                            const ChunkStates<linattn_acc<T>>& st, bool normalize, double* carry,
                            std::vector<int>& starts, std::vector<linattn_acc<T>>& Sp, std::vector<linattn_acc<T>>& zp) {
   const auto [S, z, S_out, z_out, R, rr] = st;
   starts.clear();
+  bool valid = true;  // the forward checked the gates
   for (int p = 0; p < ch.c;) {
     starts.push_back(p);
-    p += piece_length(ch.g + p * F, ch.c - p, F, wk.gam.data() + p * F);
+    p += piece_length(ch.g + p * F, ch.c - p, F, wk.span.data(), valid);
   }
   const int np = static_cast<int>(starts.size());
   starts.push_back(ch.c);
@@ -191,7 +191,7 @@ void vector_chunk_backward(Work<T>& wk, Grads<T>& gr, const Span<T>& ch, int64_t
       const int p = starts[i], len = starts[i + 1] - p;
       std::copy(Sp.begin() + i * F * E, Sp.begin() + (i + 1) * F * E, Sp.begin() + (i + 1) * F * E);
       if (normalize) std::copy(zp.begin() + i * F, zp.begin() + (i + 1) * F, zp.begin() + (i + 1) * F);
-      piece_forward<T>(wk, len, F, E, wk.gam.data() + p * F, ch.Qa + p * F, ch.Ka + p * F, ch.V + p * E, ch.g + p * F,
+      piece_forward<T>(wk, len, F, E, ch.Qa + p * F, ch.Ka + p * F, ch.V + p * E, ch.g + p * F,
                        Sp.data() + (i + 1) * F * E, normalize ? zp.data() + (i + 1) * F : nullptr, nullptr, normalize,
                        linattn_acc<T>(0), nullptr);
     }
@@ -222,7 +222,7 @@ void vector_chunk_backward(Work<T>& wk, Grads<T>& gr, const Span<T>& ch, int64_t
                                             first ? z : (normalize ? zp.data() + i * F : nullptr),
                                             last ? S_out : Sp.data() + (i + 1) * F * E,
                                             last ? z_out : (normalize ? zp.data() + (i + 1) * F : nullptr), R, rr};
-    piece_backward<T>(wk, gr, sp, F, E, wk.gam.data() + p * F, piece, normalize, carry);
+    piece_backward<T>(wk, gr, sp, F, E, piece, normalize, carry);
   }
 }
 
@@ -295,8 +295,9 @@ void gated_backward_rows(const Rows& rows, const at::Tensor& q, const at::Tensor
           if (normalize) std::copy(zc.begin() + j * F, zc.begin() + (j + 1) * F, znext);
           const M* V = as_operand<M>(pv + t0 * E, wc.V, int64_t(c) * E);
           if (vector) {
+            bool valid = true;  // the forward checked the gates
             vector_chunk_forward<M>(wk, c, F, E, fb.Qa + c0 * F, fb.Ka + c0 * F, V, pg + t0 * F, Snext, znext, nullptr,
-                                    normalize, Acc(0), nullptr);
+                                    normalize, Acc(0), nullptr, valid);
           } else {
             scalar_chunk_forward<M>(wk, c, F, E, fb.Q + c0 * F, fb.K + c0 * F, fb.Qa + c0 * F, fb.Ka + c0 * F, V,
                                     pg + t0, Snext, znext, nullptr, normalize, Acc(0));

@@ -79,10 +79,10 @@ struct Zmm<double> {
 
 // One R×(W·L) block of C: rows of op(A) from A (row r, column k at A[r·lda + k], or A[k·lda + r] when
 // TA), columns from B's rows (ldb apart); with Tail, the last vector of each row under `tail` (a column
-// mask), else every vector whole.
+// mask), else every vector whole. The lines of `hint` (prefetch.h) are issued one per 4 k-steps.
 template <typename T, int R, int W, bool TA, bool Tail>
 LINATTN_AVX512 inline void gemm_tile(int K, const T* A, int lda, const T* B, int ldb, T* C, int ldc, T alpha, T beta,
-                                     typename Zmm<T>::Mask tail) {
+                                     typename Zmm<T>::Mask tail, const PrefetchQueue::Range hint = {nullptr, 0, false}) {
   using Z = Zmm<T>;
   constexpr int L = Z::L;
   const typename Z::Mask full = static_cast<typename Z::Mask>(~0u), last = Tail ? tail : full;
@@ -92,6 +92,13 @@ LINATTN_AVX512 inline void gemm_tile(int K, const T* A, int lda, const T* B, int
 #pragma GCC unroll 2
     for (int w = 0; w < W; ++w) acc[r][w] = Z::zero();
   for (int k = 0; k < K; ++k) {
+    if ((k & 3) == 0 && int64_t(k) * 16 < hint.bytes) {  // one line of the hint per 4 k-steps
+      if (hint.write) {
+        __builtin_prefetch(hint.p + k * 16, 1, 3);
+      } else {
+        __builtin_prefetch(hint.p + k * 16, 0, 3);
+      }
+    }
     const T* b = B + static_cast<int64_t>(k) * ldb;
     typename Z::V bv[W];
 #pragma GCC unroll 2
@@ -124,10 +131,9 @@ LINATTN_AVX512 void gemm_panel(int M, int K, const T* A, int lda, const T* B, in
   constexpr int R = 12;
   int i = 0;
   auto a_at = [&](int row) { return TA ? A + row : A + static_cast<int64_t>(row) * lda; };
-  for (; i + R <= M; i += R) {
-    gemm_tile<T, R, W, TA, Tail>(K, a_at(i), lda, B, ldb, C + static_cast<int64_t>(i) * ldc, ldc, alpha, beta, last);
-    hints.drain(K / 4 + 1);  // about one line per 4 k-steps of the tile: ~1,500 lines over a chunk
-  }
+  for (; i + R <= M; i += R)  // the tile issues one queued line per 4 k-steps: ~1,500 lines over a chunk
+    gemm_tile<T, R, W, TA, Tail>(K, a_at(i), lda, B, ldb, C + static_cast<int64_t>(i) * ldc, ldc, alpha, beta, last,
+                                 hints.take(K / 4 + 1));
   T* c = C + static_cast<int64_t>(i) * ldc;
   switch (M - i) {
     case 11: gemm_tile<T, 11, W, TA, Tail>(K, a_at(i), lda, B, ldb, c, ldc, alpha, beta, last); break;

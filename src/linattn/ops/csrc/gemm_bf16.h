@@ -55,7 +55,8 @@ inline float bf16_value(uint16_t bits) {
 // a + r·ars + p·aps (uint16 elements), B's pair p is the row p of b (ldb words apart).
 template <int R, int W, bool Tail>
 LINATTN_AVX512BF16 inline void bf16_tile(int pairs, const uint16_t* a, int64_t ars, int64_t aps, const uint32_t* b,
-                                         int64_t ldb, float* C, int ldc, float alpha, float beta, __mmask16 tail) {
+                                         int64_t ldb, float* C, int ldc, float alpha, float beta, __mmask16 tail,
+                                         const PrefetchQueue::Range hint = {nullptr, 0, false}) {
   const __mmask16 full = 0xFFFF, last = Tail ? tail : full;
   __m512 acc[R][W];
 #pragma GCC unroll 12
@@ -63,6 +64,13 @@ LINATTN_AVX512BF16 inline void bf16_tile(int pairs, const uint16_t* a, int64_t a
 #pragma GCC unroll 2
     for (int w = 0; w < W; ++w) acc[r][w] = _mm512_setzero_ps();
   for (int p = 0; p < pairs; ++p) {
+    if ((p & 3) == 0 && int64_t(p) * 16 < hint.bytes) {  // one line of the hint per 4 pairs
+      if (hint.write) {
+        __builtin_prefetch(hint.p + p * 16, 1, 3);
+      } else {
+        __builtin_prefetch(hint.p + p * 16, 0, 3);
+      }
+    }
     const uint32_t* bp = b + static_cast<int64_t>(p) * ldb;
     __m512i bv[W];
 #pragma GCC unroll 2
@@ -96,11 +104,9 @@ LINATTN_AVX512BF16 void bf16_panel(int M, int pairs, const uint16_t* a, int64_t 
                                    PrefetchQueue& hints) {
   constexpr int R = 12;
   int i = 0;
-  for (; i + R <= M; i += R) {
+  for (; i + R <= M; i += R)
     bf16_tile<R, W, Tail>(pairs, a + i * ars, ars, aps, b, ldb, C + static_cast<int64_t>(i) * ldc, ldc, alpha, beta,
-                          last);
-    hints.drain(pairs / 4 + 1);
-  }
+                          last, hints.take(pairs / 4 + 1));
   const uint16_t* ai = a + i * ars;
   float* c = C + static_cast<int64_t>(i) * ldc;
   switch (M - i) {

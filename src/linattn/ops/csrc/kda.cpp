@@ -41,6 +41,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <atomic>
 #include <tuple>
 
 #include "blas.h"
@@ -60,21 +61,32 @@ constexpr double kChannelFloor = -80.0;
 // The largest decay of any channel inside a row block after its first row: h ≤ e^40 ≈ 2.4e17
 constexpr double kSpan = 40.0;
 
-// b (c×D) = the cumulative sums over the chunk of max(g, kChannelFloor), in double, and elast = e^{b_c} (D)
+// b (c×D) = the cumulative sums over the chunk of max(g, kChannelFloor), in double, and elast = e^{b_c} (D).
+// Returns whether every g of the chunk is a finite log-decay ≤ 0 (gates_valid; the forward's check).
 template <typename Acc>
-LINATTN_CLONES void channel_gates(const Acc* __restrict__ g, int c, int64_t D, double* __restrict__ b,
+LINATTN_CLONES bool channel_gates(const Acc* __restrict__ g, int c, int64_t D, double* __restrict__ b,
                                   Acc* __restrict__ elast) {
-  for (int64_t d = 0; d < D; ++d) b[d] = std::max(static_cast<double>(g[d]), kChannelFloor);
+  const Acc lowest = std::numeric_limits<Acc>::lowest();
+  int bad = 0;
+#pragma omp simd reduction(| : bad)
+  for (int64_t d = 0; d < D; ++d) {
+    b[d] = std::max(static_cast<double>(g[d]), kChannelFloor);
+    bad |= !(g[d] <= Acc(0) && g[d] >= lowest);
+  }
   for (int i = 1; i < c; ++i) {
     const double* __restrict__ prev = b + (i - 1) * D;
     double* __restrict__ cur = b + i * D;
     const Acc* __restrict__ gi = g + i * D;
-#pragma omp simd
-    for (int64_t d = 0; d < D; ++d) cur[d] = prev[d] + std::max(static_cast<double>(gi[d]), kChannelFloor);
+#pragma omp simd reduction(| : bad)
+    for (int64_t d = 0; d < D; ++d) {
+      cur[d] = prev[d] + std::max(static_cast<double>(gi[d]), kChannelFloor);
+      bad |= !(gi[d] <= Acc(0) && gi[d] >= lowest);
+    }
   }
   const double* __restrict__ last = b + int64_t(c - 1) * D;
 #pragma omp simd
   for (int64_t d = 0; d < D; ++d) elast[d] = exp_nonpositive(static_cast<Acc>(last[d]));
+  return bad == 0;
 }
 
 // Cuts the c rows into blocks [starts[k], starts[k + 1]): a row z starts a new block when some channel
@@ -95,29 +107,73 @@ inline int row_blocks(const double* b, int c, int64_t D, int* starts) {
   return nb;
 }
 
+// f_i = e^{x} for an exponent x = b_i − b_a in double, in [−kSpan, 0]: x is rounded to Acc as hi + lo
+// and f = e^{hi} (1 + lo) (a float hi alone would be off by up to kSpan · 2⁻²⁴ in the exponent, and
+// f_i / f_j by twice that relatively)
+template <typename Acc>
+inline Acc block_decay(double x) {
+  const Acc hi = static_cast<Acc>(x);
+  const Acc lo = static_cast<Acc>(x - static_cast<double>(hi));
+  const Acc e = exp_nonpositive(hi);
+  return e + e * lo;
+}
+
 // The chunk's factors in one pass over its rows (KQ = [K̂; Q̂], 2c×D; every output c×D but KQb 2c×D):
-// eb = e^b, el = e^{b_c − b}, f_i = e^{b_i − b_a} (a the first row of i's block) and fi = 1 / f, and the
-// rows they scale, KQb = [K̂ ⊙ e^b; Q̂ ⊙ e^b], Kl = K̂ ⊙ e^{b_c − b}; with L and R (one block: a = 0) also the
-// scores' factors L = [K̂ ⊙ f; Q̂ ⊙ f] (2c×D) and R = K̂ ⊙ fi. The exponent of f, x (double, in
-// [−kSpan, 0]), is rounded to Acc as hi + lo, and f = e^{hi} (1 + lo): a float hi alone would be off by
-// up to kSpan · 2⁻²⁴ in the exponent, and f_i / f_j by twice that relatively.
+// eb = e^b, el = e^{b_c − b}, f_i = e^{b_i − b_a} (a the first row of i's block, block_decay) and
+// fi = 1 / f, and the rows they scale, KQb = [K̂ ⊙ e^b; Q̂ ⊙ e^b], Kl = K̂ ⊙ e^{b_c − b}; with L and R
+// (one block only: a = 0) also the scores' factors L = [K̂ ⊙ f; Q̂ ⊙ f] (2c×D) and R = K̂ ⊙ fi.
+// One block (nb = 1, every channel within kSpan of row 0 over the chunk) takes one exponential per
+// entry: eb = e^{b_0} f and el = f_c fi (edge, 2D long: e^{b_0} and f_c). Both products stay in range
+// (f, fi, f_c within e^{±kSpan}) and are as close as the direct e^{(Acc) b}, e^{(Acc)(b_c − b)}, whose
+// rounded exponents are off by up to |b| · 2⁻²⁴ (the products: a few ulp). There, without keep (the
+// forward), eb, el, f and fi are not stored: only the rows they scale are read after.
 template <typename Acc>
 LINATTN_CLONES void chunk_factors(const double* __restrict__ b, const int* starts, int nb, const Acc* __restrict__ KQ,
                                   int c, int64_t D, Acc* __restrict__ eb, Acc* __restrict__ el, Acc* __restrict__ f,
                                   Acc* __restrict__ fi, Acc* __restrict__ KQb, Acc* __restrict__ Kl,
-                                  Acc* __restrict__ L, Acc* __restrict__ R) {
+                                  Acc* __restrict__ L, Acc* __restrict__ R, Acc* __restrict__ edge, bool keep) {
   const int64_t cD = int64_t(c) * D;
   const double* __restrict__ last = b + cD - D;
+  if (nb == 1) {
+    Acc* __restrict__ e0 = edge;
+    Acc* __restrict__ fc = edge + D;
+#pragma omp simd
+    for (int64_t d = 0; d < D; ++d) {
+      e0[d] = exp_nonpositive(static_cast<Acc>(b[d]));
+      fc[d] = block_decay<Acc>(last[d] - b[d]);
+    }
+  }
   for (int k = 0; k < nb; ++k) {
     const double* __restrict__ ba = b + int64_t(starts[k]) * D;
     for (int i = starts[k]; i < starts[k + 1]; ++i) {
       const int64_t o = int64_t(i) * D;
+      if (nb == 1) {
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) {
+          const Acc fr = block_decay<Acc>(b[o + d] - ba[d]), fir = Acc(1) / fr;
+          const Acc e1 = edge[d] * fr, e2 = edge[D + d] * fir;
+          const Acc kk = KQ[o + d], qq = KQ[cD + o + d];
+          if (keep) {
+            f[o + d] = fr;
+            fi[o + d] = fir;
+            eb[o + d] = e1;
+            el[o + d] = e2;
+          }
+          KQb[o + d] = kk * e1;
+          KQb[cD + o + d] = qq * e1;
+          Kl[o + d] = kk * e2;
+          if (L != nullptr) {
+            L[o + d] = kk * fr;
+            L[cD + o + d] = qq * fr;
+            R[o + d] = kk * fir;
+          }
+        }
+        continue;
+      }
 #pragma omp simd
       for (int64_t d = 0; d < D; ++d) {
-        const double bi = b[o + d], x = bi - ba[d];
-        const Acc hi = static_cast<Acc>(x);
-        const Acc lo = static_cast<Acc>(x - static_cast<double>(hi));
-        const Acc e = exp_nonpositive(hi), fr = e + e * lo;
+        const double bi = b[o + d];
+        const Acc fr = block_decay<Acc>(bi - ba[d]);
         const Acc e1 = exp_nonpositive(static_cast<Acc>(bi)), e2 = exp_nonpositive(static_cast<Acc>(last[d] - bi));
         const Acc kk = KQ[o + d], qq = KQ[cD + o + d];
         f[o + d] = fr;
@@ -127,13 +183,6 @@ LINATTN_CLONES void chunk_factors(const double* __restrict__ b, const int* start
         KQb[o + d] = kk * e1;
         KQb[cD + o + d] = qq * e1;
         Kl[o + d] = kk * e2;
-      }
-      if (L == nullptr) continue;
-#pragma omp simd
-      for (int64_t d = 0; d < D; ++d) {
-        L[o + d] = KQ[o + d] * f[o + d];
-        L[cD + o + d] = KQ[cD + o + d] * f[o + d];
-        R[o + d] = KQ[o + d] * fi[o + d];
       }
     }
   }
@@ -197,8 +246,8 @@ struct KdaTerms {
 // Work buffers for one block's factors and their gradients (any thread's chunk)
 template <typename Acc>
 struct FactorBuffers {
-  Aligned<Acc> L, R, H;
-  FactorBuffers(int64_t chunk, int64_t D) : L(2 * chunk * D), R(chunk * D), H(chunk * D) {}
+  Aligned<Acc> L, R, H, edge;
+  FactorBuffers(int64_t chunk, int64_t D) : L(2 * chunk * D), R(chunk * D), H(chunk * D), edge(2 * D) {}
 };
 
 // The scores of a chunk into ch.AP (and ch.kkg when given), block by block (file comment)
@@ -229,23 +278,27 @@ void chunk_scores(KdaTerms<Acc>& ch, const Acc* beta, int c, int64_t D, FactorBu
 
 // The first half of a chunk's forward from the state S entering it: K̂, Q̂, gates, row blocks, A, P,
 // then SK = [K̂_b; Q̂_b] S (the Q̂_b S rows only with with_q) and V'. Tokens [t0, t0 + c) of the row.
+// The forward (with_q) leaves the chunk's gate factors e^b, e^{b_c − b}, f, 1/f unwritten where
+// chunk_factors may (one row block); the backward reads them. Returns whether the chunk's gates are
+// all finite and ≤ 0 (channel_gates).
 template <typename T, typename Acc>
-void kda_front(const Row<T, Acc>& in, int64_t t0, int c, int64_t D, int64_t E, bool l2norm, const Acc* S,
+bool kda_front(const Row<T, Acc>& in, int64_t t0, int c, int64_t D, int64_t E, bool l2norm, const Acc* S,
                KdaTerms<Acc>& ch, Acc* SK, FactorBuffers<Acc>& w, bool with_q) {
   const int d = static_cast<int>(D), e = static_cast<int>(E);
   const int64_t cD = int64_t(c) * D;
   load_rows(in.k + t0 * D, ch.KQ, ch.rn, c, D, l2norm);
   load_rows(in.q + t0 * D, ch.KQ + cD, ch.rn + c, c, D, l2norm);
-  channel_gates(in.g + t0 * D, c, D, ch.b, ch.elast);
+  const bool valid = channel_gates(in.g + t0 * D, c, D, ch.b, ch.elast);
   ch.nb = row_blocks(ch.b, c, D, ch.starts);
   const bool one = ch.nb == 1;  // then the scores' factors come with the rest
   chunk_factors(ch.b, ch.starts, ch.nb, ch.KQ, c, D, ch.eb, ch.el(c, D), ch.f(c, D), ch.fi(c, D), ch.KQb, ch.Kl,
-                one ? w.L.data() : nullptr, one ? w.R.data() : nullptr);
+                one ? w.L.data() : nullptr, one ? w.R.data() : nullptr, w.edge.data(), !with_q);
   const Acc* beta = in.beta + t0;
   chunk_scores(ch, beta, c, D, w);
   gemm_rm<Acc>(false, false, with_q ? 2 * c : c, e, d, ch.KQb, d, S, e, Acc(0), SK, e);
   corrected_values(in.v + t0 * E, SK, static_cast<const Acc*>(nullptr), beta, ch.X, ch.Vp, c, E);
   solve_strips<Acc>(false, c, E, ch.AP, ch.Vp);
+  return valid;
 }
 
 // S' = Diag(e^{b_c}) S + K̂_lᵀ V' (in place when S' == S)
@@ -289,9 +342,11 @@ void forward_rows(const Rows& rows, const at::Tensor& q, const at::Tensor& k, co
   Acc* pS = S_all.data_ptr<Acc>();
   Acc* pSb = S_blocks != nullptr ? S_blocks->data_ptr<Acc>() : nullptr;
   const Acc s = static_cast<Acc>(scale);
+  std::atomic<bool> all_valid{true};
   at::parallel_for(0, rows.count(), 1, [&](int64_t i0, int64_t i1) {
     const SequentialBlas one_thread;
     const FlushDenormals flush;
+    bool valid = true;
     TermBuffers<Acc> buf(chunk, D, E, 1, false);
     FactorBuffers<Acc> w(chunk, D);
     Aligned<Acc> SK(2 * chunk * E);
@@ -299,7 +354,7 @@ void forward_rows(const Rows& rows, const at::Tensor& q, const at::Tensor& k, co
       row_forward(
           rows, rows.row(i), x, pS, pSb, chunk, [&](const Row<T, Acc>& in, Acc* S, int64_t t0, int c, int64_t tok) {
             KdaTerms<Acc> ch = buf.terms(0);
-            kda_front(in, t0, c, D, E, l2norm, S, ch, SK.data(), w, true);
+            valid = kda_front(in, t0, c, D, E, l2norm, S, ch, SK.data(), w, true) && valid;
             Acc* O = SK.data() + c * E;  // O = Q̂_b S + P V'
             gemm_rm<Acc>(false, false, c, static_cast<int>(E), c, ch.AP + c * c, c, ch.Vp, static_cast<int>(E), Acc(1),
                          O, static_cast<int>(E));
@@ -307,7 +362,9 @@ void forward_rows(const Rows& rows, const at::Tensor& q, const at::Tensor& k, co
             kda_update_state(S, S, ch, c, D, E);
           });
     }
+    if (!valid) all_valid = false;
   });
+  if (!all_valid) raise_invalid_gate(g, "g must be a finite log-decay ≤ 0 (α = e^g in (0, 1]), got ");
 }
 
 // One thread's work buffers for a chunk's backward

@@ -79,7 +79,7 @@ def delta_rule(
         return _packed(q, k, v, beta, cu_seqlens, g=g, scale=scale, qk_l2norm=qk_l2norm, initial_state=initial_state,
                        return_state=return_state, chunk_size=chunk_size)
     check_arguments(q, k, v, beta, g, scale, qk_l2norm, initial_state)
-    check_values(beta, g)
+    check_values(beta, g, g_in_kernel=per_channel(g) and fused.usable(q))
     refuse_forward_ad(op_name(g), q, k, v, beta, g, initial_state)
     chunk_size = min(chunk_size, q.shape[2])  # one chunk at most: no C² work buffer beyond N²
     sdt = state_dtype(q.dtype)
@@ -106,7 +106,7 @@ def _packed(q, k, v, beta, cu_seqlens, *, g, scale, qk_l2norm, initial_state, re
     bounds = packed.boundaries(cu_seqlens, batch=q.shape[0], length=q.shape[2])
     if initial_state is not None:
         packed.check_state_count(initial_state, len(bounds))
-    check_values(beta, g)
+    check_values(beta, g, g_in_kernel=per_channel(g))  # KDA's kernel, or delta_rule per sequence, checks g
     out = _packed_fused(q, k, v, beta, g, cu_seqlens, len(bounds), initial_state, scale=scale, l2norm=qk_l2norm,
                         chunk_size=chunk_size)
     if out is not None:

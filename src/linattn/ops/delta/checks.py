@@ -57,12 +57,14 @@ def check_state(state, shape: tuple, dtype: torch.dtype, device: torch.device, n
 BETA_MAX = 2.0
 
 
-def check_values(beta: torch.Tensor, g: torch.Tensor | None) -> None:
-    """beta in [0, BETA_MAX] and g ≤ 0, all finite (a NaN fails every comparison, so it is caught too)."""
+def check_values(beta: torch.Tensor, g: torch.Tensor | None, *, g_in_kernel: bool = False) -> None:
+    """beta in [0, BETA_MAX] and g ≤ 0, all finite (a NaN fails every comparison, so it is caught too).
+    g_in_kernel: g is left to the kernel that reads it (KDA's chunked kernel checks a per-channel g as it
+    reads it, with the same message: no second pass over B·H·N·D values)."""
     lo, hi = (float(x) for x in torch.aminmax(beta.detach()))
     if not (lo >= 0 and hi <= BETA_MAX):
         raise ValueError(f"beta must lie in [0, 2] (finite), got values from {lo} to {hi}")
-    if g is not None:
+    if g is not None and not g_in_kernel:
         lo, hi = (float(x) for x in torch.aminmax(g.detach()))
         if not (hi <= 0 and math.isfinite(lo)):
             raise ValueError(f"g must be a finite log-decay ≤ 0 (α = e^g in (0, 1]), got values from {lo} to {hi}")

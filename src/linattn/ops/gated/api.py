@@ -88,19 +88,21 @@ def _gated_linear_attention(q, k, v, g, *, feature_map, normalize, eps, scale, i
     """gated_linear_attention on one batch of checked options, φ's schedule already advanced."""
     fz, kv0, z0 = _prepare(q, k, v, g, feature_map=feature_map, scale=scale, key_padding_mask=key_padding_mask,
                            state=initial_state, normalize=normalize, name="initial_state")
-    check_gate_values(g)
     refuse_forward_ad("gated_linear_attention", q, k, v, g, kv0, z0, fz.parameters)
     chunk_size = min(chunk_size, q.shape[2])  # one chunk at most: no C² work buffer beyond N²
     if key_padding_mask is not None:
+        check_gate_values(g)  # before the padded rows' gates are set to 0
         keep = key_padding_mask[:, None, :] if g.dim() == 3 else key_padding_mask[:, None, :, None]
         g = g.masked_fill(~keep, 0.0)
     sdt = state_dtype(q.dtype)
     kv0, z0 = kv0.to(sdt), None if z0 is None else z0.to(sdt)
     phi = native.fused_phi(feature_map, scale, key_padding_mask, (kv0, kv0 if z0 is None else z0), q, k, v, bf16=True,
                            train=True)
-    if phi is not None and fused.ready(q.dtype):
+    if phi is not None and fused.ready(q.dtype):  # the kernel checks g's values as it reads them
         o, kv, z = fused.chunked(q, k, v, g, kv0, z0, phi=phi, eps=float(eps), chunk=chunk_size)
     else:
+        if key_padding_mask is None:
+            check_gate_values(g)
         o, kv, *rest = ChunkedGatedLinearAttention.apply(fz, chunk_size, normalize, float(eps), False, q, k, v, g, kv0,
                                                          z0, *fz.parameters)
         z = rest[0] if normalize else None
@@ -164,8 +166,8 @@ def _packed_fused(q, k, v, g, cu_seqlens, count: int, initial_state, key_padding
                            train=True)
     if phi is None or not fused.ready(q.dtype):
         return None
-    check_gate_values(g)
     refuse_forward_ad("gated_linear_attention", q, k, v, g, kv0, z0)
+    # the kernel checks g's values as it reads them
     o, kv, z = fused.chunked(q, k, v, g, kv0, z0, phi=phi, eps=float(eps), chunk=min(chunk_size, q.shape[2]),
                              cu_seqlens=cu_seqlens)
     if not all_finite(kv, *(() if z is None else (z,))):

@@ -25,13 +25,15 @@ def check_gate(g, b: int, h: int, n: int, feat: int, device: torch.device) -> No
 
 
 def check_gate_values(g: torch.Tensor) -> None:
-    """g ≤ 0 and finite (a decay e^g in (0, 1]). One reduction over g."""
+    """g ≤ 0 and finite (a decay e^g in (0, 1]). One reduction over g. The fused kernels check the
+    values as they read them, with the same message (naming the first value out of range; here the
+    maximum, or the minimum when it is −∞)."""
     lo, hi = torch.aminmax(g.detach())
     lo, hi = lo.item(), hi.item()
     if not hi <= 0:  # NaN fails here too
-        raise ValueError(f"g (the log of the decay) must be ≤ 0 everywhere, got a maximum of {hi}")
+        raise ValueError(f"g (the log of the decay) must be ≤ 0 and finite, got {hi}")
     if not lo > float("-inf"):
-        raise ValueError(f"g (the log of the decay) must be finite, got a minimum of {lo}")
+        raise ValueError(f"g (the log of the decay) must be ≤ 0 and finite, got {lo}")
 
 
 def check_gated_state(state, normalize: bool, b: int, h: int, feat: int, value: int, device: torch.device,
