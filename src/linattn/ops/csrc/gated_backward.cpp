@@ -123,12 +123,8 @@ void piece_backward(Work<T>& wk, Grads<T>& gr, const Span<T>& sp, int64_t F, int
   const int64_t cc = int64_t(c) * c;
   end_term(st.S_out, st.R, st.z_out, st.r, F, E, true, carry);
   piece_factors(sp.g, c, F, sp.Qa, sp.Ka, wk.sum.data(), wk.dec.data(), wk.w.data(), wk.Qv.data(), wk.Kv.data());
-  std::copy(st.S, st.S + F * E, wk.S_hat.begin());
-  decay_rows(wk.S_hat.data(), wk.dec.data(), F, E);  // Ŝ = e^{λ} ⊙ S
-  if (normalize) {
-    std::copy(st.z, st.z + F, wk.z_hat.begin());
-    decay_rows(wk.z_hat.data(), wk.dec.data(), F, 1);
-  }
+  decayed_rows(st.S, wk.dec.data(), F, E, wk.S_hat.data());  // Ŝ = e^{λ} ⊙ S
+  if (normalize) decayed_rows(st.z, wk.dec.data(), F, 1, wk.z_hat.data());
   const T* Qop = as_operand<T>(wk.Qv.data(), wk.Qv_low, c * F);
   const T* Kop = as_operand<T>(wk.Kv.data(), wk.Kv_low, c * F);
   gemm_rm<T>(false, true, c, c, f, Qop, f, Kop, f, Acc(0), wk.A.data(), c);  // A = M ⊙ Q̌K̂ᵀ
