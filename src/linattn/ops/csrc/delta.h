@@ -269,6 +269,19 @@ struct RowGradOutputs {
   RowGrads<T, Acc> row(int64_t t) const {
     return {dO + t * E, dq + t * D, dk + t * D, dv + t * E, dbeta + t, dg != nullptr ? dg + t * g_width : nullptr};
   }
+  // Queues tokens [t, t + n) of dO (read) and the gradients (written) as RowInputs::hint does (after it:
+  // no flush here)
+  void hint(int64_t t, int64_t n) const {
+    if (n <= 0) return;
+    const RowGrads<T, Acc> at = row(t);
+    const int64_t b = sizeof(T), a = sizeof(Acc);
+    prefetch_soon(at.dO, n * E * b);
+    prefetch_soon(at.dq, n * D * b, true);
+    prefetch_soon(at.dk, n * D * b, true);
+    prefetch_soon(at.dv, n * E * b, true);
+    prefetch_soon(at.dbeta, n * a, true);
+    if (at.dg != nullptr) prefetch_soon(at.dg, n * g_width * a, true);
+  }
 };
 
 // The forward of row r chunk by chunk, in order: step(in, S, t0, c, tok) advances the row's state S (its
@@ -307,10 +320,15 @@ void row_backward(const Rows& rows, int64_t r, const RowInputs<T, Acc>& x, const
     std::copy(saved + blk * DE, saved + (blk + 1) * DE, state0);
     for (int64_t j = 0; j < nch; ++j) {
       const int64_t t0 = s + j * chunk;
+      if (j + 1 < nch) x.hint(rows.start(r) + t0 + chunk, std::min(chunk, N - t0 - chunk));
       forward(in, j, t0, static_cast<int>(std::min(chunk, N - t0)), j + 1 < nch);
     }
     for (int64_t j = nch - 1; j >= 0; --j) {
       const int64_t t0 = s + j * chunk;
+      if (j > 0) {  // the chunk before: its inputs again, dO and the gradients it writes
+        x.hint(rows.start(r) + t0 - chunk, chunk);
+        dx.hint(rows.start(r) + t0 - chunk, chunk);
+      }
       backward(in, out, R, j, t0, static_cast<int>(std::min(chunk, N - t0)));
     }
   }

@@ -16,6 +16,23 @@ namespace {
 
 using linattn_pool::empty_result;
 
+// Queues cache hints (prefetch.h) for the rows [t, t + n) the backward reads next (v, do, o, g) and
+// writes (dq, dk, dv, dg): the chunk before the one about to run, while its products run
+template <typename T, typename Acc>
+void prefetch_chunk_before(const T* v, const T* dout, const T* o, const Acc* g, T* dq, T* dk, T* dv, Acc* dg, int64_t t,
+                           int64_t n, int64_t F, int64_t E, int64_t G) {
+  const int64_t b = sizeof(T), a = sizeof(Acc);
+  prefetch_queue().flush();
+  prefetch_soon(v + t * E, n * E * b);
+  prefetch_soon(dout + t * E, n * E * b);
+  prefetch_soon(o + t * E, n * E * b);
+  prefetch_soon(g + t * G, n * G * a);
+  prefetch_soon(dq + t * F, n * F * b, true);
+  prefetch_soon(dk + t * F, n * F * b, true);
+  prefetch_soon(dv + t * E, n * E * b, true);
+  prefetch_soon(dg + t * G, n * G * a, true);
+}
+
 // What the backward of one chunk or piece reads and writes besides the work buffers
 template <typename T>
 struct Grads {
@@ -285,6 +302,11 @@ void gated_backward_rows(const Rows& rows, const at::Tensor& q, const at::Tensor
         for (int64_t j = 0; j + 1 < nch; ++j) {  // the states entering the block's later chunks
           const int c = static_cast<int>(std::min(chunk, m - j * chunk));
           const int64_t c0 = j * chunk, t0 = t_row + s + c0;
+          if (j + 2 < nch) {  // the next chunk's v and g
+            prefetch_queue().flush();
+            prefetch_soon(pv + (t0 + chunk) * E, chunk * E * int64_t(sizeof(T)));
+            prefetch_soon(pg + (t0 + chunk) * Gw, chunk * Gw * int64_t(sizeof(Acc)));
+          }
           Acc* Snext = Sc.data() + (j + 1) * F * E;
           Acc* znext = normalize ? zc.data() + (j + 1) * F : nullptr;
           std::copy(Sc.begin() + j * F * E, Sc.begin() + (j + 1) * F * E, Snext);
@@ -302,6 +324,7 @@ void gated_backward_rows(const Rows& rows, const at::Tensor& q, const at::Tensor
         for (int64_t j = nch - 1; j >= 0; --j) {
           const int64_t c0 = j * chunk, t0 = t_row + s + c0;
           const int c = static_cast<int>(std::min(chunk, m - c0));
+          if (j > 0) prefetch_chunk_before(pv, pdo, po, pg, pdq, pdk, pdv, pdg, t0 - chunk, chunk, F, E, Gw);
           Span<M> sp{c,
                      fb.Q + c0 * F,
                      fb.K + c0 * F,

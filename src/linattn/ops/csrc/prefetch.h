@@ -32,7 +32,7 @@ inline void prefetch_lines(const void* p, int64_t bytes, bool write = false) {
 
 // Ranges of lines to hint soon, oldest first; at most kRanges (a push to a full queue issues the oldest).
 struct PrefetchQueue {
-  static constexpr int kRanges = 8;
+  static constexpr int kRanges = 16;
   struct Range {
     const char* p;
     int64_t bytes;
