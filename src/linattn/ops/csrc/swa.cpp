@@ -52,22 +52,41 @@ struct Windows {
   int lo(int ii) const { return std::max(0, first + ii - window + 1); }
 };
 
+// mx = max and mn = min of x[0 … n) (n ≥ 1; NaN ignored unless all are): 16 running lanes elementwise,
+// which vectorize, then the lanes and the last n mod 16 values. (The same as an omp simd max/min
+// reduction, which GCC 12 left scalar: std::max is a compare-and-select on floats, not a MAX_EXPR.)
+template <typename Acc>
+inline void max_min(const Acc* __restrict__ x, int n, Acc& mx, Acc& mn) {
+  constexpr int kLanes = 16;
+  Acc hi[kLanes], lo[kLanes];
+  for (int u = 0; u < kLanes; ++u) hi[u] = -std::numeric_limits<Acc>::infinity(), lo[u] = -hi[u];
+  int j = 0;
+  for (; j + kLanes <= n; j += kLanes) {
+#pragma omp simd
+    for (int u = 0; u < kLanes; ++u) {
+      hi[u] = std::max(hi[u], x[j + u]);
+      lo[u] = std::min(lo[u], x[j + u]);
+    }
+  }
+  for (int u = 0; j + u < n; ++u) {
+    hi[u] = std::max(hi[u], x[j + u]);
+    lo[u] = std::min(lo[u], x[j + u]);
+  }
+  mx = hi[0], mn = lo[0];
+  for (int u = 1; u < kLanes; ++u) mx = std::max(mx, hi[u]), mn = std::min(mn, lo[u]);
+}
+
 // Forward: row ii of S (c×nk) becomes P = e^{scale·S − m} on its window, 0 elsewhere; m and the row sum l
-// returned per row. The max runs on the raw scores (vectorized: an omp simd max reduction, where a plain
-// std::max loop ran one lane at a time behind its dependency), m = scale·max (scale·min for scale < 0), and
-// the exponentials take scale·s − m in one pass.
+// returned per row. The max runs on the raw scores (max_min, in vector lanes), m = scale·max (scale·min
+// for scale < 0), and the exponentials take scale·s − m in one pass.
 template <typename Acc>
 LINATTN_CLONES void softmax_rows(Acc* __restrict__ S, int c, int nk, Windows w, Acc scale, Acc* __restrict__ m,
                                  Acc* __restrict__ l) {
   for (int ii = 0; ii < c; ++ii) {
     Acc* __restrict__ s = S + int64_t(ii) * nk;
     const int lo = w.lo(ii), hi = w.hi(ii);
-    Acc mx = -std::numeric_limits<Acc>::infinity(), mn = std::numeric_limits<Acc>::infinity();
-#pragma omp simd reduction(max : mx) reduction(min : mn)
-    for (int j = lo; j <= hi; ++j) {
-      mx = std::max(mx, s[j]);
-      mn = std::min(mn, s[j]);
-    }
+    Acc mx, mn;
+    max_min(s + lo, hi - lo + 1, mx, mn);
     const Acc shift = scale >= Acc(0) ? scale * mx : scale * mn;
     Acc sum = 0;
 #pragma omp simd reduction(+ : sum)
