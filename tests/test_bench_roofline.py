@@ -1,8 +1,12 @@
 """`linattn bench ops --roofline` (linattn.bench.roofline): the FLOP counts, and a tiny end-to-end run
 of every family and step with its report."""
 
+import io
+import statistics
+
 import pytest
 import torch
+from rich.console import Console
 
 from linattn.bench import roofline as R
 from linattn.bench.flops import chunked_linear_flops
@@ -108,7 +112,10 @@ def test_roofline_tiny_run(tmp_path, capsys):
             assert t["gflops"] == pytest.approx((t["model_gflops"] * 1e9 * t["median_s"] if ran is None else ran)
                                                 / t["median_s"] / 1e9)
             assert t["counted"] == ("model" if ran is None else "executed")
-            assert t["pct_peak"] == pytest.approx(100 * t["gflops"] / data["peaks"][r["dtype"]]["gflops"])
+            # one round: the share is against the peak's workload re-timed before the families
+            (peak,) = data["peaks"][r["dtype"]]["rounds_gflops"]
+            assert t["pct_peak"] == pytest.approx(100 * t["gflops"] / peak)
+            assert t["pct_peak_rounds"] == [pytest.approx(t["pct_peak"])]
         # the fused kernels count what they run; SDPA's products are not theirs
         kernels = native.load() and not r["family"].startswith("softmax")
         assert (r["flops_executed"]["fwd"] is not None) == kernels
@@ -124,6 +131,32 @@ def test_roofline_tiny_run(tmp_path, capsys):
     assert set(data["peaks"]["bf16"]["by_kernel"]) == ({"torch.bmm", "linattn"} if native.bf16_tiles() else {"torch.bmm"})
     assert {s["shape"] for s in data["steps"]} == {"8×64×64", "16×128×128", "32×128×128"}
     assert all(s["x_copy"] > 0 and s["state_bytes"] > 0 for s in data["steps"])
+
+
+def test_roofline_rounds_take_the_median_share_within_rounds():
+    """rounds=3: each round re-times the peak's workload, then each family; a row's share is the median
+    over the rounds of its GFLOP/s over its own round's peak, its time the median round's."""
+    cfg = R.RooflineConfig(shape=R.Shape(batch=1, heads=2, head_dim=16, value_dim=8, chunk=64), n=96,
+                           dtypes=["fp32"], families=["linear (elu+1)", "KDA"], step_shapes=(), min_run_time=0.01,
+                           rounds=3)
+    res = R.run_roofline(cfg, Console(file=io.StringIO()))
+    peaks = res["peaks"]["fp32"]["rounds_gflops"]
+    assert len(peaks) == 3 and all(p > 0 for p in peaks)
+    assert [r["family"] for r in res["results"]] == ["linear (elu+1)", "KDA"]
+    for r in res["results"]:
+        for mode in ("fwd", "fwd_bwd"):
+            t = r[mode]
+            shares = t["pct_peak_rounds"]
+            assert len(shares) == 3
+            assert t["pct_peak"] == pytest.approx(statistics.median(shares))
+            # each round's share is that round's GFLOP/s over that round's peak
+            gflops = [s * p / 100 for s, p in zip(shares, peaks)]
+            assert t["gflops"] == pytest.approx(statistics.median(gflops))
+    text = io.StringIO()
+    R.render_roofline(res, Console(file=text, width=200))
+    assert "re-timed in each of 3 rounds" in text.getvalue()
+    with pytest.raises(ValueError, match="rounds must be >= 1"):
+        R.run_roofline(R.RooflineConfig(rounds=0), Console(file=io.StringIO()))
 
 
 def test_roofline_shape_is_checked(capsys):

@@ -58,23 +58,30 @@ def matmul_peak(dtype: torch.dtype = torch.float32, device: torch.device | str =
         raise ValueError(f"kernel: linattn's product runs on the CPU in float32 / float64 (bfloat16 with "
                          f"AVX512-BF16) with the fused kernels built, not {dtype} on {device}")
     best = {"gflops": 0.0, "batch": None, "tile": tile, "dtype": str(dtype).replace("torch.", ""), "kernel": kernel}
-    gen = torch.Generator(device="cpu").manual_seed(0)
     for b in batches:
-        x = torch.randn(b, tile, tile, generator=gen).to(device=device, dtype=dtype)
-        y = torch.randn(b, tile, tile, generator=gen).to(device=device, dtype=dtype)
-        wide = kernel == "linattn" and dtype == torch.bfloat16  # bf16 operands, float32 results
-        out = torch.empty(b, tile, tile, device=device, dtype=torch.float32 if wide else dtype)
-        if kernel == "linattn":
-            def run():
-                torch.ops.linattn_cpu.gemm(x, y, out, False, False, 1.0, 0.0)
-        else:
-            def run():
-                torch.bmm(x, y, out=out)
+        run = peak_workload(dtype, device, tile=tile, batch=b, kernel=kernel)
         t = measure(run, min_run_time=min_run_time, warmup=2)
         gflops = 2 * b * tile**3 / t.median / 1e9
         if gflops > best["gflops"]:
             best.update(gflops=gflops, batch=b)
     return best
+
+
+def peak_workload(dtype: torch.dtype, device: torch.device | str, *, tile: int, batch: int, kernel: str):
+    """run(): `kernel` on `batch` products of tile×tile @ tile×tile (2·batch·tile³ FLOPs), random inputs
+    made once, the output written in place (matmul_peak's workload; the kernel is checked there)."""
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    x = torch.randn(batch, tile, tile, generator=gen).to(device=device, dtype=dtype)
+    y = torch.randn(batch, tile, tile, generator=gen).to(device=device, dtype=dtype)
+    wide = kernel == "linattn" and dtype == torch.bfloat16  # bf16 operands, float32 results
+    out = torch.empty(batch, tile, tile, device=device, dtype=torch.float32 if wide else dtype)
+    if kernel == "linattn":
+        def run():
+            torch.ops.linattn_cpu.gemm(x, y, out, False, False, 1.0, 0.0)
+    else:
+        def run():
+            torch.bmm(x, y, out=out)
+    return run
 
 
 def best_matmul_peak(dtype: torch.dtype, device: torch.device | str, tiles: dict, min_run_time: float) -> dict:

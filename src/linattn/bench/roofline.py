@@ -41,6 +41,7 @@ FLOP counts, forward, per (batch, head), N tokens, chunk C, key dim K, value dim
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -51,9 +52,9 @@ from ..ops import delta_rule, delta_rule_step, gated_linear_attention, linear_at
 from ..ops import sliding_window_attention, softmax_attention
 from ..report import make_table, progress
 from .consistency import unstable
-from .flops import best_matmul_peak
+from .flops import best_matmul_peak, peak_workload
 from .methods import Shape
-from .timing import measure
+from .timing import Timing, measure, median_round
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 STEP_SHAPES = ((8, 64, 64), (16, 128, 128), (32, 128, 128))
@@ -88,6 +89,10 @@ class RooflineConfig:
     step_shapes: tuple = STEP_SHAPES
     min_run_time: float = 0.5
     device: str = "cpu"
+    #: rounds of measurement: each times the peak's workload, then every family forward and fwd+bwd in
+    #: turn (min_run_time each); a row's share of the peak is the median over the rounds of its GFLOP/s
+    #: over that round's peak, so a drift of the machine's speed during the run falls on both
+    rounds: int = 1
     seed: int = 0
 
 
@@ -158,7 +163,9 @@ def executed_flops(fn) -> float | None:
     return float(ran) if ran > 0 else None
 
 
-def _family_row(name, spec, cfg, dtype_name, device, peak) -> dict:
+def _family_workloads(name, spec, cfg, dtype_name, device) -> tuple[dict, dict]:
+    """(row, {"fwd": fwd(), "fwd_bwd": step()}): the family's row (its FLOPs, counted as the kernels ran
+    them) and its two workloads on inputs made once."""
     run, gate, beta, fl = spec
     x, extra = _inputs(cfg, DTYPES[dtype_name], device, gate, beta)
     row = {"family": name, "dtype": dtype_name, "flops_fwd": fl}
@@ -176,15 +183,23 @@ def _family_row(name, spec, cfg, dtype_name, device, peak) -> dict:
             a.grad = None
 
     row["flops_executed"] = {"fwd": executed_flops(fwd), "fwd_bwd": executed_flops(step)}
-    row["fwd"] = measure(fwd, min_run_time=cfg.min_run_time).as_dict()
-    row["fwd_bwd"] = measure(step, min_run_time=cfg.min_run_time).as_dict()
+    return row, {"fwd": fwd, "fwd_bwd": step}
+
+
+def _finish_row(row: dict, times: dict[str, list[Timing]], peaks: list[float]) -> dict:
+    """Fills row["fwd"], row["fwd_bwd"] from each round's timing and that round's peak (GFLOP/s): the
+    median round's timing, the median over rounds of GFLOP/s and of the share of the round's peak."""
     for mode, mult in (("fwd", 1), ("fwd_bwd", 3)):
-        t = row[mode]["median_s"]
-        model = mult * fl / t / 1e9
+        ts = times[mode]
         ran = row["flops_executed"][mode]
-        gflops = model if ran is None else ran / t / 1e9
-        row[mode].update(gflops=gflops, pct_peak=100 * gflops / peak, counted="model" if ran is None else "executed",
-                         model_gflops=model, model_pct_peak=100 * model / peak)
+        model = [mult * row["flops_fwd"] / t.median / 1e9 for t in ts]
+        gflops = model if ran is None else [ran / t.median / 1e9 for t in ts]
+        row[mode] = median_round(ts).as_dict()
+        row[mode].update(gflops=statistics.median(gflops),
+                         pct_peak=statistics.median(100 * g / p for g, p in zip(gflops, peaks)),
+                         pct_peak_rounds=[100 * g / p for g, p in zip(gflops, peaks)],
+                         counted="model" if ran is None else "executed", model_gflops=statistics.median(model),
+                         model_pct_peak=statistics.median(100 * g / p for g, p in zip(model, peaks)))
     return row
 
 
@@ -236,6 +251,8 @@ def _step_rows(h: int, k: int, v: int, cfg: RooflineConfig, device) -> list[dict
 
 def run_roofline(cfg: RooflineConfig, console: Console | None = None) -> dict:
     """{"config", "peaks" {dtype: matmul peak (best_matmul_peak)}, "results" [family rows], "steps" [step rows]}."""
+    if cfg.rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {cfg.rounds}")
     console = console or Console()
     device = torch.device(cfg.device)
     table = families(cfg)
@@ -245,12 +262,10 @@ def run_roofline(cfg: RooflineConfig, console: Console | None = None) -> dict:
             peaks[name] = best_matmul_peak(DTYPES[name], device, PEAK_TILES, min(cfg.min_run_time, 0.5))
     results, steps = [], []
     with progress(console) as bar:
-        task = bar.add_task("roofline", total=len(cfg.dtypes) * len(table) + len(cfg.step_shapes))
+        task = bar.add_task("roofline", total=len(cfg.dtypes) * len(table) * cfg.rounds + len(cfg.step_shapes))
         for name in cfg.dtypes:
-            for fam, spec in table.items():
-                bar.update(task, description=f"{fam} {name}")
-                results.append(_family_row(fam, spec, cfg, name, device, peaks[name]["gflops"]))
-                bar.advance(task)
+            results += _dtype_rows(name, table, cfg, device, peaks[name], lambda d: (
+                bar.update(task, description=d), bar.advance(task)))
         for h, k, v in cfg.step_shapes:
             bar.update(task, description=f"steps {h}×{k}×{v}")
             steps += _step_rows(h, k, v, cfg, device)
@@ -261,6 +276,25 @@ def run_roofline(cfg: RooflineConfig, console: Console | None = None) -> dict:
               "value_dim": shape["value_dim"], "chunk": shape["chunk"], **config}
     config["flops"] = __doc__[__doc__.index("GFLOP/s and % of the peak"):].strip()
     return {"config": config, "peaks": peaks, "results": results, "steps": steps}
+
+
+def _dtype_rows(name: str, table: dict, cfg: RooflineConfig, device, peak: dict, tick) -> list[dict]:
+    """The rows of one dtype in cfg.rounds rounds (RooflineConfig.rounds); the peak's workload is that of
+    `peak` (best_matmul_peak's best tile, batch and kernel), re-timed at the start of each round and kept
+    in peak["rounds_gflops"]. tick(description) after each family of each round."""
+    run_peak = peak_workload(DTYPES[name], device, tile=peak["tile"], batch=peak["batch"],
+                             kernel=peak.get("kernel", "torch.bmm"))
+    peak_flops = 2 * peak["batch"] * peak["tile"] ** 3
+    work = [_family_workloads(fam, spec, cfg, name, device) for fam, spec in table.items()]
+    times = [{"fwd": [], "fwd_bwd": []} for _ in work]
+    peak["rounds_gflops"] = []
+    for i in range(cfg.rounds):
+        peak["rounds_gflops"].append(peak_flops / measure(run_peak, min_run_time=cfg.min_run_time).median / 1e9)
+        for (row, fns), t in zip(work, times):
+            for mode, fn in fns.items():
+                t[mode].append(measure(fn, min_run_time=cfg.min_run_time))
+            tick(f"{row['family']} {name} (round {i + 1} of {cfg.rounds})")
+    return [_finish_row(row, t, peak["rounds_gflops"]) for (row, _), t in zip(work, times)]
 
 
 def check_roofline(res: dict) -> list[str]:
@@ -289,7 +323,7 @@ def render_roofline(res: dict, console: Console) -> None:
     c = res["config"]
     cap = "; ".join(f"{k} matmul peak {v['gflops']:.0f} GFLOP/s ({v.get('kernel', 'torch.bmm')}, {v['batch']}×{v['tile']}²"
                     + "".join(f"; {kk} {g:.0f}" for kk, g in v.get("by_kernel", {}).items() if kk != v.get("kernel"))
-                    + ")" for k, v in peaks.items())
+                    + ")" + _rounds_note(v) for k, v in peaks.items())
     console.print(make_table(
         f"roofline: B×H×N×K×V = {c['batch']}×{c['heads']}×{c['n']}×{c['key_dim']}×{c['value_dim']}, chunk {c['chunk']}",
         ["family", "dtype", "fwd ms", "GFLOP/s", "% peak", "fwd+bwd ms", "GFLOP/s", "% peak", "% (3× fwd)"], rows,
@@ -301,6 +335,17 @@ def render_roofline(res: dict, console: Console) -> None:
     console.print(make_table("one-token steps (batch 1, fp32 state) against one copy of the state",
                              ["family", "H×K×V", "state", "step µs", "copy µs", "step / copy", "step − copy µs"], rows,
                              caption="target (issue 33): step ≤ 1.5 × copy + 10 µs"))
+
+
+def _rounds_note(peak: dict) -> str:
+    """How the peak read when re-timed in each round (the shares are against these)."""
+    rounds = peak.get("rounds_gflops", [])
+    if not rounds:
+        return ""
+    if len(rounds) == 1:
+        return f", {rounds[0]:.0f} when re-timed before the families"
+    return (f", re-timed in each of {len(rounds)} rounds: {min(rounds):.0f}–{max(rounds):.0f}, median "
+            f"{statistics.median(rounds):.0f} (% peak: the median of the rounds' shares)")
 
 
 def plot_roofline(res: dict, path) -> None:

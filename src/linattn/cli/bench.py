@@ -51,6 +51,10 @@ def add_parser(subparsers) -> None:
                      help="--roofline's shape (default: 1,16,2048,128,128)")
     ops.add_argument("--roofline-dtypes", type=_dtype_names, default=["fp32", "bf16"], metavar="fp32,bf16",
                      help="--roofline's dtypes (default: fp32,bf16)")
+    ops.add_argument("--roofline-rounds", type=positive_int, default=1, metavar="R",
+                     help="--roofline's rounds: each re-times the matmul peak, then every family in turn; a "
+                          "share of the peak is the median over the rounds of the share within the round (a "
+                          "machine whose speed drifts; default: 1)")
     _run_options(ops)
     add_common_options(ops)
 
@@ -244,7 +248,8 @@ def run_roofline_command(args) -> int:
     device, out, console = _setup(args, "bench-roofline")
     b, h, n, k, v = args.roofline_shape
     cfg = RooflineConfig(shape=Shape(batch=b, heads=h, head_dim=k, value_dim=v, chunk=args.chunk_size), n=n, window=64,
-                         dtypes=args.roofline_dtypes, min_run_time=args.min_run_time, device=str(device), seed=args.seed)
+                         dtypes=args.roofline_dtypes, min_run_time=args.min_run_time, device=str(device), seed=args.seed,
+                         rounds=args.roofline_rounds)
     return _finish("bench-roofline", run_roofline(cfg, console), args, device, out, console, render_roofline,
                    plot_roofline, check_roofline)
 
