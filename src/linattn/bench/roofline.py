@@ -216,8 +216,9 @@ def _steps(h: int, k: int, v: int, seed: int, device) -> dict:
     beta = torch.sigmoid(r(1, h, 1))
     scalar, channel = F.logsigmoid(r(1, h, 1) + 3.0), F.logsigmoid(r(1, h, 1, k) + 3.0)
     kv, z, s = r(1, h, k, v), r(1, h, k).abs(), r(1, h, k, v)
+    qa, ka = q.abs(), kk.abs()  # positive features for the normalized step, made once (not part of a step)
     calls = {
-        "linear": (lambda **o: linear_attention_step((kv, z), q.abs(), kk.abs(), vv, **o), (kv, z)),
+        "linear": (lambda **o: linear_attention_step((kv, z), qa, ka, vv, **o), (kv, z)),
         "gated, scalar g": (lambda **o: gated_linear_attention_step(s, q, kk, vv, scalar, **o), (s,)),
         "Gated DeltaNet": (lambda **o: delta_rule_step(s, q, kk, vv, beta, g=scalar, qk_l2norm=True, **o), (s,)),
         "KDA": (lambda **o: kda_step(s, q, kk, vv, beta, channel, qk_l2norm=True, **o), (s,)),

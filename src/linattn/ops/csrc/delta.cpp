@@ -494,20 +494,20 @@ at::Tensor delta_step_into(const char* op, const at::Tensor& S, const at::Tensor
     const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, D * E));
     at::parallel_for(0, rows, grain, [&](int64_t r0, int64_t r1) {
       const FlushDenormals flush;  // α S with α = e^g tiny
-      Aligned<Acc> work(2 * D + 2 * E + 2 + (channels ? D : 0));  // q̂ k̂, u and o, the norms, α
-      Acc *qk = work.data(), *u = qk + 2 * D, *rn = u + 2 * E, *alpha = rn + 2;
+      Aligned<Acc> work(2 * D + 2 + (channels ? D : 0));  // q̂ k̂, the norms, α
+      Acc *qk = work.data(), *rn = qk + 2 * D, *alpha = rn + 2;
       for (int64_t r = r0; r < r1; ++r) {
         load_rows(pq + r * D, qk, rn, 1, D, l2norm);
         load_rows(pk + r * D, qk + D, rn + 1, 1, D, l2norm);
         if (channels) {
           channel_decays(pg + r * D, alpha, D);
           delta_row<scalar_t, Acc, true>(pS + r * D * E, pS2 + r * D * E, qk, pv + r * E, pb[r], alpha,
-                                         static_cast<Acc>(scale), po + r * E, u, D, E);
+                                         static_cast<Acc>(scale), po + r * E, D, E);
           continue;
         }
         const Acc a = pg != nullptr ? std::exp(pg[r]) : Acc(1);
         delta_update_row<scalar_t, Acc>(pS + r * D * E, pS2 + r * D * E, qk, pv + r * E, pb[r], a,
-                                        static_cast<Acc>(scale), po + r * E, u, D, E);
+                                        static_cast<Acc>(scale), po + r * E, D, E);
       }
     });
   });

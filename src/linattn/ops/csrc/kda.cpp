@@ -92,7 +92,7 @@ LINATTN_CLONES bool channel_gates(const Acc* __restrict__ g, int c, int64_t D, d
 // Cuts the c rows into blocks [starts[k], starts[k + 1]): a row z starts a new block when some channel
 // has decayed by more than kSpan since the current block's first row a (max_d b_ad − b_zd > kSpan).
 // Returns the number of blocks nb; starts[nb] = c.
-inline int row_blocks(const double* b, int c, int64_t D, int* starts) {
+LINATTN_CLONES int row_blocks(const double* __restrict__ b, int c, int64_t D, int* __restrict__ starts) {
   int nb = 0, a = 0;
   starts[nb++] = 0;
   for (int i = 1; i < c; ++i) {

@@ -340,7 +340,6 @@ class DeltaMixOp : public AttentionMixOp {
 
   void mix(const StepInfo&, int64_t b, int64_t h, float* q, float* k, float* v, float* o, float* tmp) override {
     float* qk = tmp;
-    float* u = qk + 2 * dq_;
     for (int part = 0; part < 2; ++part) {  // q̂, k̂ = x / √(‖x‖² + ε)
       const float* x = part == 0 ? q : k;
       float ss = 0;
@@ -352,15 +351,15 @@ class DeltaMixOp : public AttentionMixOp {
     const float beta = std::max(sigmoid(beta_.p[b * beta_.ld + h]), FLT_MIN) * beta_scale_;
     float* S = S_ + (b * heads_ + h) * dq_ * dv_;
     if (decay_.kind == kChannelDecay) {  // KDA: α = e^g per key channel, S' = (I − β k̂k̂ᵀ) Diag(α) S + β k̂ vᵀ
-      float* alpha = u + dv_;
+      float* alpha = qk + 2 * dq_;
       decay_.log_decay(b, h, dq_, R_, alpha);
       for (int64_t i = 0; i < dq_; ++i) alpha[i] = exp_nonpositive(alpha[i]);
-      delta_row<float, float, true>(S, S, qk, v, beta, alpha, scale_, o, u, dq_, dv_);
+      delta_row<float, float, true>(S, S, qk, v, beta, alpha, scale_, o, dq_, dv_);
     } else {
       float g = 0;
       if (decay_.kind != kNoDecay) decay_.log_decay(b, h, 1, R_, &g);
-      delta_update_row<float, float>(S, S, qk, v, beta, decay_.kind != kNoDecay ? std::exp(g) : 1.0f, scale_, o, u,
-                                     dq_, dv_);
+      delta_update_row<float, float>(S, S, qk, v, beta, decay_.kind != kNoDecay ? std::exp(g) : 1.0f, scale_, o, dq_,
+                                     dv_);
     }
     for (int64_t e = 0; e < dv_; ++e) o[e] = R_(o[e]);
   }

@@ -86,15 +86,15 @@ LINATTN_CLONES void decay_update_row(const T* src, T* dst, const T* __restrict__
 
 // The delta family for one token: S_α = Diag(α) S, u = S_αᵀ k̂, w = β (v − u), S' = S_α + k̂ wᵀ,
 // o = scale · S'ᵀ q̂, with q̂ and k̂ the first and second D values of qk; α one decay per key channel
-// (alpha[d], Channels: KDA) or one for the row (alpha[0]: then u = α Sᵀk̂, w = β (v − α Sᵀk̂)); u: 2·E of
-// scratch. Two passes over S, each by strips of W columns (256 bytes) whose sums (u, then o) stay in registers
-// across the D rows, two partial sums (even and odd rows) so that the FMA chains overlap: S is read
-// twice and S' written once, and nothing else goes to memory per row of S (summing u and o across
-// rows in memory made the step store-bound: 1.55–1.8× the time to copy the state, issue 33).
+// (alpha[d], Channels: KDA) or one for the row (alpha[0]: then u = α Sᵀk̂, w = β (v − α Sᵀk̂)). By strips of W columns (256 bytes): a column of S' needs only its own u, so each strip is
+// read for u, then again (from L1) for S' and o; the sums stay in registers across the D rows, two
+// partial sums (even and odd rows) so that the FMA chains overlap: S is read from memory once and S'
+// written once, and nothing else goes to memory per row of S (summing u and o across rows in memory
+// made the step store-bound: 1.55–1.8× the time to copy the state, issue 33; two passes over the
+// whole of S, one per sum: GDN's step 41 µs out of place, 33 in place, at 16×128×128 on one core).
 template <typename T, typename Acc, bool Channels>
 LINATTN_CLONES void delta_row(const Acc* S, Acc* S2, const Acc* __restrict__ qk, const T* __restrict__ v, Acc beta,
-                              const Acc* __restrict__ alpha, Acc scale, T* __restrict__ o, Acc* __restrict__ u,
-                              int64_t D, int64_t E) {
+                              const Acc* __restrict__ alpha, Acc scale, T* __restrict__ o, int64_t D, int64_t E) {
   // strips of four 512-bit registers (256 bytes of a row at a time: one pinned EPYC core, 16×128×128,
   // fp32: out-of-place step 40.7 -> 37-39 µs, in place 31 -> 30; two registers read 128-byte pieces)
   constexpr int64_t W = 256 / sizeof(Acc);
@@ -123,16 +123,14 @@ LINATTN_CLONES void delta_row(const Acc* S, Acc* S2, const Acc* __restrict__ qk,
       const Acc* __restrict__ s1 = S + d * E + e0;
       for (int64_t x = 0; x < n; ++x) acc[x] += k1 * s1[x];
     }
-    for (int64_t x = 0; x < n; ++x) u[e0 + x] = beta * (static_cast<Acc>(v[e0 + x]) - a * (acc[x] + acc2[x]));
-  }
-  for (int64_t e0 = 0; e0 < E; e0 += W) {  // S' = Diag(α) S + k̂ wᵀ and o = S'ᵀ q̂, a strip at a time
-    const int64_t n = std::min(W, E - e0);
-    Acc w[W], acc[W], acc2[W];
+    // S' = Diag(α) S + k̂ wᵀ and o = S'ᵀ q̂ on the same strip (its columns need only their own w), while
+    // the strip (D × 256 bytes) is still in L1
+    Acc w[W];
     for (int64_t x = 0; x < W; ++x) {
-      w[x] = x < n ? u[e0 + x] : Acc(0);
+      w[x] = x < n ? beta * (static_cast<Acc>(v[e0 + x]) - a * (acc[x] + acc2[x])) : Acc(0);
       acc[x] = acc2[x] = Acc(0);
     }
-    int64_t d = 0;
+    d = 0;
     if (n == W) {
       for (; d + 1 < D; d += 2) {
         const Acc a1 = Channels ? alpha[d] : a, a2 = Channels ? alpha[d + 1] : a;
@@ -167,9 +165,8 @@ LINATTN_CLONES void delta_row(const Acc* S, Acc* S2, const Acc* __restrict__ qk,
 // The delta rule with one decay α for the row (1 without a gate): delta_row above.
 template <typename T, typename Acc>
 LINATTN_CLONES void delta_update_row(const Acc* S, Acc* S2, const Acc* __restrict__ qk, const T* __restrict__ v,
-                                     Acc beta, Acc alpha, Acc scale, T* __restrict__ o, Acc* __restrict__ u, int64_t D,
-                                     int64_t E) {
-  delta_row<T, Acc, false>(S, S2, qk, v, beta, &alpha, scale, o, u, D, E);
+                                     Acc beta, Acc alpha, Acc scale, T* __restrict__ o, int64_t D, int64_t E) {
+  delta_row<T, Acc, false>(S, S2, qk, v, beta, &alpha, scale, o, D, E);
 }
 
 }  // namespace
