@@ -118,12 +118,14 @@ def test_bf16_gemm_matches_float64_products(m, n, k, batch, ta, tb, alpha, beta,
     _bf16_products(a.bfloat16(), b.bfloat16(), c, ta, tb, alpha, beta)
 
 
-@pytest.mark.parametrize("m, n, k", [(64, 128, 128), (64, 64, 127), (300, 100, 600), (129, 33, 513), (24, 17, 1)])
+@pytest.mark.parametrize("m, n, k", [(64, 128, 128), (64, 64, 127), (300, 100, 600), (129, 33, 513), (24, 17, 1),
+                                     (40, 600, 300), (13, 257, 65)])
 @pytest.mark.parametrize("ta, tb", [(False, False), (True, False), (False, True), (True, True)])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_bf16_gemm_blocks_and_chunk_shapes(m, n, k, ta, tb, threads):
     """The kernels' chunk products, and products over several blocks of k (pairs packed per block of
-    256) and rows, one product's columns split between two threads."""
+    256), of columns (blocks of 256, the last partial: N = 600, 257) and of rows, one product's columns
+    split between two threads."""
     a, b, c = _operands(1, m, n, k, ta, tb, torch.float64, 5)
     _bf16_products(a.bfloat16(), b.bfloat16(), c.float(), ta, tb, 0.5, 0.25, threads)
 

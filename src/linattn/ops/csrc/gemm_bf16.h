@@ -183,28 +183,35 @@ LINATTN_AVX512BF16 inline const uint32_t* packed_b(bool tb, int N, int pairs, co
   return buf.data();
 }
 
-// Row-major C (M×N, float) = alpha·op(A) op(B) + beta·C for bf16 A and B (bit patterns), by the tiles.
+// Row-major C (M×N, float) = alpha·op(A) op(B) + beta·C for bf16 A and B (bit patterns), by the tiles,
+// over blocks of NC = 256 columns (the outer loop, as gemm_blocks: a k-block of B packed for 256 columns,
+// 128 KB, stays in L2 while the row blocks pass; packed for all N columns of a wide projection it was
+// N/2 KB per k-block, read from L3 by every row block) and KC = 256 values of k.
 LINATTN_AVX512BF16 inline void bf16_gemm_rm(bool ta, bool tb, int M, int N, int K, const uint16_t* A, int lda,
                                             const uint16_t* B, int ldb, float beta, float* C, int ldc, float alpha) {
   if (M <= 0 || N <= 0) return;
-  constexpr int KC = 256, MC = 120;
+  constexpr int NC = 256, KC = 256, MC = 120;
   const int even = K - K % 2;
   thread_local std::vector<uint32_t> a_buf;
   PrefetchQueue& hints = prefetch_queue();
-  for (int k0 = 0;; k0 += KC) {
-    const int pairs = std::min(KC, even - k0) / 2;
-    const uint32_t* b = packed_b(tb, N, pairs, B, ldb, k0);
-    const uint16_t* a = A + k0;
-    int64_t ars = lda, aps = 2;
-    if (ta) {  // op(A) = Aᵀ: A's rows k0 … interleaved in pairs (pairs × M words)
-      a_buf.resize(static_cast<size_t>(pairs) * M);
-      interleave_rows(A + static_cast<int64_t>(k0) * lda, lda, pairs, M, a_buf.data());
-      a = reinterpret_cast<const uint16_t*>(a_buf.data()), ars = 2, aps = 2 * int64_t(M);
+  for (int n0 = 0; n0 < N; n0 += NC) {
+    const int nb = std::min(NC, N - n0);
+    const uint16_t* Bn = tb ? B + static_cast<int64_t>(n0) * ldb : B + n0;
+    for (int k0 = 0;; k0 += KC) {
+      const int pairs = std::min(KC, even - k0) / 2;
+      const uint32_t* b = packed_b(tb, nb, pairs, Bn, ldb, k0);
+      const uint16_t* a = A + k0;
+      int64_t ars = lda, aps = 2;
+      if (ta) {  // op(A) = Aᵀ: A's rows k0 … interleaved in pairs (pairs × M words)
+        a_buf.resize(static_cast<size_t>(pairs) * M);
+        interleave_rows(A + static_cast<int64_t>(k0) * lda, lda, pairs, M, a_buf.data());
+        a = reinterpret_cast<const uint16_t*>(a_buf.data()), ars = 2, aps = 2 * int64_t(M);
+      }
+      for (int i0 = 0; i0 < M; i0 += MC)
+        bf16_tiles(std::min(MC, M - i0), nb, pairs, a + i0 * ars, ars, aps, b, k0 == 0 ? beta : 1.0f,
+                   C + static_cast<int64_t>(i0) * ldc + n0, ldc, alpha, hints);
+      if (k0 + KC >= even) break;
     }
-    for (int i0 = 0; i0 < M; i0 += MC)
-      bf16_tiles(std::min(MC, M - i0), N, pairs, a + i0 * ars, ars, aps, b, k0 == 0 ? beta : 1.0f,
-                 C + static_cast<int64_t>(i0) * ldc, ldc, alpha, hints);
-    if (k0 + KC >= even) break;
   }
   if (K % 2 == 1) {  // the last k: C += alpha · op(A)[:, K − 1] op(B)[K − 1, :]
     const int k = K - 1;
