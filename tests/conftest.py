@@ -120,3 +120,17 @@ def one_thread():
 @pytest.fixture
 def gen():
     return torch.Generator().manual_seed(1234)
+
+
+def raises_on_threads(error, match: str, calls, threads=(1, 2)) -> None:
+    """Each of `calls` (no-argument functions) raises `error` matching `match`, on every torch thread
+    count of `threads` (the count is restored after)."""
+    before = torch.get_num_threads()
+    try:
+        for n in threads:
+            torch.set_num_threads(n)
+            for call in calls:
+                with pytest.raises(error, match=match):
+                    call()
+    finally:
+        torch.set_num_threads(before)

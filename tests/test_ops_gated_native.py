@@ -13,6 +13,8 @@ from linattn.nn.feature_maps import EluPlusOne, make_feature_map
 from linattn.ops import gated_linear_attention, gated_linear_attention_step, native
 from linattn.ops.gated.reference import gated_recurrence
 
+from .conftest import raises_on_threads
+
 pytestmark = pytest.mark.skipif(not native.available(), reason="the fused CPU kernels could not be built here")
 
 FUSED, EAGER = "FusedGatedChunkedBackward", "ChunkedGatedLinearAttentionBackward"
@@ -178,14 +180,7 @@ def test_the_chunked_kernel_checks_every_gate_it_reads(vector, bad, where):
     g[0, 1, where] = bad
     msg = r"g \(the log of the decay\) must be ≤ 0 and finite, got " + ("nan" if math.isnan(bad) else str(bad))
     packed = [_as_one_row(x) for x in (q, k, v, g)]
-    threads = torch.get_num_threads()
-    try:
-        for n_threads in (1, 2):
-            torch.set_num_threads(n_threads)
-            for grad in (False, True):
-                with pytest.raises(ValueError, match=msg):
-                    gated_linear_attention(q.requires_grad_(grad), k, v, g, chunk_size=64)
-            with pytest.raises(ValueError, match=msg):
-                gated_linear_attention(*packed, chunk_size=64, cu_seqlens=torch.tensor([0, 150, 200, 400]))
-    finally:
-        torch.set_num_threads(threads)
+    raises_on_threads(ValueError, msg, [
+        lambda: gated_linear_attention(q, k, v, g, chunk_size=64),
+        lambda: gated_linear_attention(q.detach().requires_grad_(), k, v, g, chunk_size=64),
+        lambda: gated_linear_attention(*packed, chunk_size=64, cu_seqlens=torch.tensor([0, 150, 200, 400]))])

@@ -18,6 +18,8 @@ from linattn.ops.delta import fused
 from linattn.ops.delta.reference import delta_rule_recurrent
 from linattn.ops.kda import kda
 
+from .conftest import raises_on_threads
+
 pytestmark = pytest.mark.skipif(not native.available() or not fused.usable(torch.zeros(1)),
                                 reason="the fused CPU kernels could not be built here")
 
@@ -270,15 +272,8 @@ def test_the_kernel_checks_every_gate_it_reads(bad, where):
     q, k, v, beta, g, S0 = inputs(dtype=torch.float32)
     g[1, 0, where, 3] = bad
     msg = r"g must be a finite log-decay ≤ 0 \(α = e\^g in \(0, 1\]\), got " + ("nan" if bad != bad else str(bad))
-    threads = torch.get_num_threads()
-    try:
-        for n_threads in (1, 2):
-            torch.set_num_threads(n_threads)
-            for grad in (False, True):
-                with pytest.raises(ValueError, match=msg):
-                    kda(q.clone().requires_grad_(grad), k, v, beta, g, initial_state=S0, chunk_size=8)
-            rows = [x.reshape(1, 1, 2 * 2 * 19, *x.shape[3:]) for x in (q, k, v, beta, g)]  # 4 sequences
-            with pytest.raises(ValueError, match=msg):
-                kda(*rows, chunk_size=8, cu_seqlens=torch.arange(0, 77, 19))
-    finally:
-        torch.set_num_threads(threads)
+    rows = [x.reshape(1, 1, 2 * 2 * 19, *x.shape[3:]) for x in (q, k, v, beta, g)]  # 4 sequences
+    raises_on_threads(ValueError, msg, [
+        lambda: kda(q, k, v, beta, g, initial_state=S0, chunk_size=8),
+        lambda: kda(q.clone().requires_grad_(), k, v, beta, g, initial_state=S0, chunk_size=8),
+        lambda: kda(*rows, chunk_size=8, cu_seqlens=torch.arange(0, 77, 19))])
