@@ -82,7 +82,22 @@ template <typename T, typename Acc>
 LINATTN_CLONES void load_rows(const T* __restrict__ src, Acc* __restrict__ dst, Acc* __restrict__ rnorm, int c,
                               int64_t D, bool l2norm) {
   if constexpr (std::is_same<T, Acc>::value) {
-    std::memcpy(dst, src, sizeof(Acc) * c * D);
+    if (!l2norm) {
+      std::memcpy(dst, src, sizeof(Acc) * c * D);
+      return;
+    }
+    for (int i = 0; i < c; ++i) {  // one pass: the norm from the source row, then the scaled copy
+      const Acc* __restrict__ x = src + i * D;
+      Acc* __restrict__ y = dst + i * D;
+      Acc ss = 0;
+#pragma omp simd reduction(+ : ss)
+      for (int64_t d = 0; d < D; ++d) ss += x[d] * x[d];
+      const Acc r = inverse_norm(x, D, ss);
+      rnorm[i] = r;
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) y[d] = x[d] * r;
+    }
+    return;
   } else {
     widen_bf16(src, dst, int64_t(c) * D);
   }
