@@ -116,10 +116,11 @@ struct ChunkTerms {
 };
 
 // The first half of a chunk's forward from the state S entering it: K̂, Q̂, gates, A, P, then
-// SK = [K̂; Q̂] S (the Q̂S rows only with with_q) and V'. Tokens [t0, t0 + c) of the row.
+// SK = K̂ S, QS = alpha · Q̂ S (QS = nullptr: not formed; QS = SK + c·E: one stacked gemm) and V'.
+// Tokens [t0, t0 + c) of the row.
 template <typename T, typename Acc>
 void chunk_front(const Row<T, Acc>& in, int64_t t0, int c, int64_t D, int64_t E, bool l2norm, const Acc* S,
-                 ChunkTerms<Acc>& ch, Acc* SK, Acc* row, bool with_q) {
+                 ChunkTerms<Acc>& ch, Acc* SK, Acc* row, Acc* QS, Acc alpha = Acc(1)) {
   const int d = static_cast<int>(D), e = static_cast<int>(E);
   load_rows(in.k + t0 * D, ch.KQ, ch.rn, c, D, l2norm);
   load_rows(in.q + t0 * D, ch.KQ + c * D, ch.rn + c, c, D, l2norm);
@@ -132,7 +133,7 @@ void chunk_front(const Row<T, Acc>& in, int64_t t0, int c, int64_t D, int64_t E,
   }
   gemm_rm<Acc>(false, true, 2 * c, c, d, ch.KQ, d, ch.KQ, d, Acc(0), ch.AP, c);
   build_scores(ch.AP, c, beta, in.g != nullptr ? ch.b : nullptr, ch.gam, ch.kkg, row);
-  gemm_rm<Acc>(false, false, with_q ? 2 * c : c, e, d, ch.KQ, d, S, e, Acc(0), SK, e);
+  front_products(ch.KQ, S, c, d, e, SK, QS, alpha);
   corrected_values(in.v + t0 * E, SK, eb, beta, ch.X, ch.Vp, c, E);
   solve_strips<Acc>(false, c, E, ch.AP, ch.Vp);
 }
@@ -184,13 +185,13 @@ void forward_rows(const Rows& rows, const at::Tensor& q, const at::Tensor& k, co
       row_forward(
           rows, rows.row(i), x, pS, pSb, chunk, [&](const Row<T, Acc>& in, Acc* S, int64_t t0, int c, int64_t tok) {
             ChunkTerms<Acc> ch = buf.terms();
-            chunk_front(in, t0, c, D, E, l2norm, S, ch, buf.SK.data(), buf.row.data(), true);
-            // O = diag(e^b) Q̂S + P V'
-            Acc* O = buf.SK.data() + c * E;
+            // O = s (diag(e^b) Q̂S + P V'), formed in o itself for fp32 / fp64 (no copy out)
+            Acc* O = direct_output<T, Acc>(po + tok * E, buf.SK.data() + c * E);
+            chunk_front(in, t0, c, D, E, l2norm, S, ch, buf.SK.data(), buf.row.data(), O, s);
             if (gated) scale_rows(O, ch.eb, O, c, E);
             gemm_rm<Acc>(false, false, c, static_cast<int>(E), c, ch.AP + c * c, c, ch.Vp, static_cast<int>(E), Acc(1),
-                         O, static_cast<int>(E));
-            store_scaled<T, Acc>(O, s, po + tok * E, int64_t(c) * E);
+                         O, static_cast<int>(E), s);
+            if constexpr (!std::is_same<T, Acc>::value) narrow_bf16(O, po + tok * E, int64_t(c) * E);
             update_state(S, ch, gated, c, D, E, tmp.data());
           });
     }
@@ -381,7 +382,7 @@ void backward_rows(const Rows& rows, const at::Tensor& q, const at::Tensor& k, c
           rows, rows.row(i), x, dx, pSb, pR, chunk, w.state(0),
           [&](const Row<T, Acc>& in, int64_t j, int64_t t0, int c, bool more) {  // the block's chunks again
             ChunkTerms<Acc> ch = w.terms(j, gated);
-            chunk_front(in, t0, c, D, E, l2norm, w.state(j), ch, w.SK.data(), w.row.data(), false);
+            chunk_front(in, t0, c, D, E, l2norm, w.state(j), ch, w.SK.data(), w.row.data(), static_cast<Acc*>(nullptr));
             if (more) {
               std::copy(w.state(j), w.state(j) + D * E, w.state(j + 1));
               update_state(w.state(j + 1), ch, gated, c, D, E, w.tmp.data());

@@ -113,6 +113,29 @@ LINATTN_CLONES void load_rows(const T* __restrict__ src, Acc* __restrict__ dst, 
   }
 }
 
+// The products of a chunk's front with the state S (D×E): SK = K̂ S and QS = alpha · Q̂ S from KQ =
+// [K̂; Q̂] (2c×D); QS = nullptr: K̂ S alone; QS = SK + c·E: one stacked gemm of 2c rows (alpha 1)
+template <typename Acc>
+void front_products(const Acc* KQ, const Acc* S, int c, int d, int e, Acc* SK, Acc* QS, Acc alpha) {
+  if (QS == SK + int64_t(c) * e && alpha == Acc(1)) {
+    gemm_rm<Acc>(false, false, 2 * c, e, d, KQ, d, S, e, Acc(0), SK, e);
+    return;
+  }
+  gemm_rm<Acc>(false, false, c, e, d, KQ, d, S, e, Acc(0), SK, e);
+  if (QS != nullptr) gemm_rm<Acc>(false, false, c, e, d, KQ + int64_t(c) * d, d, S, e, Acc(0), QS, e, alpha);
+}
+
+// Where a chunk's outputs are formed: in the output rows themselves when they hold Acc (fp32, fp64),
+// else in the work rows `work` (bf16: rounded out once after)
+template <typename T, typename Acc>
+inline Acc* direct_output(T* out, Acc* work) {
+  if constexpr (std::is_same<T, Acc>::value) {
+    return out;
+  } else {
+    return work;
+  }
+}
+
 // V'_i = β_i X_i with X_i = V_i − e^{b_i} (K̂S)_i (eb = nullptr: 1), X kept when X != nullptr
 template <typename T, typename Acc>
 LINATTN_CLONES void corrected_values(const T* __restrict__ V, const Acc* __restrict__ KS, const Acc* __restrict__ eb,

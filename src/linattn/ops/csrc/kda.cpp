@@ -277,13 +277,13 @@ void chunk_scores(KdaTerms<Acc>& ch, const Acc* beta, int c, int64_t D, FactorBu
 }
 
 // The first half of a chunk's forward from the state S entering it: K̂, Q̂, gates, row blocks, A, P,
-// then SK = [K̂_b; Q̂_b] S (the Q̂_b S rows only with with_q) and V'. Tokens [t0, t0 + c) of the row.
-// The forward (with_q) leaves the chunk's gate factors e^b, e^{b_c − b}, f, 1/f unwritten where
-// chunk_factors may (one row block); the backward reads them. Returns whether the chunk's gates are
-// all finite and ≤ 0 (channel_gates).
+// then SK = K̂_b S, QS = alpha · Q̂_b S (front_products; QS = nullptr: not formed) and V'. Tokens
+// [t0, t0 + c) of the row. The forward (QS given) leaves the chunk's gate factors e^b, e^{b_c − b}, f,
+// 1/f unwritten where chunk_factors may (one row block); the backward reads them. Returns whether the
+// chunk's gates are all finite and ≤ 0 (channel_gates).
 template <typename T, typename Acc>
 bool kda_front(const Row<T, Acc>& in, int64_t t0, int c, int64_t D, int64_t E, bool l2norm, const Acc* S,
-               KdaTerms<Acc>& ch, Acc* SK, FactorBuffers<Acc>& w, bool with_q) {
+               KdaTerms<Acc>& ch, Acc* SK, FactorBuffers<Acc>& w, Acc* QS, Acc alpha = Acc(1)) {
   const int d = static_cast<int>(D), e = static_cast<int>(E);
   const int64_t cD = int64_t(c) * D;
   load_rows(in.k + t0 * D, ch.KQ, ch.rn, c, D, l2norm);
@@ -292,10 +292,10 @@ bool kda_front(const Row<T, Acc>& in, int64_t t0, int c, int64_t D, int64_t E, b
   ch.nb = row_blocks(ch.b, c, D, ch.starts);
   const bool one = ch.nb == 1;  // then the scores' factors come with the rest
   chunk_factors(ch.b, ch.starts, ch.nb, ch.KQ, c, D, ch.eb, ch.el(c, D), ch.f(c, D), ch.fi(c, D), ch.KQb, ch.Kl,
-                one ? w.L.data() : nullptr, one ? w.R.data() : nullptr, w.edge.data(), !with_q);
+                one ? w.L.data() : nullptr, one ? w.R.data() : nullptr, w.edge.data(), QS == nullptr);
   const Acc* beta = in.beta + t0;
   chunk_scores(ch, beta, c, D, w);
-  gemm_rm<Acc>(false, false, with_q ? 2 * c : c, e, d, ch.KQb, d, S, e, Acc(0), SK, e);
+  front_products(ch.KQb, S, c, d, e, SK, QS, alpha);
   corrected_values(in.v + t0 * E, SK, static_cast<const Acc*>(nullptr), beta, ch.X, ch.Vp, c, E);
   solve_strips<Acc>(false, c, E, ch.AP, ch.Vp);
   return valid;
@@ -354,11 +354,12 @@ void forward_rows(const Rows& rows, const at::Tensor& q, const at::Tensor& k, co
       row_forward(
           rows, rows.row(i), x, pS, pSb, chunk, [&](const Row<T, Acc>& in, Acc* S, int64_t t0, int c, int64_t tok) {
             KdaTerms<Acc> ch = buf.terms(0);
-            valid = kda_front(in, t0, c, D, E, l2norm, S, ch, SK.data(), w, true) && valid;
-            Acc* O = SK.data() + c * E;  // O = Q̂_b S + P V'
+            // O = s (Q̂_b S + P V'), formed in o itself for fp32 / fp64 (no copy out)
+            Acc* O = direct_output<T, Acc>(po + tok * E, SK.data() + c * E);
+            valid = kda_front(in, t0, c, D, E, l2norm, S, ch, SK.data(), w, O, s) && valid;
             gemm_rm<Acc>(false, false, c, static_cast<int>(E), c, ch.AP + c * c, c, ch.Vp, static_cast<int>(E), Acc(1),
-                         O, static_cast<int>(E));
-            store_scaled<T, Acc>(O, s, po + tok * E, int64_t(c) * E);
+                         O, static_cast<int>(E), s);
+            if constexpr (!std::is_same<T, Acc>::value) narrow_bf16(O, po + tok * E, int64_t(c) * E);
             kda_update_state(S, S, ch, c, D, E);
           });
     }
@@ -552,7 +553,7 @@ void backward_rows(const Rows& rows, const at::Tensor& q, const at::Tensor& k, c
           rows, rows.row(i), x, dx, pSb, pR, chunk, terms.state(0),
           [&](const Row<T, Acc>& in, int64_t j, int64_t t0, int c, bool more) {  // the block's chunks again
             KdaTerms<Acc> ch = terms.terms(j);
-            kda_front(in, t0, c, D, E, l2norm, terms.state(j), ch, w.SK.data(), w.f, false);
+            kda_front(in, t0, c, D, E, l2norm, terms.state(j), ch, w.SK.data(), w.f, static_cast<Acc*>(nullptr));
             terms.nbs.data()[j] = ch.nb;
             if (more) kda_update_state(terms.state(j), terms.state(j + 1), ch, c, D, E);
           },
