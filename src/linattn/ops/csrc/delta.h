@@ -81,35 +81,28 @@ LINATTN_CLONES void solve_strips(bool trans, int c, int64_t E, const Acc* __rest
 template <typename T, typename Acc>
 LINATTN_CLONES void load_rows(const T* __restrict__ src, Acc* __restrict__ dst, Acc* __restrict__ rnorm, int c,
                               int64_t D, bool l2norm) {
+  const Acc* from;  // the rows the norms are taken of: the source itself, or (bf16) its widened copy
   if constexpr (std::is_same<T, Acc>::value) {
     if (!l2norm) {
       std::memcpy(dst, src, sizeof(Acc) * c * D);
       return;
     }
-    for (int i = 0; i < c; ++i) {  // one pass: the norm from the source row, then the scaled copy
-      const Acc* __restrict__ x = src + i * D;
-      Acc* __restrict__ y = dst + i * D;
-      Acc ss = 0;
-#pragma omp simd reduction(+ : ss)
-      for (int64_t d = 0; d < D; ++d) ss += x[d] * x[d];
-      const Acc r = inverse_norm(x, D, ss);
-      rnorm[i] = r;
-#pragma omp simd
-      for (int64_t d = 0; d < D; ++d) y[d] = x[d] * r;
-    }
-    return;
+    from = src;
   } else {
     widen_bf16(src, dst, int64_t(c) * D);
+    if (!l2norm) return;
+    from = dst;
   }
-  if (!l2norm) return;
-  for (int i = 0; i < c; ++i) {
-    Acc* __restrict__ x = dst + i * D;
+  for (int i = 0; i < c; ++i) {  // one pass over each row: its norm, then the scaled copy (in place for bf16)
+    const Acc* x = from + i * D;
+    Acc* y = dst + i * D;
     Acc ss = 0;
 #pragma omp simd reduction(+ : ss)
     for (int64_t d = 0; d < D; ++d) ss += x[d] * x[d];
     const Acc r = inverse_norm(x, D, ss);
     rnorm[i] = r;
-    for (int64_t d = 0; d < D; ++d) x[d] *= r;
+#pragma omp simd  // element d reads and writes only index d
+    for (int64_t d = 0; d < D; ++d) y[d] = x[d] * r;
   }
 }
 
