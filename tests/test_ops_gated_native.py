@@ -184,3 +184,19 @@ def test_the_chunked_kernel_checks_every_gate_it_reads(vector, bad, where):
         lambda: gated_linear_attention(q, k, v, g, chunk_size=64),
         lambda: gated_linear_attention(q.detach().requires_grad_(), k, v, g, chunk_size=64),
         lambda: gated_linear_attention(*packed, chunk_size=64, cu_seqlens=torch.tensor([0, 150, 200, 400]))])
+
+
+@pytest.mark.parametrize("vector", [False, True])
+def test_a_float64_gate_beyond_float32_is_a_full_reset_not_an_error(vector, monkeypatch):
+    """A float64 g for float32 inputs is checked in Python and clamped before it is rounded: −1e300 (finite,
+    below float32's range) forgets everything as on the torch-op path, and −∞ is still refused."""
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 2, 70, 8, generator=gen) for _ in range(3))
+    g = _gates((1, 2, 70, 8) if vector else (1, 2, 70), gen).double()
+    g[0, 1, 40] = -1e300
+    got = gated_linear_attention(q, k, v, g, chunk_size=32)
+    want = _eager(monkeypatch, lambda: gated_linear_attention(q, k, v, g, chunk_size=32))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    g[0, 1, 41] = float("-inf")
+    with pytest.raises(ValueError, match="must be ≤ 0 and finite, got -inf"):
+        gated_linear_attention(q, k, v, g, chunk_size=32)

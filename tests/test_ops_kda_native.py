@@ -277,3 +277,18 @@ def test_the_kernel_checks_every_gate_it_reads(bad, where):
         lambda: kda(q, k, v, beta, g, initial_state=S0, chunk_size=8),
         lambda: kda(q.clone().requires_grad_(), k, v, beta, g, initial_state=S0, chunk_size=8),
         lambda: kda(*rows, chunk_size=8, cu_seqlens=torch.arange(0, 77, 19))])
+
+
+def test_a_float64_gate_beyond_float32_is_a_full_reset_not_an_error():
+    """KDA's float64 g for float32 inputs: −1e300 is checked and clamped before rounding (it resets the
+    channel, as −1e30 does), −∞ is still refused."""
+    q, k, v, beta, g, S0 = inputs(dtype=torch.float32)
+    g = g.double()
+    g[0, 1, 5, 2] = -1e300
+    got = kda(q, k, v, beta, g, initial_state=S0, chunk_size=8)
+    g30 = g.clone()
+    g30[0, 1, 5, 2] = -1e30
+    torch.testing.assert_close(got, kda(q, k, v, beta, g30, initial_state=S0, chunk_size=8), rtol=0, atol=0)
+    g[0, 1, 6, 2] = float("-inf")
+    with pytest.raises(ValueError, match="g must be a finite log-decay ≤ 0"):
+        kda(q, k, v, beta, g, initial_state=S0, chunk_size=8)

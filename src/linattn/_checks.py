@@ -307,3 +307,16 @@ def check_state_dtype(state, dtype: torch.dtype, expected: torch.dtype) -> None:
     if kv.dtype is not expected or z.dtype is not expected:
         raise TypeError(f"initial_state must be (kv, z) in {expected} for {dtype} inputs, "
                         f"got kv {kv.dtype} and z {z.dtype}")
+
+
+def narrowed_gates(g: torch.Tensor, dtype: torch.dtype, check) -> torch.Tensor:
+    """g in `dtype` for a fused kernel that checks the gates as it reads them. A wider g (float64 for a
+    float32 state) is checked here first (`check(g)`: rounding would turn a finite value below the
+    narrower range into −∞, which the kernel refuses) and clamped to dtype's lowest finite value (its
+    decay e^g is 0 either way)."""
+    if g.dtype == dtype:
+        return g
+    if torch.finfo(g.dtype).bits > torch.finfo(dtype).bits:
+        check(g)
+        return g.clamp(min=torch.finfo(dtype).min).to(dtype)
+    return g.to(dtype)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from ..precision import without_autocast
-from ..._checks import check_positive_int
+from ..._checks import check_positive_int, narrowed_gates
 from .. import packed, stepcheck
 from ..affine import AffineForm
 from ..linear.chunked import DEFAULT_CHUNK_SIZE, state_dtype
@@ -89,7 +89,8 @@ def delta_rule(
 
     def run(q, k, v, beta, g, S0):
         if fused.usable(q):
-            return fused.chunked(q, k, v, beta.to(sdt), None if g is None else g.to(sdt), S0, scale=scale,
+            g = None if g is None else narrowed_gates(g, sdt, lambda x: check_values(beta, x))
+            return fused.chunked(q, k, v, beta.to(sdt), g, S0, scale=scale,
                                  l2norm=qk_l2norm, chunk=chunk_size)
         return ChunkedDeltaRule.apply(chunk_size, scale, qk_l2norm, q, k, v, beta, g, S0)
 
@@ -139,7 +140,8 @@ def _packed_fused(q, k, v, beta, g, cu_seqlens, count: int, initial_state, *, sc
         check_state(initial_state, (count, h, d, e), sdt, q.device, "initial_state")
         S0 = initial_state
     refuse_forward_ad(op_name(g), q, k, v, beta, g, S0)
-    o, S = fused.chunked(q, k, v, beta.to(sdt), None if g is None else g.to(sdt), S0,
+    g = None if g is None else narrowed_gates(g, sdt, lambda x: check_values(beta, x))
+    o, S = fused.chunked(q, k, v, beta.to(sdt), g, S0,
                          scale=None if scale is None else float(scale), l2norm=l2norm,
                          chunk=min(chunk_size, q.shape[2]), cu_seqlens=cu_seqlens)
     grads = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, beta, g, S0))

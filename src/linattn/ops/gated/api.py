@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..precision import without_autocast
-from ..._checks import check_bool, check_eps, check_positive_int
+from ..._checks import check_bool, check_eps, check_positive_int, narrowed_gates
 from .. import native, packed, stepcheck
 from ..affine import AffineForm
 from ..linear.chunked import DEFAULT_CHUNK_SIZE, state_dtype
@@ -99,6 +99,7 @@ def _gated_linear_attention(q, k, v, g, *, feature_map, normalize, eps, scale, i
     phi = native.fused_phi(feature_map, scale, key_padding_mask, (kv0, kv0 if z0 is None else z0), q, k, v, bf16=True,
                            train=True)
     if phi is not None and fused.ready(q.dtype):  # the kernel checks g's values as it reads them
+        g = narrowed_gates(g, kv0.dtype, check_gate_values)
         o, kv, z = fused.chunked(q, k, v, g, kv0, z0, phi=phi, eps=float(eps), chunk=chunk_size)
     else:
         if key_padding_mask is None:
@@ -168,6 +169,7 @@ def _packed_fused(q, k, v, g, cu_seqlens, count: int, initial_state, key_padding
         return None
     refuse_forward_ad("gated_linear_attention", q, k, v, g, kv0, z0)
     # the kernel checks g's values as it reads them
+    g = narrowed_gates(g, kv0.dtype, check_gate_values)
     o, kv, z = fused.chunked(q, k, v, g, kv0, z0, phi=phi, eps=float(eps), chunk=min(chunk_size, q.shape[2]),
                              cu_seqlens=cu_seqlens)
     if not all_finite(kv, *(() if z is None else (z,))):
