@@ -197,6 +197,8 @@ def test_a_float64_gate_beyond_float32_is_a_full_reset_not_an_error(vector, monk
     got = gated_linear_attention(q, k, v, g, chunk_size=32)
     want = _eager(monkeypatch, lambda: gated_linear_attention(q, k, v, g, chunk_size=32))
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    ref, _ = gated_recurrence(q, k, v, g)  # the float64 recurrence: e^{−1e300} = 0
+    torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5)
     g[0, 1, 41] = float("-inf")
     with pytest.raises(ValueError, match="must be ≤ 0 and finite, got -inf"):
         gated_linear_attention(q, k, v, g, chunk_size=32)

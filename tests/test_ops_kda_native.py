@@ -289,6 +289,8 @@ def test_a_float64_gate_beyond_float32_is_a_full_reset_not_an_error():
     g30 = g.clone()
     g30[0, 1, 5, 2] = -1e30
     torch.testing.assert_close(got, kda(q, k, v, beta, g30, initial_state=S0, chunk_size=8), rtol=0, atol=0)
+    ref, _ = delta_rule_recurrent(q.double(), k.double(), v.double(), beta.double(), g=g, initial_state=S0.double())
+    torch.testing.assert_close(got.double(), ref, rtol=2e-5, atol=2e-5)  # the float64 recurrence, e^{−1e300} = 0
     g[0, 1, 6, 2] = float("-inf")
     with pytest.raises(ValueError, match="g must be a finite log-decay ≤ 0"):
         kda(q, k, v, beta, g, initial_state=S0, chunk_size=8)

@@ -51,13 +51,19 @@ inline Acc exp_nonpositive(Acc x) {
   return p * scale;
 }
 
-// True where every one of the n gates is a finite log-decay ≤ 0 (NaN fails)
+// 1 where the gate x is not a finite log-decay ≤ 0 (NaN, +∞, −∞ or a positive value), else 0: OR-ed
+// into the loops that read the gates (it vectorizes there)
+template <typename Acc>
+inline int invalid_gate(Acc x) {
+  return !(x <= Acc(0) && x >= std::numeric_limits<Acc>::lowest());
+}
+
+// True where every one of the n gates is a finite log-decay ≤ 0
 template <typename Acc>
 LINATTN_CLONES bool gates_valid(const Acc* __restrict__ g, int64_t n) {
-  const Acc lowest = std::numeric_limits<Acc>::lowest();
   int bad = 0;
 #pragma omp simd reduction(| : bad)
-  for (int64_t x = 0; x < n; ++x) bad |= !(g[x] <= Acc(0) && g[x] >= lowest);
+  for (int64_t x = 0; x < n; ++x) bad |= invalid_gate(g[x]);
   return bad == 0;
 }
 

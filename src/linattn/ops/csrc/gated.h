@@ -23,8 +23,6 @@
 //   ∂L/∂g_s = Σ_{t≥s in it} (q_t ⊙ ∂q_t − k_t ⊙ ∂k_t) + Σ_e S_out ⊙ R_out (+ z_out ⊙ r_out), in double.
 #pragma once
 
-#include <limits>
-
 #include "chunked.h"
 
 namespace {
@@ -142,12 +140,12 @@ LINATTN_CLONES void add_rows_and_decay(Acc* __restrict__ P, const Acc* __restric
 template <typename Acc>
 LINATTN_CLONES int piece_length(const Acc* __restrict__ g, int maxlen, int64_t F, Acc* __restrict__ span,
                                 bool& valid) {
-  const Acc limit = static_cast<Acc>(-kSpanLimit), lowest = std::numeric_limits<Acc>::lowest();
+  const Acc limit = static_cast<Acc>(-kSpanLimit);
   int bad = 0;
 #pragma omp simd reduction(| : bad)
   for (int64_t f = 0; f < F; ++f) {
     span[f] = Acc(0);
-    bad |= !(g[f] <= Acc(0) && g[f] >= lowest);
+    bad |= invalid_gate(g[f]);
   }
   int len = 1;
   for (; len < maxlen; ++len) {
@@ -157,7 +155,7 @@ LINATTN_CLONES int piece_length(const Acc* __restrict__ g, int maxlen, int64_t F
     for (int64_t f = 0; f < F; ++f) {
       span[f] += gr[f];
       beyond |= span[f] < limit;
-      bad |= !(gr[f] <= Acc(0) && gr[f] >= lowest);
+      bad |= invalid_gate(gr[f]);
     }
     if (beyond) break;
   }

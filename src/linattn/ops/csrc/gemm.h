@@ -92,13 +92,7 @@ LINATTN_AVX512 inline void gemm_tile(int K, const T* A, int lda, const T* B, int
 #pragma GCC unroll 2
     for (int w = 0; w < W; ++w) acc[r][w] = Z::zero();
   for (int k = 0; k < K; ++k) {
-    if ((k & 3) == 0 && int64_t(k) * 16 < hint.bytes) {  // one line of the hint per 4 k-steps
-      if (hint.write) {
-        __builtin_prefetch(hint.p + k * 16, 1, 3);
-      } else {
-        __builtin_prefetch(hint.p + k * 16, 0, 3);
-      }
-    }
+    hint_line(hint, k);  // one line of the hint per 4 steps
     const T* b = B + static_cast<int64_t>(k) * ldb;
     typename Z::V bv[W];
 #pragma GCC unroll 2

@@ -64,13 +64,7 @@ LINATTN_AVX512BF16 inline void bf16_tile(int pairs, const uint16_t* a, int64_t a
 #pragma GCC unroll 2
     for (int w = 0; w < W; ++w) acc[r][w] = _mm512_setzero_ps();
   for (int p = 0; p < pairs; ++p) {
-    if ((p & 3) == 0 && int64_t(p) * 16 < hint.bytes) {  // one line of the hint per 4 pairs
-      if (hint.write) {
-        __builtin_prefetch(hint.p + p * 16, 1, 3);
-      } else {
-        __builtin_prefetch(hint.p + p * 16, 0, 3);
-      }
-    }
+    hint_line(hint, p);  // one line of the hint per 4 steps
     const uint32_t* bp = b + static_cast<int64_t>(p) * ldb;
     __m512i bv[W];
 #pragma GCC unroll 2

@@ -66,12 +66,11 @@ constexpr double kSpan = 40.0;
 template <typename Acc>
 LINATTN_CLONES bool channel_gates(const Acc* __restrict__ g, int c, int64_t D, double* __restrict__ b,
                                   Acc* __restrict__ elast) {
-  const Acc lowest = std::numeric_limits<Acc>::lowest();
   int bad = 0;
 #pragma omp simd reduction(| : bad)
   for (int64_t d = 0; d < D; ++d) {
     b[d] = std::max(static_cast<double>(g[d]), kChannelFloor);
-    bad |= !(g[d] <= Acc(0) && g[d] >= lowest);
+    bad |= invalid_gate(g[d]);
   }
   for (int i = 1; i < c; ++i) {
     const double* __restrict__ prev = b + (i - 1) * D;
@@ -80,7 +79,7 @@ LINATTN_CLONES bool channel_gates(const Acc* __restrict__ g, int c, int64_t D, d
 #pragma omp simd reduction(| : bad)
     for (int64_t d = 0; d < D; ++d) {
       cur[d] = prev[d] + std::max(static_cast<double>(gi[d]), kChannelFloor);
-      bad |= !(gi[d] <= Acc(0) && gi[d] >= lowest);
+      bad |= invalid_gate(gi[d]);
     }
   }
   const double* __restrict__ last = b + int64_t(c - 1) * D;

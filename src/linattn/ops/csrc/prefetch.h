@@ -68,6 +68,18 @@ struct PrefetchQueue {
   }
 };
 
+// Inside a register tile's loop over k (or k-pairs): at every 4th step, the next line of `hint`
+// (PrefetchQueue::take) while lines remain. Forced inline: called (not inlined) from the AVX-512 tiles,
+// whose target differs, it cost GLA's forward 17.5 → 22.3 ms.
+[[gnu::always_inline]] inline void hint_line(const PrefetchQueue::Range& hint, int step) {
+  if ((step & 3) != 0 || int64_t(step) * 16 >= hint.bytes) return;
+  if (hint.write) {
+    __builtin_prefetch(hint.p + step * 16, 1, 3);
+  } else {
+    __builtin_prefetch(hint.p + step * 16, 0, 3);
+  }
+}
+
 inline PrefetchQueue& prefetch_queue() {
   thread_local PrefetchQueue queue;
   return queue;

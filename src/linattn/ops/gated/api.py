@@ -90,20 +90,20 @@ def _gated_linear_attention(q, k, v, g, *, feature_map, normalize, eps, scale, i
                            state=initial_state, normalize=normalize, name="initial_state")
     refuse_forward_ad("gated_linear_attention", q, k, v, g, kv0, z0, fz.parameters)
     chunk_size = min(chunk_size, q.shape[2])  # one chunk at most: no C² work buffer beyond N²
-    if key_padding_mask is not None:
-        check_gate_values(g)  # before the padded rows' gates are set to 0
-        keep = key_padding_mask[:, None, :] if g.dim() == 3 else key_padding_mask[:, None, :, None]
-        g = g.masked_fill(~keep, 0.0)
     sdt = state_dtype(q.dtype)
     kv0, z0 = kv0.to(sdt), None if z0 is None else z0.to(sdt)
     phi = native.fused_phi(feature_map, scale, key_padding_mask, (kv0, kv0 if z0 is None else z0), q, k, v, bf16=True,
                            train=True)
-    if phi is not None and fused.ready(q.dtype):  # the kernel checks g's values as it reads them
+    in_kernel = phi is not None and fused.ready(q.dtype)
+    if not in_kernel or key_padding_mask is not None:  # the kernel checks the gates it reads; padding zeroes some
+        check_gate_values(g)
+    if key_padding_mask is not None:
+        keep = key_padding_mask[:, None, :] if g.dim() == 3 else key_padding_mask[:, None, :, None]
+        g = g.masked_fill(~keep, 0.0)
+    if in_kernel:
         g = narrowed_gates(g, kv0.dtype, check_gate_values)
         o, kv, z = fused.chunked(q, k, v, g, kv0, z0, phi=phi, eps=float(eps), chunk=chunk_size)
     else:
-        if key_padding_mask is None:
-            check_gate_values(g)
         o, kv, *rest = ChunkedGatedLinearAttention.apply(fz, chunk_size, normalize, float(eps), False, q, k, v, g, kv0,
                                                          z0, *fz.parameters)
         z = rest[0] if normalize else None
