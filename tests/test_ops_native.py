@@ -159,6 +159,21 @@ def test_fused_phi_picks_the_fused_path_only_where_it_applies(monkeypatch):
     assert native.fused_phi(EluPlusOne(4), None, None, st32, x, x, x) is None
 
 
+def test_environment_switch_is_read_at_every_call(monkeypatch):
+    """The switch follows os.environ as it changes (set, changed, unset), not a value read once."""
+    monkeypatch.delenv("LINATTN_NATIVE", raising=False)
+    assert native.enabled()
+    for value, on in (("0", False), ("1", True), ("No", False), ("yes", True), ("OFF", False)):
+        monkeypatch.setenv("LINATTN_NATIVE", value)
+        assert native.enabled() is on, value
+    monkeypatch.delenv("LINATTN_NATIVE")
+    assert native.enabled()
+    reader = native._environ_reader("LINATTN_TEST_SWITCH_VALUE")
+    assert reader() is None
+    monkeypatch.setenv("LINATTN_TEST_SWITCH_VALUE", "é x")
+    assert reader() == "é x"
+
+
 def test_environment_switch_and_a_failed_build_fall_back_with_one_warning(monkeypatch):
     monkeypatch.setenv("LINATTN_NATIVE", "off")
     assert not native.enabled() and not native.available()

@@ -61,12 +61,13 @@ def signature(*parts) -> tuple | None:
     if torch.compiler.is_compiling():
         return None
     out: list = []
+    add = out.append
     for x in parts:  # the common cases inline (a function call per part costs what they do)
         t = type(x)
         if t is _TENSOR:
-            out += (x.shape, x.dtype, x.device, x.requires_grad)
+            add((x.shape, x.dtype, x.device, x.requires_grad))
         elif t in _PLAIN:
-            out += (t, x)
+            add((t, x))
         else:
             _add(out, x)
     return tuple(out)  # hashable: every entry above is

@@ -34,7 +34,7 @@ def _kernels_ready() -> bool:
 
 def usable(q: torch.Tensor) -> bool:
     """The fused kernels can take inputs like q (CPU, fp32/fp64/bf16)."""
-    return q.dtype in _DTYPES and q.device.type == "cpu" and _kernels_ready()
+    return q.is_cpu and q.dtype in _DTYPES and _kernels_ready()
 
 
 def _ops(g):
