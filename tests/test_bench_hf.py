@@ -51,6 +51,13 @@ def test_bench_hf_tiny_table(tmp_path, capsys):
             assert all(v > 0 for v in r["ratios"].values())
         else:
             assert "ratios" not in r
+    for r in rows:  # the bound of a speed-up: transformers' time over its Linear products at the measured peak
+        if r["metric"] in ("prefill 16", "train 16"):
+            assert r["peak_gflops"] > 0 and r["linear_flops"] > 0
+            assert r["speedup_bound"] == pytest.approx(r["transformers"] * r["peak_gflops"] * 1e9 / r["linear_flops"])
+        else:
+            assert "speedup_bound" not in r
+    assert "bound on a speed-up over transformers (tiny, 1 thread(s)" in printed
     assert "decode (tiny, 1 thread(s)), 3 alternated rounds" in printed
     assert "transformers' Qwen3.5" in printed and "gemv floor (same weights)" in printed
     assert all(r["llama.cpp F32"] is None and r["llama.cpp Q8_0"] is None for r in rows)
@@ -106,3 +113,38 @@ def test_render_takes_the_within_round_speed_ups():
     render_hf({"results": [r], "llama_cpp": []}, console)
     text = console.export_text()
     assert "2.50×" in text and "1.50×" in text and "7.00×" not in text and "2.00×" not in text
+
+
+def test_linear_flops_count_every_linear_layer_as_called():
+    """A prefill (the last token's logits only: the head multiplies one row) and a training step (the head on
+    every row; the backward's two products per layer), against the layers' shapes and, for the training
+    step, torch.utils.flop_counter's count of the 2-D products."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from linattn.bench.hf import HfBenchConfig, _workloads, linear_flops, qwen_model, torch_path
+
+    model = qwen_model("tiny", 0)
+    head = model.lm_head
+    body = sum(m.in_features * m.out_features for m in model.modules() if isinstance(m, nn.Linear) and m is not head)
+    top = head.in_features * head.out_features
+    work = _workloads(model, HfBenchConfig(shapes=["tiny"], lengths=[16, 5], train_len=12), 256)
+    with torch_path():
+        assert linear_flops(model, work["prefill 16"][0], False) == 2 * 16 * body + 2 * top
+        assert linear_flops(model, work["prefill 5"][0], False) == 2 * 5 * body + 2 * top
+        model.train()
+        assert linear_flops(model, work["train 12"][0], True) == 3 * 2 * 12 * (body + top)
+        with FlopCounterMode(display=False) as counter:
+            work["train 12"][0]()
+        model.eval()
+    counted = counter.get_flop_counts()["Global"]
+    assert sum(n for op, n in counted.items() if str(op) in ("aten.mm", "aten.addmm")) == 3 * 2 * 12 * (body + top)
+
+
+def test_check_hf_warns_of_a_speed_up_above_its_bound():
+    from linattn.bench.hf import check_hf
+
+    r = {"shape": "tiny", "threads": 1, "metric": "prefill 16", "transformers": 2.0, "speedup_bound": 1.5,
+         "ratios": {"transformers / kernels": 1.2, "transformers / accelerate": 1.7}}
+    warnings = check_hf({"results": [r], "llama_cpp": []})
+    assert len(warnings) == 1 and "accelerate is 1.70× transformers, above the bound 1.50×" in warnings[0]

@@ -28,6 +28,13 @@ converted to GGUF F32 and Q8_0 and run by llama.cpp on the same threads: the col
 "llama.cpp Q8_0" (prefill and decode; training n/a), with llama.cpp F32's greedy tokens checked against
 transformers' in the same run; "n/a" with the reason otherwise, or under `llama_cpp=False`.
 
+Beside each prefill and training step, the bound on any speed-up over transformers that keeps the model's
+products: transformers' time over the time its Linear layers' products (their FLOPs counted in one call
+of transformers' path, `linear_flops`) take at this
+machine's fp32 matmul peak measured on the same threads (bench.flops.best_matmul_peak, the roofline's
+tiles) — what a path would reach if those products ran at the peak and nothing else took any time.
+Where transformers' own products already run near the peak, no kernel reaches a large speed-up.
+
 Times are medians of torch.utils.benchmark blocked runs (bench.timing.measure, `min_run_time` each);
 each prefill and the training step come from `rounds` rounds that take transformers, kernels and
 accelerate in turn, and the decode row's accelerate, floor and llama.cpp F32 figures from rounds that
@@ -54,6 +61,7 @@ from torch import nn
 from ..models.pages import huge_pages
 from ..report import make_table, progress
 from . import llamacpp
+from .flops import best_matmul_peak
 from .timing import alternate, measure, median_round, round_ratio
 
 _LINEAR_HEADS = dict(linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=16,
@@ -185,6 +193,50 @@ def _workloads(model, cfg: HfBenchConfig, vocab: int) -> dict:
         model.zero_grad(set_to_none=True)
         model(x, labels=x, use_cache=False).loss.backward()
     out[f"train {cfg.train_len}"] = (train_step, True)
+    return out
+
+
+def linear_flops(model: nn.Module, fn, trains: bool) -> float:
+    """FLOPs of the products of model's nn.Linear layers in one call of fn(): 2·rows·in·out per call of
+    a layer (rows: its input's rows, read by a forward hook), three times that when the call trains
+    (the backward's products for the input's and the weight's gradients). The mixers' own products
+    are not counted: linattn's kernels replace them."""
+    total = [0]
+
+    def count(module, args, _out):
+        total[0] += 2 * (args[0].numel() // module.in_features) * module.in_features * module.out_features
+
+    hooks = [m.register_forward_hook(count) for m in model.modules() if isinstance(m, nn.Linear)]
+    try:
+        fn()
+    finally:
+        for h in hooks:
+            h.remove()
+    return float(total[0] * (3 if trains else 1))
+
+
+def _bounds(model, cfg: HfBenchConfig, vocab: int, threads: int) -> dict:
+    """{"peak_gflops": the fp32 matmul peak on `threads` threads, metric: {"linear_flops", "bound_s"}} for
+    each prefill and the training step of transformers' path: bound_s, the time its Linear products
+    take at the peak."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        from .roofline import PEAK_TILES
+
+        peak = best_matmul_peak(torch.float32, "cpu", PEAK_TILES, min(cfg.min_run_time, 0.5))["gflops"]
+    finally:
+        torch.set_num_threads(before)
+    out: dict = {"peak_gflops": peak}
+    for metric, (fn, trains) in _workloads(model, cfg, vocab).items():
+        with torch_path():
+            model.train(trains)
+            try:
+                flops = linear_flops(model, fn, trains)
+            finally:
+                model.zero_grad(set_to_none=True)
+                model.eval()
+        out[metric] = {"linear_flops": flops, "bound_s": flops / (peak * 1e9)}
     return out
 
 
@@ -345,6 +397,7 @@ def _point(shape: str, model, threads: int, cfg: HfBenchConfig, ggufs: llamacpp.
             low_precision = _low_precision_decodes(acc, cfg, vocab)
     finally:
         torch.set_num_threads(before)
+    bounds = _bounds(model, cfg, vocab, threads)
     llama, llama_notes = llamacpp.columns(ggufs, threads, cfg.lengths, cfg.decode_prompt, cfg.min_run_time, vocab,
                                           cfg.seed)
     llama_note = "; ".join(f"{c}: {n}" for c, n in llama_notes.items()) or None
@@ -374,6 +427,9 @@ def _point(shape: str, model, threads: int, cfg: HfBenchConfig, ggufs: llamacpp.
         row["llama_cpp_note"] = llama_note
         if metric in ratios:
             row["rounds"], row["ratios"] = max(cfg.rounds, 1), ratios[metric]
+        if metric in bounds and row["transformers"]:
+            row["linear_flops"], row["peak_gflops"] = bounds[metric]["linear_flops"], bounds["peak_gflops"]
+            row["speedup_bound"] = row["transformers"] / bounds[metric]["bound_s"] if bounds[metric]["bound_s"] else None
         if metric == "decode" and contest is not None:
             row["rounds"], row["ratios"] = contest["rounds"], contest["ratios"]
         rows.append(row)
@@ -460,6 +516,12 @@ def render_hf(res: dict, console: Console) -> None:
             said = ", ".join(f"{k} {v:.2f}×" for k, v in r["ratios"].items())
             console.print(f"decode ({r['shape']}, {r['threads']} thread(s)), {r['rounds']} alternated rounds, ratios "
                           f"of times within a round (median): {said}", highlight=False)
+    for (shape, threads), group in _grouped(res["results"]).items():
+        said = ", ".join(f"{r['metric']} {r['speedup_bound']:.2f}×" for r in group if r.get("speedup_bound"))
+        if said:
+            console.print(f"bound on a speed-up over transformers ({shape}, {threads} thread(s); its Linear products "
+                          f"at the measured fp32 peak, {group[0]['peak_gflops']:.0f} GFLOP/s, and nothing else): "
+                          f"{said}", highlight=False)
     for entry in res.get("llama_cpp", []):
         if (c := entry["check"]) is not None:
             same = sum(a == b for a, b in zip(c["llama.cpp"], c["transformers"]))
@@ -469,9 +531,17 @@ def render_hf(res: dict, console: Console) -> None:
                           f"tokens {verdict}; max |logit difference| {c['max_abs_logit_diff']:.2e}", highlight=False)
 
 
+def _grouped(rows: list[dict]) -> dict:
+    """{(shape, threads): [rows]} in the rows' order."""
+    out: dict = {}
+    for r in rows:
+        out.setdefault((r["shape"], r["threads"]), []).append(r)
+    return out
+
+
 def check_hf(res: dict) -> list[str]:
-    """Warnings: a decode faster than its own floor (the weights then sat in cache); llama.cpp F32's greedy
-    tokens not transformers'."""
+    """Warnings: a decode faster than its own floor (the weights then sat in cache); a speed-up above its
+    bound (the peak or the FLOP count is off); llama.cpp F32's greedy tokens not transformers'."""
     out = []
     for r in res["results"]:
         if r["metric"].startswith("decode"):
@@ -479,6 +549,12 @@ def check_hf(res: dict) -> list[str]:
                 if r.get(c) is not None and r[c] < 0.9 * r["floor_s"]:
                     out.append(f"{r['shape']} {r['threads']} thread(s): {c} decoded faster than the gemv floor; "
                                "the weights sat in the CPU cache")
+        bound = r.get("speedup_bound")
+        for c in ("kernels", "accelerate"):
+            up = r.get("ratios", {}).get(f"transformers / {c}")
+            if bound and up and up > bound:
+                out.append(f"{r['shape']} {r['threads']} thread(s) {r['metric']}: {c} is {up:.2f}× transformers, above "
+                           f"the bound {bound:.2f}× (the peak or the FLOP count is off)")
     for entry in res.get("llama_cpp", []):
         if entry["check"] is not None and not entry["check"]["equal"]:
             out.append(f"{entry['shape']}: llama.cpp F32's greedy tokens {entry['check']['llama.cpp']} differ from "
