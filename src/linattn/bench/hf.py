@@ -30,10 +30,10 @@ transformers' in the same run; "n/a" with the reason otherwise, or under `llama_
 
 Beside each prefill and training step, the bound on any speed-up over transformers that keeps the model's
 products: transformers' time over the time its Linear layers' products (their FLOPs counted in one call
-of transformers' path, `linear_flops`) take at this
-machine's fp32 matmul peak measured on the same threads (bench.flops.best_matmul_peak, the roofline's
-tiles) — what a path would reach if those products ran at the peak and nothing else took any time.
-Where transformers' own products already run near the peak, no kernel reaches a large speed-up.
+of transformers' path, `linear_flops`) take at this machine's fp32 matmul peak measured on the same
+threads (bench.flops.best_matmul_peak, the roofline's tiles) — what a path would reach if those products
+ran at the peak and nothing else took any time. Where transformers' own products already run near the
+peak, no kernel reaches a large speed-up (design §15.7).
 
 Times are medians of torch.utils.benchmark blocked runs (bench.timing.measure, `min_run_time` each);
 each prefill and the training step come from `rounds` rounds that take transformers, kernels and
