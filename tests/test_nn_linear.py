@@ -61,7 +61,53 @@ def test_linear_takes_the_tiles_from_min_rows_on(column, monkeypatch):
     assert lin.weight.grad.stride() == lin.weight.stride()
 
 
-def test_linear_float32_matches_float64_reference():
+@pytest.mark.skipif(not (native.available() and torch.ops.linattn_cpu.uses_tile_gemm()),
+                    reason="the tiled gemm does not run here")
+@pytest.mark.parametrize("choice", ["tiles", "blas"])
+def test_float32_follows_the_linear_gemm_choice_float64_keeps_the_tiles(choice, monkeypatch):
+    calls = []
+    real = L._TiledLinear.apply
+    monkeypatch.setattr(L._TiledLinear, "apply", lambda *a: calls.append(a[0].dtype) or real(*a))
+    monkeypatch.setattr(native, "linear_gemm", lambda: choice)
+    x64, lin64 = _case(L.MIN_ROWS, 64, 48, True, False)
+    x32, lin32 = _case(L.MIN_ROWS, 64, 48, True, False, dtype=torch.float32)
+    y32 = lin32(x32)
+    lin64(x64)
+    assert calls == ([torch.float32] if choice == "tiles" else []) + [torch.float64]
+    torch.testing.assert_close(y32, F.linear(x32, lin32.weight, lin32.bias), rtol=1e-5, atol=1e-5)
+
+
+def test_pick_linear_gemm_wants_the_tiles_clearly_faster():
+    assert native.pick_linear_gemm(1.0, native.LINEAR_TILES_MARGIN) == "tiles"
+    assert native.pick_linear_gemm(1.0, 2.0) == "tiles"
+    assert native.pick_linear_gemm(1.0, 0.99 * native.LINEAR_TILES_MARGIN) == "blas"
+    assert native.pick_linear_gemm(1.0, 0.5) == "blas"
+
+
+def test_linear_gemm_is_decided_once_and_can_be_forced(monkeypatch):
+    timed = []
+    monkeypatch.setattr(native, "_time_linear_products", lambda: timed.append(1) or (1.0, 3.0))
+    monkeypatch.setattr(native, "tile_gemm", lambda: True)
+    monkeypatch.delenv("LINATTN_LINEAR_GEMM", raising=False)
+    state = dict(native._state)
+    state.pop("linear", None)
+    monkeypatch.setattr(native, "_state", state)
+    assert native.linear_gemm() == "tiles" and native.linear_gemm() == "tiles" and timed == [1]
+    for forced in ("blas", "tiles"):
+        state.pop("linear")
+        monkeypatch.setenv("LINATTN_LINEAR_GEMM", forced)
+        assert native.linear_gemm() == forced and timed == [1]
+    state.pop("linear")
+    monkeypatch.setenv("LINATTN_LINEAR_GEMM", "mkl")
+    with pytest.raises(ValueError, match="LINATTN_LINEAR_GEMM must be one of tiles, blas, got 'mkl'"):
+        native.linear_gemm()
+    monkeypatch.setattr(native, "tile_gemm", lambda: False)  # no tiles here: the BLAS, whatever is asked
+    monkeypatch.setenv("LINATTN_LINEAR_GEMM", "tiles")
+    assert native.linear_gemm() == "blas"
+
+
+def test_linear_float32_matches_float64_reference(monkeypatch):
+    monkeypatch.setattr(native, "linear_gemm", lambda: "tiles")  # the tiles' float32 path wherever they run
     x, lin = _case(40, 200, 70, True, False, dtype=torch.float32)
     y = lin(x)
     ref = F.linear(x.double(), lin.weight.double(), lin.bias.double())

@@ -1,5 +1,9 @@
 """`Linear`: nn.Linear whose products run on the fused kernels' own gemm (csrc/gemm.h) where that is faster.
 
+In float32 the tiles take a layer's products only where a timing made once per process found them clearly
+faster than torch's BLAS (`native.linear_gemm`; LINATTN_LINEAR_GEMM=tiles|blas forces either); float64
+always takes them.
+
 y = x Wᵀ + b with x (..., K), W (N, K), b (N). On the CPU, in float32 / float64, with the fused kernels
 built on a CPU with AVX-512 (`linattn_cpu::uses_tile_gemm`), and at least `MIN_ROWS` rows of x, the
 forward and both backward products go to `linattn_cpu::gemm` (register tiles, no packing; the columns
@@ -47,7 +51,9 @@ def _usable(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> bool:
         return False
     if torch.is_autocast_enabled("cpu") or torch.compiler.is_compiling() or has_tangent(x, w, b):
         return False
-    return native.tile_operands(x, w, b)
+    if not native.tile_operands(x, w, b):
+        return False
+    return x.dtype is not torch.float32 or native.linear_gemm() == "tiles"
 
 
 class _TiledLinear(torch.autograd.Function):

@@ -185,6 +185,53 @@ def tile_gemm() -> bool:
     return _state["tiles"]
 
 
+#: linattn.nn.Linear's float32 products run on the tiles only where they are at least this much faster than
+#: torch's BLAS on a layer-sized product, measured once per process (`linear_gemm`, design §23)
+LINEAR_TILES_MARGIN = 1.15
+LINEAR_GEMMS = ("tiles", "blas")
+
+
+def pick_linear_gemm(tiles_s: float, blas_s: float) -> str:
+    """"tiles" where the tiles took at most 1 / LINEAR_TILES_MARGIN of the BLAS's time, else "blas"."""
+    return "tiles" if blas_s >= LINEAR_TILES_MARGIN * tiles_s else "blas"
+
+
+def _time_linear_products() -> tuple[float, float]:
+    """Seconds of one float32 product of a linear layer's shape (128 × 1024 by (1024 × 1024)ᵀ) by the tiles
+    and by F.linear (torch's BLAS), each the best of 3 alternated timings of 4 calls on torch's threads."""
+    from torch.utils import benchmark
+
+    gen = torch.Generator().manual_seed(0)
+    x, w = torch.randn(128, 1024, generator=gen), torch.randn(1024, 1024, generator=gen)
+    threads = torch.get_num_threads()
+    tiles = benchmark.Timer("gemm(x, w, tb=True)", globals={"gemm": gemm, "x": x, "w": w}, num_threads=threads)
+    blas = benchmark.Timer("linear(x, w)", globals={"linear": torch.nn.functional.linear, "x": x, "w": w},
+                           num_threads=threads)
+    runs: dict = {"tiles": [], "blas": []}
+    for _ in range(3):
+        runs["tiles"].append(tiles.timeit(4).median)
+        runs["blas"].append(blas.timeit(4).median)
+    return min(runs["tiles"]), min(runs["blas"])
+
+
+def linear_gemm() -> str:
+    """Where linattn.nn.Linear's float32 products run: "tiles" (csrc/gemm.h) or "blas" (F.linear), decided
+    once per process: LINATTN_LINEAR_GEMM=tiles|blas forces either; where the tiles do not run
+    (`tile_gemm`), "blas"; else `pick_linear_gemm` on one timing of each (~0.1 s). On an AMD EPYC with
+    full-width 512-bit FMAs the tiles ran a layer's products ~2× faster than MKL's sgemm; on a Zen 4 EPYC
+    (512-bit operations in 256-bit halves) MKL's ran them as fast, and in the model faster (design §23)."""
+    if "linear" in _state:
+        return _state["linear"]
+    forced = os.environ.get("LINATTN_LINEAR_GEMM")
+    if forced is not None and forced not in LINEAR_GEMMS:
+        raise ValueError(f"LINATTN_LINEAR_GEMM must be one of {', '.join(LINEAR_GEMMS)}, got {forced!r}")
+    tiles = tile_gemm()  # before the lock: it may build the kernels, which takes it
+    with _lock:
+        if "linear" not in _state:
+            _state["linear"] = (forced or pick_linear_gemm(*_time_linear_products())) if tiles else "blas"
+    return _state["linear"]
+
+
 def tile_operands(*tensors) -> bool:
     """The tiled gemm runs here (`tile_gemm`) and takes these operands: plain tensors (no subclass such
     as torchao's) on the CPU, all float32 or all float64; None entries are skipped."""
