@@ -215,29 +215,31 @@ def linear_flops(model: nn.Module, fn, trains: bool) -> float:
     return float(total[0] * (3 if trains else 1))
 
 
-def _bounds(model, cfg: HfBenchConfig, vocab: int, threads: int) -> dict:
-    """{"peak_gflops": the fp32 matmul peak on `threads` threads, metric: {"linear_flops", "bound_s"}} for
-    each prefill and the training step of transformers' path: bound_s, the time its Linear products
-    take at the peak."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        from .roofline import PEAK_TILES
-
-        peak = best_matmul_peak(torch.float32, "cpu", PEAK_TILES, min(cfg.min_run_time, 0.5))["gflops"]
-    finally:
-        torch.set_num_threads(before)
-    out: dict = {"peak_gflops": peak}
+def linear_flop_counts(model, cfg: HfBenchConfig, vocab: int) -> dict:
+    """{metric: FLOPs of the Linear products} of each prefill and the training step on transformers' path
+    (`linear_flops`); counted once per shape: the count does not depend on the thread count."""
+    out = {}
     for metric, (fn, trains) in _workloads(model, cfg, vocab).items():
         with torch_path():
             model.train(trains)
             try:
-                flops = linear_flops(model, fn, trains)
+                out[metric] = linear_flops(model, fn, trains)
             finally:
                 model.zero_grad(set_to_none=True)
                 model.eval()
-        out[metric] = {"linear_flops": flops, "bound_s": flops / (peak * 1e9)}
     return out
+
+
+def _fp32_peak(cfg: HfBenchConfig, threads: int) -> float:
+    """GFLOP/s of the fp32 matmul peak on `threads` threads (best_matmul_peak over the roofline's tiles)."""
+    from .roofline import PEAK_TILES
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return best_matmul_peak(torch.float32, "cpu", PEAK_TILES, min(cfg.min_run_time, 0.5))["gflops"]
+    finally:
+        torch.set_num_threads(before)
 
 
 def _alternated_metrics(runs: dict, cfg: HfBenchConfig, vocab: int) -> tuple[dict, dict, dict]:
@@ -366,7 +368,8 @@ def _metric_names(cfg: HfBenchConfig) -> list[str]:
     return [*(f"prefill {t}" for t in cfg.lengths), "decode", f"train {cfg.train_len}"]
 
 
-def _point(shape: str, model, threads: int, cfg: HfBenchConfig, ggufs: llamacpp.Ggufs) -> list[dict]:
+def _point(shape: str, model, threads: int, cfg: HfBenchConfig, ggufs: llamacpp.Ggufs, flops: dict) -> list[dict]:
+    """The rows of one shape × thread count; flops: `linear_flop_counts` of the shape's model."""
     from ..hf import use_linattn_kernels
 
     vocab = SHAPES[shape]["vocab_size"]
@@ -397,7 +400,7 @@ def _point(shape: str, model, threads: int, cfg: HfBenchConfig, ggufs: llamacpp.
             low_precision = _low_precision_decodes(acc, cfg, vocab)
     finally:
         torch.set_num_threads(before)
-    bounds = _bounds(model, cfg, vocab, threads)
+    peak = _fp32_peak(cfg, threads)
     llama, llama_notes = llamacpp.columns(ggufs, threads, cfg.lengths, cfg.decode_prompt, cfg.min_run_time, vocab,
                                           cfg.seed)
     llama_note = "; ".join(f"{c}: {n}" for c, n in llama_notes.items()) or None
@@ -427,9 +430,9 @@ def _point(shape: str, model, threads: int, cfg: HfBenchConfig, ggufs: llamacpp.
         row["llama_cpp_note"] = llama_note
         if metric in ratios:
             row["rounds"], row["ratios"] = max(cfg.rounds, 1), ratios[metric]
-        if metric in bounds and row["transformers"]:
-            row["linear_flops"], row["peak_gflops"] = bounds[metric]["linear_flops"], bounds["peak_gflops"]
-            row["speedup_bound"] = row["transformers"] / bounds[metric]["bound_s"] if bounds[metric]["bound_s"] else None
+        if flops.get(metric) and row["transformers"]:  # transformers' time over its Linear products at the peak
+            row["linear_flops"], row["peak_gflops"] = flops[metric], peak
+            row["speedup_bound"] = row["transformers"] * peak * 1e9 / flops[metric]
         if metric == "decode" and contest is not None:
             row["rounds"], row["ratios"] = contest["rounds"], contest["ratios"]
         rows.append(row)
@@ -456,9 +459,10 @@ def run_hf(cfg: HfBenchConfig, console: Console | None = None) -> dict:
             with llamacpp.converted(model, enabled=cfg.llama_cpp, source=cfg.llama_cpp_source, seed=cfg.seed,
                                     reference=torch_path) as gg:
                 checks.append({"shape": shape, "check": gg.check, "notes": dict(gg.notes)})
+                flops = linear_flop_counts(model, cfg, SHAPES[shape]["vocab_size"])
                 for threads in cfg.threads:
                     bar.update(task, description=f"{shape}, {threads} thread(s)")
-                    rows += _point(shape, model, threads, cfg, gg)
+                    rows += _point(shape, model, threads, cfg, gg, flops)
                     bar.advance(task)
             del model
     return {"config": asdict(cfg), "results": rows, "llama_cpp": checks}
